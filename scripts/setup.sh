@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Creates .venv with a Python >= 3.12 found on this machine and installs the project.
+# Idempotent: a second call only re-checks the install. Usage: bash scripts/setup.sh
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${UNIEP_VENV:-$ROOT/.venv}"
+
+is_ok() {  # $1: a python executable; true if it runs and is >= 3.12
+  "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
+}
+
+find_python() {
+  local c
+  if [[ -n "${UNIEP_PYTHON:-}" ]] && is_ok "$UNIEP_PYTHON"; then echo "$UNIEP_PYTHON"; return; fi
+  for c in python3.14 python3.13 python3.12 python3; do
+    if command -v "$c" >/dev/null 2>&1 && is_ok "$(command -v "$c")"; then command -v "$c"; return; fi
+  done
+  # pyenv installs (which may not be on PATH or not selected by the shims)
+  local roots=("${PYENV_ROOT:-}" "$HOME/.pyenv" "/root/.pyenv" "/opt/pyenv" "/usr/local/pyenv")
+  for r in "${roots[@]}"; do
+    [[ -n "$r" && -d "$r/versions" ]] || continue
+    for c in $(ls -1 "$r/versions" | sort -t. -k1,1n -k2,2n -k3,3n -r); do
+      if [[ -x "$r/versions/$c/bin/python" ]] && is_ok "$r/versions/$c/bin/python"; then
+        echo "$r/versions/$c/bin/python"; return
+      fi
+    done
+  done
+  for c in /usr/local/bin/python3.1[2-9] /usr/bin/python3.1[2-9] /opt/*/bin/python3.1[2-9]; do
+    if [[ -x "$c" ]] && is_ok "$c"; then echo "$c"; return; fi
+  done
+  return 1
+}
+
+if [[ ! -x "$VENV/bin/python" ]] || ! is_ok "$VENV/bin/python"; then
+  PY="$(find_python)" || { echo "setup: no Python >= 3.12 found (set UNIEP_PYTHON=/path/to/python3.12)" >&2; exit 1; }
+  echo "setup: creating $VENV with $PY ($("$PY" --version 2>&1))"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+fi
+
+STAMP="$VENV/.uniep-installed"
+if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
+  echo "setup: installing uniep-jax and its dependencies into $VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VENV/bin/python" -c 'import jax, flax, optax, chex, orbax.checkpoint, pytest' \
+    || { echo "setup: install failed" >&2; exit 1; }
+  touch "$STAMP"
+fi
+echo "setup: ready ($("$VENV/bin/python" -c 'import jax; print("jax", jax.__version__)'))"

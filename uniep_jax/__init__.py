@@ -1,0 +1,18 @@
+"""UniEP-JAX: expert-parallel Mixture-of-Experts for JAX.
+
+    y, aux = uniep_jax.moe_ffn(x, params, mesh=mesh, top_k=2,
+                               config=uniep_jax.UniEPConfig(backend="xla_dropless"))
+"""
+
+from uniep_jax.config import BACKENDS, KernelConfig, RoutingConfig, UniEPConfig
+from uniep_jax.layout import DispatchPlan, make_plan, sort_assignments
+from uniep_jax.moe import moe_ffn, moe_ffn_shard, param_specs, validate_inputs
+from uniep_jax.params import MoEParams
+from uniep_jax.reference import dense_reference_moe
+from uniep_jax.routing import RouterOutput, route
+
+__all__ = [
+    "BACKENDS", "DispatchPlan", "KernelConfig", "MoEParams", "RouterOutput", "RoutingConfig",
+    "UniEPConfig", "dense_reference_moe", "make_plan", "moe_ffn", "moe_ffn_shard",
+    "param_specs", "route", "sort_assignments", "validate_inputs",
+]

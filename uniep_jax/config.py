@@ -1,0 +1,110 @@
+"""`UniEPConfig`: the MoE layer's knobs (backend, routing, capacity, kernel space).
+
+One frozen dataclass, one `backend` value chosen from one registry (`BACKENDS`).
+Routing options live in `RoutingConfig`; the fused-kernel parameter space in
+`KernelConfig` (used by the `"pallas"` and `"uniep"` backends). Shape-free checks
+run in `__post_init__`; shape-dependent checks run in `moe_ffn` before tracing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+BACKENDS = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingConfig:
+  """How tokens choose experts.
+
+  score_fn: "softmax" (over all experts) or "sigmoid" (independent per expert).
+  normalize_topk: renormalise the chosen top-k weights to sum to 1.
+  scale: multiplies the final top-k weights (DeepSeek-V3 `routed_scaling_factor`).
+  n_groups / topk_groups: group-limited routing (DeepSeek-V3). Experts are split
+    into `n_groups` contiguous groups; a group's score is the sum of its best two
+    expert scores (the best one if a group has one expert); only the `topk_groups`
+    best groups are eligible. `n_groups=1` disables it.
+  """
+
+  score_fn: str = "softmax"
+  normalize_topk: bool = True
+  scale: float = 1.0
+  n_groups: int = 1
+  topk_groups: int = 1
+
+  def __post_init__(self):
+    if self.score_fn not in SCORE_FUNCTIONS:
+      raise ValueError(f"score_fn={self.score_fn!r} is unknown; expected one of {SCORE_FUNCTIONS}")
+    if self.n_groups < 1:
+      raise ValueError(f"n_groups={self.n_groups} must be >= 1")
+    if not 1 <= self.topk_groups <= self.n_groups:
+      raise ValueError(f"topk_groups={self.topk_groups} must be in [1, n_groups={self.n_groups}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tiling of the Pallas grouped GEMM (backends "pallas" and "uniep").
+
+  block_m / block_n / block_k: the CTA tile (rows of tokens, output columns,
+    reduction step). block_k is fixed per launch: a row's result never depends on
+    which other rows share the launch (no M-dependent split-K).
+  max_concurrent_steps: TMA pipeline depth (shared-memory stages).
+  num_sms: persistent grid size; None reads the device's SM count.
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 4
+  num_sms: Optional[int] = None
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "block_k"):
+      v = getattr(self, name)
+      if v <= 0 or v % 64:
+        raise ValueError(f"{name}={v} must be a positive multiple of 64")
+    if self.max_concurrent_steps < 1:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
+    if self.num_sms is not None and self.num_sms < 1:
+      raise ValueError(f"num_sms={self.num_sms} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class UniEPConfig:
+  """Configuration of `uniep_jax.moe_ffn`.
+
+  backend: one of `BACKENDS`:
+    "xla_dropless"    sort-based dispatch (ragged all-to-all on GPU; a padded
+                      all_to_all + scatter on the CPU), `lax.ragged_dot` experts,
+                      combine. Never drops.
+    "xla_capacity"    GShard: each expert takes at most
+                      ceil(capacity_factor * tokens * top_k / experts) assignments
+                      per source shard; the overflow is dropped and counted.
+    "dense_reference" single device, float32, every expert on every token: the
+                      test oracle.
+    "pallas"          XLA collectives + the Pallas Mosaic GPU grouped GEMM.
+    "uniep"           the fused MegaKernel (dispatch/GEMM/combine in one kernel).
+  routing: see `RoutingConfig`.
+  capacity_factor: only for "xla_capacity".
+  kernel: see `KernelConfig`; only for "pallas" / "uniep".
+  transport: how "xla_dropless"/"pallas" move rows: "ragged"
+    (`lax.ragged_all_to_all`, packed), "padded" (`lax.all_to_all` of per-peer
+    worst-case buffers); None picks "ragged" on GPU, "padded" elsewhere (the
+    CPU cannot compile ragged_all_to_all). Both land every row at the same place.
+  """
+
+  backend: str = "xla_dropless"
+  routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
+  capacity_factor: float = 1.25
+  kernel: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+  transport: Optional[str] = None
+
+  def __post_init__(self):
+    if self.transport is not None and self.transport not in ("ragged", "padded"):
+      raise ValueError(f"transport={self.transport!r} is unknown; expected 'ragged', 'padded' or None")
+    if self.backend not in BACKENDS:
+      raise ValueError(f"backend={self.backend!r} is unknown; expected one of {BACKENDS}")
+    if not self.capacity_factor > 0:
+      raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0")

@@ -1,0 +1,191 @@
+"""Steps 2 and 4 (transport): move token rows to their experts and back.
+
+Inside `shard_map`, per EP rank. See `layout.py` for the orders involved.
+
+    dispatch:  x [T, H] --replicate_slots--> [T*K, H] (assignment order)
+               --gather sort_order--> sorted rows --send_rows--> receive layout [R*T*K, H]
+    combine:   receive layout --return_rows--> sorted rows
+               --gather sorted_position--> [T, K, H] --weighted_topk_sum--> [T, H]
+
+`send_rows` and `return_rows` are each other's transpose: the backward pass of
+dispatch is a combine (of the cotangents) and vice versa. They are wired as
+`custom_vjp` pairs so that this is explicit and no scatter-add with colliding
+indices (atomics on GPU) ever appears: every backward is a permutation, and
+the one reduction (over the K slots of a token) runs in slot order k=0..K-1.
+
+Transports (`transport=`):
+  "ragged"  `lax.ragged_all_to_all` into a packed source-major buffer (GPU).
+  "padded"  `lax.all_to_all` of [R, T*K, H] per-peer buffers (one fixed slot per
+            peer, the dropless worst case) plus a gather. Used on the CPU, where
+            ragged_all_to_all does not compile. Exactly the same rows land in
+            the same places.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from uniep_jax.layout import DispatchPlan
+
+TRANSPORTS = ("ragged", "padded")
+
+
+def default_transport(platform: str) -> str:
+  return "ragged" if platform in ("gpu", "cuda", "rocm") else "padded"
+
+
+# ---------------------------------------------------------------------------
+# Token -> slots. Forward: copy each token row to its K slots. Backward: the K
+# slot cotangents of a token summed in slot order, in float32.
+# ---------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def replicate_slots(x: jax.Array, top_k: int) -> jax.Array:
+  t, h = x.shape
+  return jnp.broadcast_to(x[:, None, :], (t, top_k, h)).reshape(t * top_k, h)
+
+
+def _replicate_fwd(x, top_k):
+  return replicate_slots(x, top_k), None
+
+
+def _replicate_bwd(top_k, _, ct):
+  t = ct.shape[0] // top_k
+  ct = ct.reshape(t, top_k, -1)
+  acc = ct[:, 0].astype(jnp.float32)
+  for k in range(1, top_k):
+    acc = acc + ct[:, k].astype(jnp.float32)
+  return (acc.astype(ct.dtype),)
+
+
+replicate_slots.defvjp(_replicate_fwd, _replicate_bwd)
+
+
+def _take_rows(rows: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
+  """rows[index] with invalid rows zeroed. `index` is a permutation of the valid rows."""
+  out = jnp.take(rows, index, axis=0, mode="clip")
+  return jnp.where(valid[:, None], out, jnp.zeros((), rows.dtype))
+
+
+def _put_rows(num_rows: int, values: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
+  """zeros[num_rows].at[index].set(values) for valid rows; indices are unique."""
+  index = jnp.where(valid, index, num_rows)  # out of range: dropped
+  out = jnp.zeros((num_rows,) + values.shape[1:], values.dtype)
+  return out.at[index].set(values, mode="drop", unique_indices=True)
+
+
+# ---------------------------------------------------------------------------
+# Sorted rows <-> receive layout.
+# ---------------------------------------------------------------------------
+def _dest_of_sorted(plan: DispatchPlan, num_local_experts: int) -> jax.Array:
+  return plan.sorted_experts // num_local_experts                   # [T*K]
+
+
+def _send_padded(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts):
+  n, h = rows_sorted.shape
+  r = plan.send_counts.shape[0]
+  q = jnp.arange(n, dtype=jnp.int32)
+  # buf[d, q] = sorted row send_offsets[d] + q, for q < send_counts[d]
+  src_idx = plan.send_offsets[:, None] + q[None, :]                 # [R, n]
+  valid = q[None, :] < plan.send_counts[:, None]
+  buf = _take_rows(rows_sorted, src_idx.reshape(-1), valid.reshape(-1)).reshape(r, n, h)
+  got = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)       # [R(src), n, H]
+  flat = plan.recv_source * n + plan.recv_index_in_source
+  return _take_rows(got.reshape(r * n, h), flat, plan.recv_valid)   # [R*n, H]
+
+
+def _return_padded(recv, plan: DispatchPlan, axis_name, num_local_experts):
+  cap, h = recv.shape
+  r = plan.send_counts.shape[0]
+  n = cap // r
+  flat = plan.recv_source * n + plan.recv_index_in_source
+  buf = _put_rows(cap, recv, flat, plan.recv_valid).reshape(r, n, h)  # [R(src), n, H]
+  back = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)      # [R(dst), n, H]
+  dest = _dest_of_sorted(plan, num_local_experts)                   # [n]
+  pos = jnp.arange(n, dtype=jnp.int32) - plan.send_offsets[dest]
+  return _take_rows(back.reshape(r * n, h), dest * n + pos, jnp.ones((n,), bool))
+
+
+def _send_ragged(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts):
+  n, h = rows_sorted.shape
+  r = plan.send_counts.shape[0]
+  packed = jax.lax.ragged_all_to_all(
+      rows_sorted, jnp.zeros((r * n, h), rows_sorted.dtype),
+      plan.send_offsets, plan.send_counts, plan.output_offsets, plan.recv_counts,
+      axis_name=axis_name)                                          # [R*n, H] source-major
+  flat = plan.recv_offsets[plan.recv_source] + plan.recv_index_in_source
+  return _take_rows(packed, flat, plan.recv_valid)
+
+
+def _return_ragged(recv, plan: DispatchPlan, axis_name, num_local_experts):
+  cap, h = recv.shape
+  r = plan.send_counts.shape[0]
+  n = cap // r
+  flat = plan.recv_offsets[plan.recv_source] + plan.recv_index_in_source
+  packed = _put_rows(cap, recv, flat, plan.recv_valid)
+  return jax.lax.ragged_all_to_all(
+      packed, jnp.zeros((n, h), recv.dtype),
+      plan.recv_offsets, plan.recv_counts, plan.return_offsets, plan.send_counts,
+      axis_name=axis_name)                                          # [n, H] sorted order
+
+
+_SEND = {"padded": _send_padded, "ragged": _send_ragged}
+_RETURN = {"padded": _return_padded, "ragged": _return_ragged}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def send_rows(rows_sorted, plan, axis_name, num_local_experts, transport):
+  """Sorted rows [T*K, H] of this rank -> receive layout [R*T*K, H] on the owners."""
+  return _SEND[transport](rows_sorted, plan, axis_name, num_local_experts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def return_rows(recv, plan, axis_name, num_local_experts, transport):
+  """Receive layout [R*T*K, H] -> rows back at their sources, sorted order [T*K, H]."""
+  return _RETURN[transport](recv, plan, axis_name, num_local_experts)
+
+
+def _zero_plan_cotangent(plan):
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0)
+                      if jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == bool
+                      else jnp.zeros_like(a), plan)
+
+
+def _send_fwd(rows_sorted, plan, axis_name, num_local_experts, transport):
+  return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport), plan
+
+
+def _send_bwd(axis_name, num_local_experts, transport, plan, ct):
+  # The transpose of a dispatch is a combine (without the weighting).
+  return (_RETURN[transport](ct, plan, axis_name, num_local_experts),
+          _zero_plan_cotangent(plan))
+
+
+def _return_fwd(recv, plan, axis_name, num_local_experts, transport):
+  return return_rows(recv, plan, axis_name, num_local_experts, transport), plan
+
+
+def _return_bwd(axis_name, num_local_experts, transport, plan, ct):
+  # The transpose of a combine is a dispatch.
+  return (_SEND[transport](ct, plan, axis_name, num_local_experts),
+          _zero_plan_cotangent(plan))
+
+
+send_rows.defvjp(_send_fwd, _send_bwd)
+return_rows.defvjp(_return_fwd, _return_bwd)
+
+
+def dispatch(x, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport):
+  """x [T, H] -> receive layout [R*T*K, H] (padding rows zero)."""
+  rows = replicate_slots(x, top_k)                                  # [T*K, H]
+  rows_sorted = jnp.take(rows, plan.sort_order, axis=0)             # [T*K, H]
+  return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport)
+
+
+def collect(recv, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport):
+  """Receive layout [R*T*K, H] -> [T, K, H]: each assignment's expert output at home."""
+  rows_sorted = return_rows(recv, plan, axis_name, num_local_experts, transport)
+  rows = jnp.take(rows_sorted, plan.sorted_position, axis=0)        # [T*K, H]
+  return rows.reshape(-1, top_k, recv.shape[-1])

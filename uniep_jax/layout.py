@@ -1,0 +1,166 @@
+"""The dispatch plan: where every token row goes, as a pure function of routing.
+
+Notation (one shard of the expert axis, i.e. one EP rank `me`):
+  T tokens on this shard, K slots (top-k), E experts, R = EP degree (size of the
+  expert mesh axis), El = E / R local experts; rank r owns experts
+  [r*El, (r+1)*El). An *assignment* a = t*K + k is (token t, slot k) and goes to
+  expert topk_experts[t, k].
+
+1. Send order (on each source rank). The T*K assignments are ordered by ONE
+   stable sort on the key (expert, token, slot): `sort_order[p]` is the
+   assignment at sorted position p. Because a = t*K + k already increases with
+   (token, slot), a stable argsort of the expert ids alone realises the key.
+   Experts of one destination rank are contiguous, so the rows for rank d are
+   the slice [send_offsets[d], send_offsets[d] + send_counts[d]) of the sorted
+   rows, in (local expert, token, slot) order.
+
+2. The count matrix C[s, e] (int32 [R, E]): assignments of source rank s to
+   expert e, all-gathered over the expert axis. Every rank derives all offsets
+   from C alone, so all ranks agree without further communication.
+
+3. Receive layout (on each destination rank `me`), the layout the expert GEMMs
+   read and that the Pallas kernels write into, is ordered by
+       (local expert le, source rank s, source token t, slot k):
+   rows for (le, s) start at
+       expert_offsets[le] + sum_{s' < s} C[s', me*El + le]
+   where expert_offsets = exclusive cumsum over le of recv_group_sizes, and
+   recv_group_sizes[le] = sum_s C[s, me*El + le]. Inside a (le, s) block, rows
+   keep the source's (token, slot) order. Rows past sum(recv_group_sizes) are
+   padding (zero after dispatch). The buffer holds R*T*K rows: the dropless
+   worst case (every assignment of every rank to this rank).
+
+4. Source-major view. A transport that delivers one contiguous block per
+   source (all_to_all, ragged_all_to_all) delivers rows in (s, le, t, k) order:
+   the block from s starts at recv_offsets[s] (packed, = exclusive cumsum of
+   recv_counts) or s * T*K (padded, one fixed-size slot per source).
+   `recv_source[p]`, `recv_index_in_source[p]` give, for every receive-layout
+   row p, the source rank and the row's index inside that source's block.
+
+Everything is int32 and computed with sorts, cumsums and searchsorted: no
+atomics, nothing that depends on arrival order, so every transport and every
+schedule lands each row at the same place.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class DispatchPlan:
+  # --- source side (this rank's own tokens) ---
+  sort_order: jax.Array          # [T*K] int32: assignment (t*K+k) at sorted position p
+  sorted_position: jax.Array     # [T*K] int32: inverse of sort_order
+  sorted_experts: jax.Array      # [T*K] int32: expert of sorted position p (non-decreasing)
+  group_sizes: jax.Array         # [E] int32: this rank's assignments per expert
+  send_counts: jax.Array         # [R] int32: rows sent to each destination rank
+  send_offsets: jax.Array        # [R] int32: start of rank d's rows in the sorted order
+  # --- global ---
+  count_matrix: jax.Array        # [R, E] int32: C[s, e]
+  # --- destination side (rows this rank receives) ---
+  recv_counts: jax.Array         # [R] int32: rows received from each source rank
+  recv_offsets: jax.Array        # [R] int32: packed source-major offsets
+  recv_group_sizes: jax.Array    # [El] int32: rows per local expert
+  output_offsets: jax.Array      # [R] int32: where this rank's block lands in rank d's
+                                 #   packed source-major buffer (ragged_all_to_all)
+  return_offsets: jax.Array      # [R] int32: where rank s's returned rows land in s's
+                                 #   sorted order (= s's send_offsets[me])
+  recv_source: jax.Array         # [R*T*K] int32: source rank of receive row p (0 if padding)
+  recv_index_in_source: jax.Array  # [R*T*K] int32: index inside the source's block
+  recv_valid: jax.Array          # [R*T*K] bool: p < sum(recv_group_sizes)
+
+  @property
+  def num_received(self) -> jax.Array:
+    return jnp.sum(self.recv_group_sizes)
+
+
+def _exclusive_cumsum(v: jax.Array, axis: int = -1) -> jax.Array:
+  return jnp.cumsum(v, axis=axis) - v
+
+
+def sort_assignments(topk_experts: jax.Array, num_experts: int):
+  """Stable sort of the T*K assignments by (expert, token, slot).
+
+  Returns (sort_order, sorted_position, sorted_experts, group_sizes).
+  """
+  flat = topk_experts.reshape(-1).astype(jnp.int32)                # [T*K]
+  n = flat.shape[0]
+  sort_order = jnp.argsort(flat, stable=True).astype(jnp.int32)    # [T*K]
+  sorted_experts = flat[sort_order]
+  sorted_position = jnp.zeros((n,), jnp.int32).at[sort_order].set(
+      jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+  group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+  return sort_order, sorted_position, sorted_experts, group_sizes
+
+
+def local_group_sizes(topk_experts: jax.Array, num_experts: int) -> jax.Array:
+  """[E] int32 assignments per expert (what the count-matrix all-gather sends)."""
+  flat = topk_experts.reshape(-1).astype(jnp.int32)
+  return jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+
+
+def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank) -> DispatchPlan:
+  """Builds the plan of EP rank `rank` from its routing and the gathered counts.
+
+  topk_experts: [T, K] int32 of this rank; count_matrix: [R, E] int32 (row s =
+  `local_group_sizes` of rank s); rank: this rank's index on the expert axis
+  (a traced scalar inside shard_map is fine).
+  """
+  t, k = topk_experts.shape
+  r, e = count_matrix.shape
+  el = e // r
+  rows = t * k
+  sort_order, sorted_position, sorted_experts, group_sizes = sort_assignments(
+      topk_experts, e)
+
+  per_rank = count_matrix.reshape(r, r, el)                         # [src, dst, le]
+  send_counts = jnp.sum(group_sizes.reshape(r, el), axis=1)         # [R] (dst)
+  send_offsets = _exclusive_cumsum(send_counts)
+
+  rank = jnp.asarray(rank, jnp.int32)
+  mine = jax.lax.dynamic_index_in_dim(per_rank, rank, axis=1, keepdims=False)  # [src, le]
+  recv_counts = jnp.sum(mine, axis=1)                               # [R] (src)
+  recv_offsets = _exclusive_cumsum(recv_counts)
+  recv_group_sizes = jnp.sum(mine, axis=0)                          # [El]
+
+  # Rows each (src, dst) pair exchanges, and prefix sums used for offsets.
+  pair_rows = jnp.sum(per_rank, axis=2)                             # [src, dst]
+  # Where my block lands in dst's packed source-major buffer: rows that sources
+  # before me send to dst.
+  output_offsets = jnp.sum(jnp.where(jnp.arange(r)[:, None] < rank, pair_rows, 0), axis=0)
+  # Where the rows I return to src land in src's sorted order: rows src sends to
+  # ranks before me.
+  return_offsets = jnp.sum(jnp.where(jnp.arange(r)[None, :] < rank, pair_rows, 0), axis=1)
+
+  # Receive layout: for each row p, its (local expert, source, index in source block).
+  cap = r * rows
+  p = jnp.arange(cap, dtype=jnp.int32)
+  # Block (le, s) sizes in (le, s) order, flattened; their starts in the layout.
+  block_sizes = mine.T.reshape(-1)                                  # [El*R], index le*R + s
+  block_ends = jnp.cumsum(block_sizes)
+  block_starts = block_ends - block_sizes
+  block = jnp.searchsorted(block_ends, p, side="right").astype(jnp.int32)  # [cap]
+  valid = block < el * r
+  block = jnp.minimum(block, el * r - 1)
+  le = block // r
+  src = block % r
+  within = p - block_starts[block]                                  # index inside (le, s)
+  # Inside src's block the rows are ordered (le, t, k): add rows of src for le' < le.
+  src_le_start = _exclusive_cumsum(mine, axis=1)                    # [src, le]
+  index_in_source = src_le_start[src, le] + within
+  recv_source = jnp.where(valid, src, 0).astype(jnp.int32)
+  recv_index_in_source = jnp.where(valid, index_in_source, 0).astype(jnp.int32)
+
+  return DispatchPlan(
+      sort_order=sort_order, sorted_position=sorted_position,
+      sorted_experts=sorted_experts, group_sizes=group_sizes,
+      send_counts=send_counts.astype(jnp.int32), send_offsets=send_offsets.astype(jnp.int32),
+      count_matrix=count_matrix,
+      recv_counts=recv_counts.astype(jnp.int32), recv_offsets=recv_offsets.astype(jnp.int32),
+      recv_group_sizes=recv_group_sizes.astype(jnp.int32),
+      output_offsets=output_offsets.astype(jnp.int32),
+      return_offsets=return_offsets.astype(jnp.int32),
+      recv_source=recv_source, recv_index_in_source=recv_index_in_source,
+      recv_valid=valid)

@@ -1,0 +1,209 @@
+"""`moe_ffn`: the expert-parallel MoE FFN, wiring routing, dispatch, experts, combine.
+
+Global form: `moe_ffn(x, params, *, mesh, top_k, config, expert_axis)` wraps the
+per-shard form `moe_ffn_shard` in `jax.shard_map`:
+  x       [N, H]   tokens sharded over every mesh axis: P((axes...), None)
+  router  [H, E]   replicated
+  w_*     [E, ...] experts sharded over `expert_axis`
+  y       [N, H]   sharded like x
+  aux     replicated scalars and [E] counts (global)
+
+Per shard (one EP rank of one data replica):
+  route -> plan (stable sort + count matrix all-gather) -> dispatch -> grouped
+  SwiGLU -> collect -> weighted top-k sum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from uniep_jax import routing as routing_lib
+from uniep_jax.capacity import capacity_moe_shard
+from uniep_jax.combine import weighted_topk_sum
+from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
+from uniep_jax.dispatch import TRANSPORTS, collect, default_transport, dispatch
+from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
+from uniep_jax.layout import local_group_sizes, make_plan
+from uniep_jax.params import MoEParams
+from uniep_jax.reference import dense_reference_moe
+
+AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped")
+
+
+# ---------------------------------------------------------------------------
+# Validation: every bad input gets a ValueError naming the argument.
+# ---------------------------------------------------------------------------
+def validate_inputs(x, params: MoEParams, *, top_k, config: UniEPConfig,
+                    expert_axis: str | None = None, mesh=None):
+  if not isinstance(config, UniEPConfig):
+    raise ValueError(f"config must be a UniEPConfig, got {type(config).__name__}")
+  if config.backend not in BACKENDS:
+    raise ValueError(f"config.backend={config.backend!r} is unknown; expected one of {BACKENDS}")
+  if config.routing.score_fn not in SCORE_FUNCTIONS:
+    raise ValueError(f"config.routing.score_fn={config.routing.score_fn!r} is unknown; "
+                     f"expected one of {SCORE_FUNCTIONS}")
+  if config.transport is not None and config.transport not in TRANSPORTS:
+    raise ValueError(f"config.transport={config.transport!r} is unknown; expected one of {TRANSPORTS}")
+  if not isinstance(params, MoEParams):
+    raise ValueError(f"params must be a uniep_jax.MoEParams, got {type(params).__name__}")
+  if x.ndim != 2:
+    raise ValueError(f"x must be rank 2 [tokens, hidden], got shape {x.shape}")
+  if params.router.ndim != 2:
+    raise ValueError(f"params.router must be [hidden, experts], got shape {params.router.shape}")
+  hidden, num_experts = params.router.shape
+  if x.shape[1] != hidden:
+    raise ValueError(f"x hidden size {x.shape[1]} does not match params.router hidden size {hidden}")
+  if params.router.dtype != jnp.float32:
+    raise ValueError(f"params.router must be float32, got {params.router.dtype}")
+  for name in ("w_gate", "w_up", "w_down"):
+    w = getattr(params, name)
+    if w.ndim != 3:
+      raise ValueError(f"params.{name} must be rank 3, got shape {w.shape}")
+    if w.dtype != x.dtype:
+      raise ValueError(f"params.{name} dtype {w.dtype} differs from x dtype {x.dtype}")
+  e, h, f = params.w_gate.shape
+  if params.w_up.shape != (e, h, f):
+    raise ValueError(f"params.w_up shape {params.w_up.shape} must equal params.w_gate shape {(e, h, f)}")
+  if params.w_down.shape != (e, f, h):
+    raise ValueError(f"params.w_down shape {params.w_down.shape} must be {(e, f, h)}")
+  if e != num_experts or h != hidden:
+    raise ValueError(f"params.w_gate shape {params.w_gate.shape} does not match "
+                     f"params.router [hidden={hidden}, experts={num_experts}]")
+  if params.expert_bias is not None and params.expert_bias.shape != (num_experts,):
+    raise ValueError(f"params.expert_bias must have shape ({num_experts},), got {params.expert_bias.shape}")
+  if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+    raise ValueError(f"top_k={top_k} must be an int in [1, num_experts={num_experts}]")
+  if config.routing.n_groups > 1:
+    if num_experts % config.routing.n_groups:
+      raise ValueError(f"config.routing.n_groups={config.routing.n_groups} must divide "
+                       f"num_experts={num_experts}")
+    eligible = config.routing.topk_groups * (num_experts // config.routing.n_groups)
+    if top_k > eligible:
+      raise ValueError(f"top_k={top_k} exceeds the experts of the topk_groups="
+                       f"{config.routing.topk_groups} eligible groups ({eligible})")
+  if mesh is not None:
+    if expert_axis not in mesh.axis_names:
+      raise ValueError(f"mesh axes {tuple(mesh.axis_names)} lack expert_axis={expert_axis!r}")
+    ep = mesh.shape[expert_axis]
+    if num_experts % ep:
+      raise ValueError(f"num_experts={num_experts} is not divisible by the size of "
+                       f"expert_axis {expert_axis!r} ({ep})")
+    shards = math.prod(mesh.shape.values())
+    if x.shape[0] % shards:
+      raise ValueError(f"x has {x.shape[0]} tokens, not divisible by the {shards} token shards "
+                       f"of mesh {dict(mesh.shape)}")
+
+
+# ---------------------------------------------------------------------------
+# Per-shard form.
+# ---------------------------------------------------------------------------
+def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = UniEPConfig(),
+                  expert_axis: str = "expert", token_axes: Sequence[str] = ("expert",),
+                  transport: str | None = None):
+  """The MoE FFN on one shard, for callers already inside a `shard_map`.
+
+  x: [T, H] this shard's tokens; params: router [H, E] (full), w_* [E/R, ...]
+  (this rank's experts); token_axes: every mesh axis the tokens are sharded over
+  (the aux values are reduced over them). Returns (y [T, H], aux).
+  """
+  token_axes = tuple(token_axes)
+  t, _ = x.shape
+  num_experts = params.router.shape[1]
+  el = params.w_gate.shape[0]
+  out = routing_lib.route(x, params.router, top_k, config.routing, params.expert_bias)
+
+  counts, prob_sum, z_sum = routing_lib.local_aux_sums(out, num_experts, config.routing)
+  counts = jax.lax.psum(counts, token_axes)
+  prob_sum = jax.lax.psum(prob_sum, token_axes)
+  z_sum = jax.lax.psum(z_sum, token_axes)
+  num_tokens = t * math.prod(jax.lax.axis_size(a) for a in token_axes)
+  lb, z = routing_lib.aux_losses(counts, prob_sum, z_sum, num_tokens, top_k)
+
+  if config.backend == "xla_capacity":
+    y_assign, dropped = capacity_moe_shard(
+        x, out.topk_experts, params, top_k=top_k,
+        capacity_factor=config.capacity_factor, axis_name=expert_axis)
+    dropped = jax.lax.psum(dropped, token_axes)
+  elif config.backend in ("xla_dropless", "pallas"):
+    transport = transport or config.transport or "padded"
+    rank = jax.lax.axis_index(expert_axis)
+    count_matrix = jax.lax.all_gather(
+        local_group_sizes(out.topk_experts, num_experts), expert_axis)   # [R, E]
+    plan = make_plan(out.topk_experts, count_matrix, rank)
+    kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport)
+    recv = dispatch(x, plan, **kw)                                       # [R*T*K, H]
+    if config.backend == "pallas":
+      y_recv = swiglu_pallas(recv, params.w_gate, params.w_up, params.w_down,
+                             plan.recv_group_sizes, kernel_config=config.kernel)
+    else:
+      y_recv = swiglu_ragged_dot(recv, params.w_gate, params.w_up, params.w_down,
+                                 plan.recv_group_sizes)
+    y_assign = collect(y_recv, plan, **kw)                               # [T, K, H]
+    dropped = jnp.zeros((), jnp.int32)
+  else:
+    raise ValueError(f"config.backend={config.backend!r} has no per-shard form")
+
+  y = weighted_topk_sum(y_assign, out.topk_weights, out_dtype=x.dtype)
+  aux = dict(expert_counts=counts, load_balance_loss=lb, router_z_loss=z, dropped=dropped)
+  return y, aux
+
+
+# ---------------------------------------------------------------------------
+# Global form.
+# ---------------------------------------------------------------------------
+def _place(a, sharding: NamedSharding):
+  """Puts `a` on `sharding`: device_put for concrete arrays; inside a trace,
+  `reshard` on meshes with Explicit axes, a sharding constraint otherwise."""
+  if not isinstance(a, jax.core.Tracer):
+    return jax.device_put(a, sharding)
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+  if explicit:
+    return jax.sharding.reshard(a, sharding)
+  return jax.lax.with_sharding_constraint(a, sharding)
+
+
+def param_specs(params: MoEParams, expert_axis: str = "expert") -> MoEParams:
+  """PartitionSpecs of `MoEParams`: experts over `expert_axis`, the rest replicated."""
+  return MoEParams(router=P(), w_gate=P(expert_axis), w_up=P(expert_axis),
+                   w_down=P(expert_axis),
+                   expert_bias=None if params.expert_bias is None else P())
+
+
+def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = UniEPConfig(),
+            expert_axis: str = "expert"):
+  """The MoE FFN over a mesh. Returns (y [N, H] in x.dtype, aux dict):
+
+  aux["expert_counts"]     [E] int32  assignments per expert, global
+  aux["load_balance_loss"] f32        Switch-style E * sum_e f_e P_e
+  aux["router_z_loss"]     f32        mean_t logsumexp(logits_t)^2
+  aux["dropped"]           int32      dropped assignments (0 unless "xla_capacity")
+  """
+  if config.backend == "dense_reference":
+    validate_inputs(x, params, top_k=top_k, config=config)
+    return dense_reference_moe(x, params, top_k=top_k, config=config)
+  if mesh is None:
+    raise ValueError(f"mesh is required for backend={config.backend!r}")
+  validate_inputs(x, params, top_k=top_k, config=config, expert_axis=expert_axis, mesh=mesh)
+  if config.backend == "uniep":
+    raise ValueError("backend='uniep' (the fused MegaKernel) is not available in this build")
+  token_axes = tuple(mesh.axis_names)
+  platform = mesh.devices.flat[0].platform
+  transport = config.transport or default_transport(platform)
+  x_spec = P(token_axes, None)
+  p_specs = param_specs(params, expert_axis)
+  x = _place(x, NamedSharding(mesh, x_spec))
+  params = jax.tree.map(lambda a, s: _place(a, NamedSharding(mesh, s)), params, p_specs)
+
+  def body(x_local, params_local):
+    return moe_ffn_shard(x_local, params_local, top_k=top_k, config=config,
+                         expert_axis=expert_axis, token_axes=token_axes, transport=transport)
+
+  aux_specs = {k: P() for k in AUX_KEYS}
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, p_specs),
+                     out_specs=(x_spec, aux_specs), check_vma=config.backend != "pallas")
+  return fn(x, params)
