@@ -1,0 +1,27 @@
+"""Shared helpers for the MoE tests: random params and inputs."""
+
+import jax
+import jax.numpy as jnp
+
+import uniep_jax
+
+
+def make_params(key, *, experts, hidden, ffn, dtype=jnp.float32, bias=None):
+  k = jax.random.split(key, 4)
+  s_in, s_ff = hidden ** -0.5, ffn ** -0.5
+  return uniep_jax.MoEParams(
+      router=jax.random.normal(k[0], (hidden, experts), jnp.float32),
+      w_gate=(jax.random.normal(k[1], (experts, hidden, ffn)) * s_in).astype(dtype),
+      w_up=(jax.random.normal(k[2], (experts, hidden, ffn)) * s_in).astype(dtype),
+      w_down=(jax.random.normal(k[3], (experts, ffn, hidden)) * s_ff).astype(dtype),
+      expert_bias=bias)
+
+
+def make_x(key, tokens, hidden, dtype=jnp.float32):
+  return jax.random.normal(key, (tokens, hidden), jnp.float32).astype(dtype)
+
+
+def rel_err(a, b):
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(b.ravel()) + 1e-30))

@@ -1,0 +1,193 @@
+"""The shared backend suite: every EP backend against `dense_reference`.
+
+float32 inputs: tight tolerance; bfloat16: the tolerance of bf16 rounding of the
+activations and outputs. Gradients of x and every parameter too.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import uniep_jax
+from uniep_jax import RoutingConfig, UniEPConfig
+from conftest import make_mesh
+from moe_testlib import make_params, make_x, rel_err
+
+E, H, F = 8, 32, 48
+BIG_CF = 1e3  # capacity large enough that nothing is dropped
+
+
+def _cfg(backend, **kw):
+  if backend == "xla_capacity":
+    kw.setdefault("capacity_factor", BIG_CF)
+  return UniEPConfig(backend=backend, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd(backend, data, ep, top_k, cfg):
+  mesh = None if backend == "dense_reference" else make_mesh(data, ep)
+  return jax.jit(lambda x, p: uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=top_k, config=cfg))
+
+
+def _loss(backend, data, ep, top_k, cfg):
+  f = _fwd(backend, data, ep, top_k, cfg)
+
+  def loss(x, p):
+    y, aux = f(x, p)
+    w = jnp.sin(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+    return jnp.sum(y.astype(jnp.float32) * w) + aux["load_balance_loss"] + 0.1 * aux["router_z_loss"]
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _reference(x, p, top_k, routing=RoutingConfig()):
+  cfg = UniEPConfig(backend="dense_reference", routing=routing)
+  return _fwd("dense_reference", 1, 1, top_k, cfg)(x, p)
+
+
+def _check_forward(backend, data, ep, *, tokens=64, top_k=2, routing=RoutingConfig(),
+                   bias=None, dtype=jnp.float32, seed=0, router_scale=1.0):
+  kx, kp = jax.random.split(jax.random.key(seed))
+  p = make_params(kp, experts=E, hidden=H, ffn=F, dtype=dtype, bias=bias)
+  p = p.replace(router=p.router * router_scale)
+  x = make_x(kx, tokens, H, dtype)
+  cfg = _cfg(backend, routing=routing)
+  y, aux = _fwd(backend, data, ep, top_k, cfg)(x, p)
+  y_ref, aux_ref = _reference(x, p, top_k, routing)
+  assert y.dtype == dtype and y.shape == x.shape
+  tol = 2e-6 if dtype == jnp.float32 else 2e-2
+  assert rel_err(y, y_ref) < tol, rel_err(y, y_ref)
+  np.testing.assert_array_equal(np.asarray(aux["expert_counts"]), np.asarray(aux_ref["expert_counts"]))
+  assert int(aux["dropped"]) == 0
+  np.testing.assert_allclose(float(aux["load_balance_loss"]), float(aux_ref["load_balance_loss"]), rtol=1e-5)
+  np.testing.assert_allclose(float(aux["router_z_loss"]), float(aux_ref["router_z_loss"]), rtol=1e-5)
+  return x, p, aux
+
+
+BACKENDS = ["xla_dropless", "xla_capacity"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("data,ep", [(1, 1), (1, 2), (2, 4), (1, 8)])
+def test_forward_matches_reference(backend, data, ep):
+  _check_forward(backend, data, ep, routing=RoutingConfig(score_fn="softmax"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigmoid_group_limited_with_bias(backend):
+  bias = jnp.linspace(-0.2, 0.2, E)
+  _check_forward(backend, 2, 4, top_k=3, bias=bias,
+                 routing=RoutingConfig(score_fn="sigmoid", n_groups=4, topk_groups=2, scale=1.5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expert_without_tokens_and_all_to_one(backend):
+  # A bias of -100 on expert 5 means it is never picked; +100 on expert 2
+  # sends every token's first slot there.
+  bias = jnp.zeros(E).at[5].set(-100.0).at[2].set(100.0)
+  _, _, aux = _check_forward(backend, 1, 4, bias=bias, routing=RoutingConfig(score_fn="sigmoid"))
+  counts = np.asarray(aux["expert_counts"])
+  assert counts[5] == 0 and counts[2] == 64
+  # top_k=1 with that bias: all tokens to one expert, every other expert empty
+  _, _, aux = _check_forward(backend, 1, 8, top_k=1, bias=bias, routing=RoutingConfig(score_fn="sigmoid"))
+  assert np.asarray(aux["expert_counts"]).tolist() == [0, 0, 64, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_equals_num_experts_and_odd_token_counts(backend):
+  _check_forward(backend, 1, 4, top_k=E, tokens=12)       # 3 tokens per shard
+  _check_forward(backend, 2, 2, top_k=3, tokens=20)       # 5 tokens per shard
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16(backend):
+  _check_forward(backend, 2, 4, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("data,ep", [(1, 2), (2, 4), (1, 8)])
+def test_gradients_match_reference(backend, data, ep):
+  kx, kp = jax.random.split(jax.random.key(11))
+  p = make_params(kp, experts=E, hidden=H, ffn=F)
+  x = make_x(kx, 64, H)
+  g = _loss(backend, data, ep, 2, _cfg(backend))(x, p)
+  g_ref = _loss("dense_reference", 1, 1, 2, UniEPConfig(backend="dense_reference"))(x, p)
+  for name, a, b in [("x", g[0], g_ref[0]), ("router", g[1].router, g_ref[1].router),
+                     ("w_gate", g[1].w_gate, g_ref[1].w_gate), ("w_up", g[1].w_up, g_ref[1].w_up),
+                     ("w_down", g[1].w_down, g_ref[1].w_down)]:
+    assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+
+
+def test_capacity_drops_are_counted_and_zeroed():
+  top_k, tokens, ep = 2, 64, 4
+  kx, kp = jax.random.split(jax.random.key(21))
+  bias = jnp.zeros(E).at[0].set(100.0)    # every token's first choice is expert 0
+  p = make_params(kp, experts=E, hidden=H, ffn=F, bias=bias)
+  x = make_x(kx, tokens, H)
+  cfg = UniEPConfig(backend="xla_capacity", capacity_factor=1.0)
+  y, aux = _fwd("xla_capacity", 1, ep, top_k, cfg)(x, p)
+  out = uniep_jax.route(x, p.router, top_k, cfg.routing, p.expert_bias)
+  topk = np.asarray(out.topk_experts)
+  cap = int(np.ceil(1.0 * (tokens // ep) * top_k / E))
+  # per shard, assignments beyond `cap` per expert in (expert, token, slot) order are dropped
+  keep = np.zeros_like(topk, bool)
+  for s in range(ep):
+    seen = np.zeros(E, int)
+    sl = topk[s * 16:(s + 1) * 16]
+    for e in range(E):
+      for tt in range(sl.shape[0]):
+        for kk in range(top_k):
+          if sl[tt, kk] == e:
+            keep[s * 16 + tt, kk] = seen[e] < cap
+            seen[e] += 1
+  assert int(aux["dropped"]) == int((~keep).sum()) > 0
+  # the reference with dropped slots' weights set to zero
+  ref_w = np.where(keep, np.asarray(out.topk_weights), 0.0)
+  p32 = jax.tree.map(lambda a: a, p)
+  h = jnp.einsum("nh,ehf->enf", x, p32.w_gate)
+  u = jnp.einsum("nh,ehf->enf", x, p32.w_up)
+  y_all = jnp.einsum("enf,efh->enh", jax.nn.silu(h) * u, p32.w_down)
+  y_sel = np.asarray(y_all)[topk, np.arange(tokens)[:, None]]
+  y_ref = np.einsum("tk,tkh->th", ref_w, y_sel)
+  assert rel_err(y, y_ref) < 2e-5
+
+
+@pytest.mark.parametrize("backend", ["dense_reference"] + BACKENDS)
+def test_bitwise_deterministic_under_jit(backend):
+  kx, kp = jax.random.split(jax.random.key(31))
+  p = make_params(kp, experts=E, hidden=H, ffn=F, dtype=jnp.bfloat16)
+  x = make_x(kx, 64, H, jnp.bfloat16)
+  cfg = _cfg(backend)
+  if backend == "xla_capacity":
+    cfg = UniEPConfig(backend=backend, capacity_factor=1.0)   # with drops
+  f = _fwd(backend, 2, 4, 2, cfg)
+  g = _loss(backend, 2, 4, 2, cfg)
+  runs = [(f(x, p), g(x, p)) for _ in range(3)]
+  chex.assert_trees_all_equal(runs[0], runs[1])
+  chex.assert_trees_all_equal(runs[0], runs[2])
+
+
+def test_per_shard_form_inside_shard_map():
+  from jax.sharding import PartitionSpec as P
+  mesh = make_mesh(2, 4)
+  kx, kp = jax.random.split(jax.random.key(41))
+  p = make_params(kp, experts=E, hidden=H, ffn=F)
+  x = make_x(kx, 64, H)
+  axes = ("data", "expert")
+
+  def body(xl, pl):
+    return uniep_jax.moe_ffn_shard(xl, pl, top_k=2, token_axes=axes)
+
+  specs = uniep_jax.param_specs(p)
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), specs),
+                             out_specs=(P(axes), {k: P() for k in uniep_jax.moe.AUX_KEYS})))
+  from jax.sharding import NamedSharding
+  y_ref, _ = _reference(x, p, 2)
+  x = jax.device_put(x, NamedSharding(mesh, P(axes)))
+  p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
+  y, _ = fn(x, p)
+  assert rel_err(y, y_ref) < 2e-6

@@ -1,0 +1,85 @@
+"""Bad input raises a ValueError that names the argument."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import uniep_jax
+from uniep_jax import UniEPConfig
+from conftest import make_mesh
+from moe_testlib import make_params, make_x
+
+E, H, F = 8, 16, 24
+
+
+@pytest.fixture(scope="module")
+def setup():
+  p = make_params(jax.random.key(0), experts=E, hidden=H, ffn=F)
+  x = make_x(jax.random.key(1), 32, H)
+  return x, p, make_mesh(2, 4)
+
+
+def _call(x, p, mesh, top_k=2, config=UniEPConfig(), expert_axis="expert"):
+  return uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=top_k, config=config, expert_axis=expert_axis)
+
+
+@pytest.mark.parametrize("k", [0, -1, E + 1])
+def test_top_k_out_of_range(setup, k):
+  x, p, mesh = setup
+  with pytest.raises(ValueError, match="top_k"):
+    _call(x, p, mesh, top_k=k)
+
+
+def test_experts_not_divisible_by_expert_axis(setup):
+  x, _, _ = setup
+  p = make_params(jax.random.key(0), experts=6, hidden=H, ffn=F)
+  with pytest.raises(ValueError, match="expert_axis"):
+    _call(x, p, make_mesh(2, 4))
+
+
+def test_x_rank_and_hidden(setup):
+  x, p, mesh = setup
+  with pytest.raises(ValueError, match="x must be rank 2"):
+    _call(x[None], p, mesh)
+  with pytest.raises(ValueError, match="x hidden size"):
+    _call(x[:, :-1], p, mesh)
+
+
+def test_tokens_not_divisible_by_shards(setup):
+  x, p, mesh = setup
+  with pytest.raises(ValueError, match="token shards"):
+    _call(x[:30], p, mesh)
+
+
+def test_unknown_backend_and_score_fn():
+  with pytest.raises(ValueError, match="backend"):
+    UniEPConfig(backend="magic")
+  with pytest.raises(ValueError, match="score_fn"):
+    uniep_jax.RoutingConfig(score_fn="tanh")
+  with pytest.raises(ValueError, match="transport"):
+    UniEPConfig(transport="pigeon")
+
+
+def test_dtype_mismatch(setup):
+  x, p, mesh = setup
+  with pytest.raises(ValueError, match="w_gate dtype"):
+    _call(x.astype(jnp.bfloat16), p, mesh)
+
+
+def test_mesh_without_expert_axis(setup):
+  x, p, _ = setup
+  mesh = jax.make_mesh((8,), ("data",))
+  with pytest.raises(ValueError, match="expert_axis='expert'"):
+    _call(x, p, mesh)
+  with pytest.raises(ValueError, match="expert_axis='experts'"):
+    _call(x, p, make_mesh(2, 4), expert_axis="experts")
+
+
+def test_weight_shape_mismatch(setup):
+  x, p, mesh = setup
+  with pytest.raises(ValueError, match="w_down"):
+    _call(x, p.replace(w_down=p.w_down[:, :-1]), mesh)
+  with pytest.raises(ValueError, match="router must be float32"):
+    _call(x, p.replace(router=p.router.astype(jnp.bfloat16)), mesh)
+  with pytest.raises(ValueError, match="mesh is required"):
+    _call(x, p, None)
