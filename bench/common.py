@@ -1,0 +1,123 @@
+"""Shared by the benchmarks: the target MoE shapes, timing, run metadata.
+
+Timing (METHOD.md): jit, warm up, then `trials` batches of `reps` back-to-back
+calls with `block_until_ready` on the last result; the per-call median over
+trials is reported. `reps` adapts so that one batch lasts at least `min_batch_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+  """Per EP rank: T tokens, hidden H, expert FFN F, E experts, top-k K (targets.md)."""
+  name: str
+  tokens: int
+  hidden: int
+  ffn: int
+  experts: int
+  top_k: int
+
+  def fwd_flops_per_rank(self) -> float:
+    return 2.0 * self.tokens * self.top_k * self.hidden * self.ffn * 3
+
+  def dispatch_bytes_per_rank(self, ranks: int, itemsize: int = 2) -> float:
+    """Bytes one rank sends for one dispatch (no de-duplication); combine is the same."""
+    return self.tokens * self.top_k * self.hidden * itemsize * (ranks - 1) / ranks
+
+
+SHAPES = {
+    "mixtral-like": MoEShape("mixtral-like", 8192, 4096, 14336, 8, 2),
+    "deepseek-like": MoEShape("deepseek-like", 8192, 7168, 2048, 256, 8),
+    "qwen3-like": MoEShape("qwen3-like", 16384, 2048, 768, 128, 8),
+    "small-experts": MoEShape("small-experts", 8192, 1536, 480, 64, 8),
+}
+# Not a target: a shape small enough to smoke-test the benchmark scripts on the CPU.
+SMOKE_SHAPES = {"tiny": MoEShape("tiny", 256, 64, 96, 8, 2)}
+
+
+def block(tree):
+  return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
+
+
+def time_ms(fn, *args, trials: int = 7, min_batch_s: float = 0.05, max_reps: int = 50) -> dict:
+  """Median ms per call of `fn(*args)` (already jitted).
+
+  On the CPU every call is waited for: back-to-back collective programs over
+  virtual CPU devices can starve XLA:CPU's rendezvous on a 2-core machine."""
+  sync_each = jax.devices()[0].platform == "cpu"
+  block(fn(*args))                      # compile + warm-up
+  t0 = time.perf_counter()
+  block(fn(*args))
+  one = max(time.perf_counter() - t0, 1e-6)
+  reps = int(min(max_reps, max(1, min_batch_s / one)))
+  per_call = []
+  for _ in range(trials):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(reps):
+      out = fn(*args)
+      if sync_each:
+        block(out)
+    block(out)
+    per_call.append((time.perf_counter() - t0) / reps * 1e3)
+  return dict(median_ms=statistics.median(per_call), min_ms=min(per_call),
+              max_ms=max(per_call), reps=reps, trials=trials)
+
+
+def git_commit() -> str:
+  if os.environ.get("GIT_COMMIT"):
+    return os.environ["GIT_COMMIT"]
+  try:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+    if out.returncode == 0:
+      return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+  except Exception:  # noqa: BLE001 - metadata only
+    pass
+  return "unknown"
+
+
+def run_metadata() -> dict:
+  devs = jax.devices()
+  return dict(device_kind=devs[0].device_kind, device_count=len(devs),
+              platform=devs[0].platform, jax_version=jax.__version__,
+              git_commit=git_commit(), host=platform.node(),
+              date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def out_dir(arg: str | None) -> str:
+  d = arg or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+  os.makedirs(d, exist_ok=True)
+  return d
+
+
+def write_json(path: str, payload: dict) -> None:
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=1, sort_keys=True)
+  print(f"wrote {path}")
+
+
+def dense_matmul_tflops(n: int = 0, dtype="bfloat16") -> float:
+  """The dense bf16 matmul rate of device 0 (cuBLAS through XLA), on random data."""
+  import jax.numpy as jnp
+  n = n or (8192 if jax.devices()[0].platform == "gpu" else 512)
+  k1, k2 = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(k1, (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(k2, (n, n), jnp.float32).astype(dtype)
+  f = jax.jit(lambda a, b: a @ b)
+  t = time_ms(f, a, b, trials=5, min_batch_s=0.2)
+  return 2.0 * n ** 3 / (t["median_ms"] * 1e-3) / 1e12

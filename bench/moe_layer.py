@@ -1,0 +1,226 @@
+"""MoE layer benchmark: every backend on the target shapes over all local GPUs.
+
+For each shape of targets.md (per-rank sizes) on a mesh data=1, expert=R (R = the
+GPUs of this host, or --ep), forward and forward+backward, balanced routing
+(random router) and skewed routing (an expert-selection bias puts expert 0 in
+every token's top-k), it times each backend and, in the same run:
+  * the compute floor: forward FLOPs per rank (x3 for fwd+bwd) over the dense
+    bf16 matmul rate measured here (cuBLAS, 8192^3);
+  * the communication floor: dispatch + combine bytes per rank (x2 for fwd+bwd)
+    over the all_to_all bandwidth measured here (NCCL, dispatch-sized buffer).
+Backends: "xla_capacity" (cf 1.25; dropped assignments reported), "xla_dropless"
+(ragged_all_to_all), "xla_dropless_padded" (all_to_all of worst-case buffers),
+"pallas" (XLA collectives + our grouped GEMM), and "uniep" once it exists.
+
+  python -m bench.moe_layer [--shapes a,b] [--backends ...] [--budget-s 480] [--out DIR]
+
+Cases run in priority order and stop when the time budget is spent; skipped
+cases are listed in the JSON. Median ms per call; ratios are same-run ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import uniep_jax
+from bench import common
+
+BACKEND_CONFIGS = {
+    "xla_capacity": uniep_jax.UniEPConfig(backend="xla_capacity", capacity_factor=1.25),
+    "xla_dropless": uniep_jax.UniEPConfig(backend="xla_dropless", transport="ragged"),
+    "xla_dropless_padded": uniep_jax.UniEPConfig(backend="xla_dropless", transport="padded"),
+    "pallas": uniep_jax.UniEPConfig(backend="pallas", transport="padded"),
+}
+
+
+def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):
+  """Sharded bf16 x [R*T, H] and params, created on the devices."""
+  r = mesh.shape["expert"] * mesh.shape["data"]
+  e, h, f = shape.experts, shape.hidden, shape.ffn
+  specs = uniep_jax.MoEParams(router=P(), w_gate=P("expert"), w_up=P("expert"),
+                              w_down=P("expert"), expert_bias=P())
+  shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
+
+  def init(key):
+    k = jax.random.split(key, 5)
+    bf = jnp.bfloat16
+    bias = jnp.zeros((e,), jnp.float32)
+    if skewed:
+      bias = bias.at[0].set(1e3)
+    p = uniep_jax.MoEParams(
+        router=jax.random.normal(k[0], (h, e), jnp.float32) * h ** -0.5,
+        w_gate=(jax.random.normal(k[1], (e, h, f), bf) * h ** -0.5).astype(bf),
+        w_up=(jax.random.normal(k[2], (e, h, f), bf) * h ** -0.5).astype(bf),
+        w_down=(jax.random.normal(k[3], (e, f, h), bf) * f ** -0.5).astype(bf),
+        expert_bias=bias)
+    x = jax.random.normal(k[4], (r * shape.tokens, h), bf)
+    return x, p
+
+  out_sh = (shard(P(("data", "expert"))), jax.tree.map(shard, specs))
+  return jax.jit(init, out_shardings=out_sh)(jax.random.key(seed))
+
+
+def layer_fns(mesh, shape, cfg):
+  def fwd(x, p):
+    y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=shape.top_k, config=cfg)
+    return y, aux["dropped"]
+
+  def loss(x, p):
+    y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=shape.top_k, config=cfg)
+    return jnp.sum(y.astype(jnp.float32)) + 1e-2 * aux["load_balance_loss"]
+
+  fwdbwd = jax.grad(loss, argnums=(0, 1))
+  return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def all_to_all_gbps(mesh, shape: common.MoEShape) -> dict:
+  """Per-rank send bandwidth of lax.all_to_all moving one dispatch's rows."""
+  r = mesh.size
+  rows = shape.tokens * shape.top_k
+  rows -= rows % r
+  spec = P(("data", "expert"))
+
+  def body(buf):
+    return jax.lax.all_to_all(buf, ("data", "expert"), 0, 0, tiled=True)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  buf = jax.jit(lambda k: jax.random.normal(k, (r * rows, shape.hidden), jnp.bfloat16),
+                out_shardings=NamedSharding(mesh, spec))(jax.random.key(1))
+  t = common.time_ms(f, buf, trials=9, min_batch_s=0.05)
+  sent = rows * shape.hidden * 2 * (r - 1) / r
+  return dict(ms=t["median_ms"], bytes_per_rank=sent, gbps=sent / (t["median_ms"] * 1e-3) / 1e9)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--shapes", default=",".join(common.SHAPES))
+  ap.add_argument("--backends", default=",".join(BACKEND_CONFIGS))
+  ap.add_argument("--directions", default="fwd,fwdbwd")
+  ap.add_argument("--routings", default="balanced,skewed")
+  ap.add_argument("--ep", type=int, default=0, help="GPUs to use (default: all)")
+  ap.add_argument("--budget-s", type=float, default=480.0)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  t_start = time.time()
+  devs = jax.devices()
+  ep = args.ep or len(devs)
+  mesh = jax.make_mesh((1, ep), ("data", "expert"), devices=devs[:ep])
+  meta = common.run_metadata()
+  print(meta, flush=True)
+  dense = common.dense_matmul_tflops()
+  print(f"dense bf16 matmul: {dense:.0f} TFLOP/s", flush=True)
+  results, skipped = [], []
+  backends = [b for b in args.backends.split(",") if b]
+  for name in args.shapes.split(","):
+    shape = {**common.SHAPES, **common.SMOKE_SHAPES}[name]
+    try:
+      a2a = all_to_all_gbps(mesh, shape)
+    except Exception as e:  # noqa: BLE001
+      a2a = dict(error=repr(e)[:300])
+    print(f"[{name}] all_to_all {a2a}", flush=True)
+    for routing in args.routings.split(","):
+      try:
+        x, p = make_inputs(shape, mesh, skewed=routing == "skewed")
+      except Exception as e:  # noqa: BLE001
+        skipped.append(dict(shape=name, routing=routing, why=repr(e)[:300]))
+        continue
+      for direction in args.directions.split(","):
+        mult = 1 if direction == "fwd" else 3
+        compute_floor = shape.fwd_flops_per_rank() * mult / (dense * 1e12) * 1e3
+        comm_floor = (2 * shape.dispatch_bytes_per_rank(ep) * (1 if direction == "fwd" else 2)
+                      / (a2a["gbps"] * 1e9) * 1e3) if "gbps" in a2a else None
+        row_base = dict(shape=name, routing=routing, direction=direction, ep=ep,
+                        compute_floor_ms=compute_floor, comm_floor_ms=comm_floor)
+        for backend in backends:
+          if time.time() - t_start > args.budget_s:
+            skipped.append(dict(shape=name, routing=routing, direction=direction,
+                                backend=backend, why="time budget"))
+            continue
+          cfg = BACKEND_CONFIGS[backend]
+          row = dict(row_base, backend=backend)
+          try:
+            f_fwd, f_bwd = layer_fns(mesh, shape, cfg)
+            fn = f_fwd if direction == "fwd" else f_bwd
+            t0 = time.time()
+            common.block(fn(x, p))
+            row["compile_s"] = time.time() - t0
+            row.update(common.time_ms(fn, x, p, trials=5, min_batch_s=0.1, max_reps=10))
+            if direction == "fwd":
+              row["dropped"] = int(f_fwd(x, p)[1])
+          except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:500]
+            traceback.print_exc(limit=2)
+          results.append(row)
+          print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        del_fns = None  # noqa: F841
+      del x, p
+  # same-run ratios
+  for row in results:
+    if "median_ms" not in row:
+      continue
+    floor = max(row["compute_floor_ms"], row["comm_floor_ms"] or 0.0)
+    row["x_over_floor"] = row["median_ms"] / floor
+    cap = [r for r in results if r.get("backend") == "xla_capacity" and "median_ms" in r
+           and (r["shape"], r["routing"], r["direction"]) == (row["shape"], row["routing"], row["direction"])]
+    if cap:
+      row["speedup_vs_xla_capacity"] = cap[0]["median_ms"] / row["median_ms"]
+  payload = dict(meta, benchmark="moe_layer", dense_tflops=dense, results=results, skipped=skipped)
+  out = common.out_dir(args.out)
+  kind = meta["device_kind"].replace(" ", "_")
+  common.write_json(os.path.join(out, f"moe_layer_{kind}_ep{ep}.json"), payload)
+  print_table(results)
+  try:
+    plot(results, os.path.join(out, f"moe_layer_{kind}_ep{ep}.png"))
+  except Exception as e:  # noqa: BLE001
+    print("plot failed:", e)
+  return 0
+
+
+def print_table(results):
+  print(f"{'shape':14s} {'routing':9s} {'dir':7s} {'backend':20s} {'ms':>9s} {'floor':>8s} "
+        f"{'xfloor':>7s} {'vs_cap':>7s} {'dropped':>8s}")
+  for r in results:
+    ms = r.get("median_ms")
+    floor = max(r["compute_floor_ms"], r["comm_floor_ms"] or 0.0)
+    print(f"{r['shape']:14s} {r['routing']:9s} {r['direction']:7s} {r['backend']:20s} "
+          f"{(f'{ms:9.2f}' if ms else '    ERROR'):>9s} {floor:8.2f} "
+          f"{r.get('x_over_floor', float('nan')):7.2f} {r.get('speedup_vs_xla_capacity', float('nan')):7.2f} "
+          f"{str(r.get('dropped', '')):>8s}")
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [r for r in results if "median_ms" in r]
+  cases = sorted({(r["shape"], r["routing"], r["direction"]) for r in rows})
+  backends = sorted({r["backend"] for r in rows})
+  fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(cases)), 5))
+  width = 0.8 / max(1, len(backends) + 1)
+  for i, b in enumerate(backends):
+    vals = [next((r["median_ms"] for r in rows if r["backend"] == b
+                  and (r["shape"], r["routing"], r["direction"]) == c), 0) for c in cases]
+    ax.bar([j + i * width for j in range(len(cases))], vals, width, label=b)
+  floors = [max(next(r for r in rows if (r["shape"], r["routing"], r["direction"]) == c)[k] or 0
+                for k in ("compute_floor_ms", "comm_floor_ms")) for c in cases]
+  ax.bar([j + len(backends) * width for j in range(len(cases))], floors, width, label="floor", color="k")
+  ax.set_xticks([j + 0.4 for j in range(len(cases))])
+  ax.set_xticklabels(["\n".join(c) for c in cases], fontsize=7)
+  ax.set_ylabel("ms per call (median)")
+  ax.set_yscale("log")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
