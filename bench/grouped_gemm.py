@@ -1,0 +1,300 @@
+"""Benchmark and full-size check of the Pallas grouped GEMM (pallas_kernels.grouped_gemm).
+
+For the expert shapes of the four configs in shared/notes/targets.md (M = T * top_k
+rows over E / 4 local experts, EP = 4; balanced and skewed loads) it times, in one
+run on one device: our forward, dgrad and wgrad; a dense jnp.dot of the same FLOPs
+(cuBLAS); lax.ragged_dot; jax's ops.gpu.ragged_dot_mgpu (forward, where it runs);
+and the fused SwiGLU FFN forward and forward+backward. It checks every kernel
+against lax.ragged_dot at full size (bf16 inputs, relative Frobenius error).
+
+Timing: each op is jitted and warmed up; then `reps` back-to-back calls are
+timed with block_until_ready around the batch, `trials` times; the median of
+the per-call times is reported.
+
+  python -m bench.grouped_gemm [--out DIR] [--configs a,b] [--reps N] [--quick]
+
+Writes grouped_gemm_<device>.json into --out (default $OUT or bench/results).
+Importable on CPU (nothing runs at import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import device as device_lib
+from pallas_kernels import grouped_gemm as gg
+from uniep_jax.config import KernelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+  name: str
+  tokens: int  # T, tokens per rank
+  hidden: int  # H
+  ffn: int  # F
+  experts: int  # E
+  top_k: int
+  ep: int = 4
+
+  @property
+  def rows(self) -> int:
+    return self.tokens * self.top_k
+
+  @property
+  def local_experts(self) -> int:
+    return self.experts // self.ep
+
+
+CONFIGS = {
+    "mixtral-like": MoeShape("mixtral-like", 8192, 4096, 14336, 8, 2),
+    "deepseek-like": MoeShape("deepseek-like", 8192, 7168, 2048, 256, 8),
+    "qwen3-like": MoeShape("qwen3-like", 16384, 2048, 768, 128, 8),
+    "small-experts": MoeShape("small-experts", 8192, 1536, 480, 64, 8),
+}
+
+
+def group_sizes_for(rows: int, groups: int, load: str) -> np.ndarray:
+  """Balanced: equal split. Skewed: p_g ~ (g + 1)^-1.2 (first expert hottest), last group empty."""
+  if load == "balanced":
+    sizes = np.full(groups, rows // groups, np.int64)
+    sizes[: rows - sizes.sum()] += 1
+  else:
+    p = (np.arange(groups) + 1.0) ** -1.2
+    if groups > 1:
+      p[-1] = 0.0
+    sizes = np.floor(p / p.sum() * rows).astype(np.int64)
+    sizes[0] += rows - sizes.sum()
+  assert sizes.sum() == rows
+  return sizes.astype(np.int32)
+
+
+def time_fn(fn, *args, reps: int, trials: int) -> float:
+  """Median seconds per call of a jitted fn (warm-up, then `trials` batches of `reps`)."""
+  jax.block_until_ready(fn(*args))
+  per_call = []
+  for _ in range(trials):
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    per_call.append((time.perf_counter() - t0) / reps)
+  return statistics.median(per_call)
+
+
+def rel_err(x, ref) -> float:
+  x = jnp.asarray(x, jnp.float32)
+  ref = jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
+def git_commit() -> str:
+  try:
+    return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
+                                   text=True).strip()
+  except Exception:  # the .git directory may not travel
+    return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def _mgpu_ragged_dot():
+  try:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    return ragged_dot_mgpu.ragged_dot
+  except Exception:
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(config: KernelConfig):
+  """Jitted ops, one set per config, so both loads of a shape share compilations."""
+  bf = jnp.bfloat16
+  fwd = jax.jit(lambda a, b, s: gg.gmm(a, b, s, config=config, interpret=False))
+  dgrad = jax.jit(lambda d, b, s: gg.gmm_dgrad(d, b, s, config=config, interpret=False))
+  wgrad = jax.jit(lambda a, d, s: gg.gmm_wgrad(a, d, s, config=config, interpret=False))
+  ffn = jax.jit(lambda *a: gg.grouped_swiglu_ffn(*a, config=config, interpret=False))
+
+  def ffn_train(x, wg, wu, wd, s, dy):
+    y, vjp = jax.vjp(lambda *a: gg.grouped_swiglu_ffn(*a, s, config=config, interpret=False),
+                     x, wg, wu, wd)
+    return y, vjp(dy)
+
+  ragged = jax.jit(lambda a, b, s: jax.lax.ragged_dot(
+      a, b, s, preferred_element_type=jnp.float32).astype(bf))
+  dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(bf))
+  return fwd, dgrad, wgrad, ffn, jax.jit(ffn_train), ragged, dense
+
+
+def bench_shape(shape: MoeShape, load: str, config: KernelConfig, reps: int, trials: int,
+                check_on: bool, log, lax_ragged_max_groups: int = 16) -> dict:
+  m, h, f, g = shape.rows, shape.hidden, shape.ffn, shape.local_experts
+  gs_np = group_sizes_for(m, g, load)
+  gs = jnp.asarray(gs_np)
+  key = jax.random.key(hash((shape.name, load)) % (2**31))
+  ks = jax.random.split(key, 6)
+  bf = jnp.bfloat16
+  x = jax.random.normal(ks[0], (m, h), jnp.float32).astype(bf)
+  w = (jax.random.normal(ks[1], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
+  dout = jax.random.normal(ks[2], (m, f), jnp.float32).astype(bf)
+  flops = 2.0 * m * h * f
+  res = {"config": shape.name, "load": load, "M": m, "K": h, "N": f, "G": g,
+         "group_sizes_min": int(gs_np.min()), "group_sizes_max": int(gs_np.max()),
+         "flops_per_gemm": flops, "ms": {}, "tflops": {}, "rel_err": {}, "errors": {}}
+
+  def record(name, fn, *args, flop=flops):
+    try:
+      t = time_fn(fn, *args, reps=reps, trials=trials)
+      res["ms"][name] = t * 1e3
+      res["tflops"][name] = flop / t / 1e12
+      log(f"  {shape.name:14s} {load:8s} {name:22s} {t * 1e3:9.3f} ms {flop / t / 1e12:7.1f} TFLOP/s")
+    except Exception as e:  # keep going: one failing baseline must not lose the run
+      res["errors"][name] = f"{type(e).__name__}: {str(e)[:400]}"
+      log(f"  {shape.name:14s} {load:8s} {name:22s} FAILED {type(e).__name__}: {str(e)[:200]}")
+
+  fwd, dgrad, wgrad, ffn, ffn_train, ragged, dense = _jitted(config)
+  w_dense = w[0]  # [H, F]: a dense [M, H] @ [H, F] has the same FLOPs
+
+  # lax.ragged_dot(_general) materialises [G, M, K] (56 GiB on deepseek-like), so the
+  # full-size check compares whole groups against dense per-group products instead:
+  # the first two, the largest and the last two groups (static host-side slices).
+  check_groups = np.unique(np.array([0, 1, int(np.argmax(gs_np)), g - 2, g - 1]) % g)
+  ends = np.cumsum(gs_np)
+  spans = [(int(ends[i] - gs_np[i]), int(ends[i])) for i in check_groups]
+  rows_idx = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
+
+  def rows_ref(a, b):  # a [M, K], b [G, K, N] -> checked rows of a @ b[g], f32
+    return jnp.concatenate([jnp.dot(a[s0:e0], b[i], preferred_element_type=jnp.float32)
+                            for i, (s0, e0) in zip(check_groups, spans)], axis=0)
+
+  def wgrad_ref(a, d):
+    return jnp.stack([jnp.dot(a[s0:e0].T, d[s0:e0], preferred_element_type=jnp.float32)
+                      for s0, e0 in spans])
+
+  def ffn_ref(x, wg, wu, wd):
+    outs = []
+    for i, (s0, e0) in zip(check_groups, spans):
+      hh = jnp.dot(x[s0:e0], wg[i], preferred_element_type=jnp.float32)
+      uu = jnp.dot(x[s0:e0], wu[i], preferred_element_type=jnp.float32)
+      aa = (jax.nn.silu(hh) * uu).astype(x.dtype)
+      outs.append(jnp.dot(aa, wd[i], preferred_element_type=jnp.float32))
+    return jnp.concatenate(outs, axis=0)
+
+  def check(name, got_fn, ref_fn, *args, sel=lambda o: o[rows_idx]):
+    try:
+      got = sel(got_fn(*args))
+      ref = jax.jit(ref_fn)(*args)
+      res["rel_err"][name] = rel_err(got, ref)
+      log(f"  {shape.name:14s} {load:8s} check {name:8s} rel_err {res['rel_err'][name]:.2e}")
+    except Exception as e:
+      res["errors"]["check_" + name] = f"{type(e).__name__}: {str(e)[:400]}"
+      log(f"  check {name} FAILED {type(e).__name__}: {str(e)[:300]}")
+
+  if check_on:
+    check("fwd", fwd, lambda a, b, s_: rows_ref(a, b), x, w, gs)
+    check("dgrad", dgrad, lambda d, b, s_: rows_ref(d, jnp.swapaxes(b, 1, 2)), dout, w, gs)
+    check("wgrad", wgrad, lambda a, d, s_: wgrad_ref(a, d), x, dout, gs,
+          sel=lambda o: o[check_groups])
+
+  record("dense_jnp_dot", dense, x, w_dense)
+  record("ours_fwd", fwd, x, w, gs)
+  record("ours_dgrad", dgrad, dout, w, gs)
+  record("ours_wgrad", wgrad, x, dout, gs)
+  if g <= lax_ragged_max_groups:
+    record("lax_ragged_dot_fwd", ragged, x, w, gs)
+  else:  # XLA's ragged_dot materialises [G, M, K]: out of memory at these sizes
+    res["errors"]["lax_ragged_dot_fwd"] = (
+        f"skipped: G={g} > {lax_ragged_max_groups}; on an H100 it ran out of memory "
+        "(56 GiB allocation) for deepseek-like")
+  mgpu = _mgpu_ragged_dot()
+  if mgpu is not None:
+    mg = jax.jit(lambda a, b, s: mgpu(a, b, group_sizes=s, block_m=128, block_n=128, block_k=64,
+                                       max_concurrent_steps=4, grid_block_n=1))
+    record("ragged_dot_mgpu_fwd", mg, x, w, gs)
+
+  # The fused SwiGLU FFN (3 GEMMs forward, 6 backward).
+  wu = (jax.random.normal(ks[3], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
+  wd = (jax.random.normal(ks[4], (g, f, h), jnp.float32) / np.sqrt(f)).astype(bf)
+  dy = jax.random.normal(ks[5], (m, h), jnp.float32).astype(bf)
+  if check_on:
+    check("ffn_fwd", ffn, lambda x_, a_, b_, c_, s_: ffn_ref(x_, a_, b_, c_), x, w, wu, wd, gs)
+  record("ours_ffn_fwd", ffn, x, w, wu, wd, gs, flop=3 * flops)
+  record("ours_ffn_fwd_bwd", ffn_train, x, w, wu, wd, gs, dy, flop=9 * flops)
+
+  t = res["tflops"]
+  if "dense_jnp_dot" in t:
+    for k in ("ours_fwd", "ours_dgrad", "ours_wgrad", "ours_ffn_fwd", "ours_ffn_fwd_bwd"):
+      if k in t:
+        res[f"ratio_{k}_vs_dense"] = t[k] / t["dense_jnp_dot"]
+  if "ragged_dot_mgpu_fwd" in t and "ours_fwd" in t:
+    res["ratio_ours_fwd_vs_mgpu"] = t["ours_fwd"] / t["ragged_dot_mgpu_fwd"]
+  if "lax_ragged_dot_fwd" in t and "ours_fwd" in t:
+    res["ratio_ours_fwd_vs_lax_ragged"] = t["ours_fwd"] / t["lax_ragged_dot_fwd"]
+  return res
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+  p.add_argument("--configs", default=",".join(CONFIGS))
+  p.add_argument("--loads", default="balanced,skewed")
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--trials", type=int, default=5)
+  p.add_argument("--no-check", action="store_true")
+  p.add_argument("--lax-ragged-max-groups", type=int, default=16,
+                 help="skip lax.ragged_dot above this many groups (it runs out of memory)")
+  p.add_argument("--block-m", type=int, default=KernelConfig.block_m)
+  p.add_argument("--block-n", type=int, default=KernelConfig.block_n)
+  p.add_argument("--block-k", type=int, default=KernelConfig.block_k)
+  p.add_argument("--stages", type=int, default=KernelConfig.max_concurrent_steps)
+  args = p.parse_args(argv)
+  config = KernelConfig(block_m=args.block_m, block_n=args.block_n, block_k=args.block_k,
+                        max_concurrent_steps=args.stages)
+  dev = jax.devices()[0]
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, f"grouped_gemm_{device_lib.device_name(dev)}.json")
+  report = {"device": dev.device_kind, "num_sms": device_lib.num_sms(None, dev),
+            "jax_version": jax.__version__, "git_commit": git_commit(),
+            "config": dataclasses.asdict(config), "reps": args.reps, "trials": args.trials,
+            "timing": "median over trials of (wall time of reps back-to-back jitted calls, "
+                      "block_until_ready at the end) / reps",
+            "results": []}
+
+  def log(msg):
+    print(msg, flush=True)
+
+  for name in args.configs.split(","):
+    for load in args.loads.split(","):
+      try:
+        r = bench_shape(CONFIGS[name], load, config, args.reps, args.trials,
+                        not args.no_check, log, args.lax_ragged_max_groups)
+      except Exception as e:
+        traceback.print_exc()
+        r = {"config": name, "load": load, "fatal": f"{type(e).__name__}: {str(e)[:1000]}"}
+      report["results"].append(r)
+      with open(path, "w") as fh:
+        json.dump(report, fh, indent=1)
+
+  print(f"\n{report['device']}  jax {report['jax_version']}  commit {report['git_commit'][:12]}")
+  cols = ("dense_jnp_dot", "ours_fwd", "ours_dgrad", "ours_wgrad", "lax_ragged_dot_fwd",
+          "ragged_dot_mgpu_fwd", "ours_ffn_fwd", "ours_ffn_fwd_bwd")
+  print("TFLOP/s " + " ".join(f"{c[:14]:>14s}" for c in cols))
+  for r in report["results"]:
+    t = r.get("tflops", {})
+    print(f"{r['config'][:9]}/{r['load'][:4]} " +
+          " ".join(f"{t[c]:14.1f}" if c in t else f"{'-':>14s}" for c in cols))
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,78 @@
+"""Device facts for the Pallas kernels: one source of truth.
+
+Everything a kernel or a benchmark needs to know about the chip lives here, keyed
+by `jax.Device.device_kind`: SM count (read off the device when it has one),
+shared-memory capacity per block, and peak rates. CPU devices (interpret mode)
+have no `core_count`; callers then pass the SM count explicitly or get
+`DEFAULT_NUM_SMS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+
+# H100 SXM / H200 have 132 SMs; used when the device cannot tell us (CPU interpret).
+DEFAULT_NUM_SMS = 132
+# Hopper: 228 KiB of shared memory per SM, at most 227 KiB (232448 B) per block.
+HOPPER_SMEM_BYTES = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+  """Datasheet facts of one device kind.
+
+  smem_bytes: the most dynamic shared memory one block may take.
+  peak_bf16_tflops: dense bf16 tensor-core peak (datasheet, no sparsity).
+  hbm_gbps: datasheet HBM bandwidth, GB/s.
+  """
+
+  smem_bytes: int
+  peak_bf16_tflops: float
+  hbm_gbps: float
+
+
+# Keyed by lower-cased substrings of `device_kind` (e.g. "NVIDIA H100 80GB HBM3").
+_SPECS = {
+    "h200": DeviceSpec(HOPPER_SMEM_BYTES, 989.0, 4800.0),
+    "h100": DeviceSpec(HOPPER_SMEM_BYTES, 989.0, 3350.0),
+}
+_DEFAULT_SPEC = DeviceSpec(HOPPER_SMEM_BYTES, 989.0, 3350.0)
+
+
+def device_spec(device: Optional[jax.Device] = None) -> DeviceSpec:
+  """The `DeviceSpec` of `device` (default: the first device); Hopper if unknown."""
+  device = device or jax.devices()[0]
+  kind = device.device_kind.lower()
+  for key, spec in _SPECS.items():
+    if key in kind:
+      return spec
+  return _DEFAULT_SPEC
+
+
+def num_sms(requested: Optional[int] = None, device: Optional[jax.Device] = None) -> int:
+  """The persistent-grid size: `requested` if given, else the device's SM count.
+
+  CPU devices have no `core_count`; they get `DEFAULT_NUM_SMS`.
+  """
+  if requested is not None:
+    return int(requested)
+  device = device or jax.devices()[0]
+  if device.platform == "gpu":
+    count = getattr(device, "core_count", None)
+    if count:
+      return int(count)
+  return DEFAULT_NUM_SMS
+
+
+def smem_capacity(device: Optional[jax.Device] = None) -> int:
+  """Bytes of shared memory one block may use."""
+  return device_spec(device).smem_bytes
+
+
+def device_name(device: Optional[jax.Device] = None) -> str:
+  """`device_kind` as a file-name-safe string, e.g. "NVIDIA_H100_80GB_HBM3"."""
+  device = device or jax.devices()[0]
+  return "".join(c if c.isalnum() else "_" for c in device.device_kind).strip("_")

@@ -1,0 +1,849 @@
+"""Grouped GEMM (MoE expert compute) for Hopper in Pallas Mosaic GPU, with VJP.
+
+Problem
+-------
+Rows of `lhs` [M, K] are ordered by group: group g owns rows
+[start_g, end_g) with start_0 = 0 and end_g = start_g + group_sizes[g]
+(`group_sizes` [G] int32, values known only at run time, sum <= M). Rows
+[sum(group_sizes), M) are "dead".
+
+  forward  out[rows of g]  = lhs[rows of g] @ rhs[g]          rhs [G, K, N]
+  dgrad    dlhs[rows of g] = dout[rows of g] @ rhs[g]^T       (transposed SMEM view)
+  wgrad    drhs[g]         = lhs[rows of g]^T @ dout[rows of g]   -> [G, K, N]
+
+plus two fused variants used by the SwiGLU expert FFN: "swiglu" (one pass over
+the rows computes h = x @ w_gate[g] and u = x @ w_up[g] into two accumulators and
+writes a = silu(h) * u, optionally h and u too) and "sum2" (acc = a0 @ b0 + a1 @ b1,
+the FFN's dx = dh @ w_gate^T + du @ w_up^T in one kernel).
+
+All products accumulate in float32 (wgmma); outputs are cast once at the end.
+
+Row-tiled kernel (forward, dgrad, swiglu, sum2)
+-----------------------------------------------
+Work list. Before the launch, plain JAX turns `group_sizes` into a static-size
+list of T = cdiv(M, block_m) + G row tiles (`_row_tile_plan`). A row tile is the
+intersection of one group (or of the dead rows, treated as a pseudo-group
+G) with one block_m-aligned row block: fields
+  group     which rhs[g] to use,
+  load_row  first row of the block_m rows loaded (the block start; M is
+            padded to a multiple of block_m, so a load never leaves the array),
+  lo, hi    the rows [lo, hi) this tile stores,
+  kind      0 none (list padding), 1 compute, 2 zero (dead rows).
+There is no Python loop over groups: compile time does not depend on G.
+
+Persistent grid. num_sms CTAs ("sm") walk the linear space T x n_tiles
+(n fastest) with `plgpu.nd_loop`; CTA i takes tiles i, i + num_sms, ... Kind-0
+tiles are skipped; kind-2 tiles run a pipeline of 0 steps, so their epilogue
+stores a zero accumulator (no MMA, no operand loads).
+
+CTA = 3 warpgroups ("wg"): 2 compute warpgroups and 1 memory (TMA) warpgroup
+(`emit_pipeline_warp_specialized`). The CTA tile is block_m x (2 * wg_n);
+compute warpgroup w owns output columns [w * wg_n, (w + 1) * wg_n).
+wg_n = block_n ("plain") or block_n // 2 ("swiglu", "sum2": each warpgroup keeps
+two accumulators, or two operand pairs, so a stage stays 48 KiB for 128/128/64).
+
+SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 4 stages):
+  per stage  A [block_m, block_k] per lhs operand (16 KiB) and
+             B [block_k, 2 wg_n] per rhs operand (16 or 32 KiB), 128B swizzle;
+             48 KiB ("plain", "swiglu") or 64 KiB ("sum2");
+  epilogue   [2 warpgroups, block_m, 64] in the output dtype, unswizzled so a
+             row range can start anywhere (16 KiB per warpgroup in bf16).
+  `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB).
+
+Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
+  produced[s]  (one barrier per stage, arrivals = number of operands): producer
+               the memory warpgroup (one TMA per operand, expect-tx bytes);
+               consumer both compute warpgroups, which wait before step s's
+               wgmma. Completes once per use of stage s; phase flips = reset.
+  consumed[s]  (arrivals = 2, one per compute warpgroup): producer the compute
+               warpgroups, after `wgmma_wait(0)` of the step (delay_release=0,
+               so a stage is free only once the MMAs that read it are done);
+               consumer the memory warpgroup, before it refills stage s. At the
+               end of each pipeline it waits the outstanding consumed barriers,
+               so every tile starts with all stages free and barrier phases
+               aligned (this is what makes back-to-back tiles race-free).
+  epilogue     each compute warpgroup owns its own epilogue slot; before
+               writing it, `wait_smem_to_gmem(0, wait_read_only=True)` waits
+               until its previous TMA stores have read the slot; then
+               `commit_smem()` (proxy fence) before the TMA store. No barrier is
+               shared between warpgroups in the epilogue.
+Partial row ranges are stored with a ladder of power-of-two-row TMA stores
+(block_m, block_m/2, ..., 1 rows; the bits of hi - lo), so rows outside
+[lo, hi) are never written.
+
+Row behaviour (documented contract):
+  * rows [0, sum(group_sizes)) get their group's product;
+  * dead rows [sum(group_sizes), M) come back ZERO (a store of zeros, no MMA);
+  * group sizes past M are clipped to M.
+  * A row's result depends only on that row, its group's weights and the fixed
+    block_k: no M-dependent split (row-split invariance), and every reduction is
+    in a fixed order, so results are bitwise deterministic.
+
+Wgrad kernel
+------------
+Tiles (g, k-tile, n-tile) of the output [G, K, N]; CTA tile (2 block_m) x block_n,
+compute warpgroup w owns output rows [w block_m, (w + 1) block_m) of the k-tile.
+For group g the pipeline walks the block_k-aligned row blocks
+b = start_g // block_k ... cdiv(end_g, block_k) - 1 IN ORDER (dynamic pipeline
+length, 0 for an empty group, whose tile is then stored as zeros). A block that
+straddles the group boundary is masked: each compute warpgroup zeroes (select,
+not multiply) the rows outside [start_g, end_g) of ITS OWN column slice of the
+lhs tile in SMEM, then `commit_smem()`, then its wgmma; the two warpgroups touch
+disjoint SMEM, so no barrier between them is needed. The dout tile is not
+masked: the masked rows multiply exact zeros, so dout rows of neighbouring
+groups (or dead rows) must be finite, which holds for cotangents of finite
+losses. Same barriers as above (2 operands), same epilogue (always full tiles).
+No atomics, no split over rows: the sum over a group's rows runs sequentially
+over its row blocks in one CTA.
+
+Padding (the cost is a copy of the padded operand, measured in NOTES):
+  contraction dims are padded to a multiple of block_k, output column dims to
+  a multiple of the CTA tile, M to a multiple of block_m (the TMA row offset
+  must be provably tile-aligned; MoE buffers sized T * top_k are already
+  multiples of 128, so nothing is copied there) and of block_k for wgrad, all
+  with zeros; results are sliced back. The SwiGLU FFN pads F
+  once on the (small) weights and then works in the padded F space, so
+  activations are never copied for padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import device as device_lib
+from uniep_jax.config import KernelConfig
+
+_NONE, _COMPUTE, _ZERO = 0, 1, 2
+_EPI_N = 64  # epilogue chunk width (columns)
+_NUM_COMPUTE_WGS = 2
+_MEMORY_REGISTERS = 40
+_SMEM_RESERVE = 1024  # barriers and alignment slack
+_PLAN_FIELDS = 5
+
+
+# ----------------------------------------------------------------------------
+# Launch parameters
+# ----------------------------------------------------------------------------
+
+
+def resolve_interpret(interpret):
+  """`None` -> interpret params on a CPU backend, else compile for the GPU."""
+  if interpret is None:
+    return plgpu.InterpretGPUParams() if jax.default_backend() == "cpu" else False
+  return interpret
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+  """Static shape of one row-tiled or wgrad launch (derived, not a user knob)."""
+
+  block_m: int
+  block_k: int
+  wg_n: int  # output columns per compute warpgroup
+  num_a: int  # lhs operands per stage
+  num_b: int  # rhs operands per stage
+  b_cols: int  # columns (or rows, transposed) of each rhs stage tile
+  a_cols: int  # columns of each lhs stage tile
+  out_itemsize: int
+  in_itemsize: int
+
+  def stage_bytes(self) -> int:
+    return self.in_itemsize * (
+        self.num_a * self.block_m * self.a_cols + self.num_b * self.block_k * self.b_cols)
+
+  def epilogue_bytes(self, epi_rows: int) -> int:
+    return _NUM_COMPUTE_WGS * epi_rows * _EPI_N * self.out_itemsize
+
+  def stages(self, requested: int, k_iters: int, epi_rows: int, smem: int) -> int:
+    fit = (smem - _SMEM_RESERVE - self.epilogue_bytes(epi_rows)) // self.stage_bytes()
+    stages = min(requested, max(k_iters, 1), fit)
+    if stages < 1:
+      raise ValueError(f"tile does not fit in {smem} bytes of shared memory: "
+                       f"stage {self.stage_bytes()} B + epilogue {self.epilogue_bytes(epi_rows)} B")
+    return int(stages)
+
+
+def smem_bytes(config: KernelConfig, dtype=jnp.bfloat16, out_dtype=None, mode: str = "plain") -> int:
+  """Shared memory of one CTA of the row-tiled kernel for `config` (all stages)."""
+  out_dtype = out_dtype or dtype
+  wg_n = config.block_n if mode == "plain" else config.block_n // 2
+  num_a, num_b = {"plain": (1, 1), "swiglu": (1, 2), "sum2": (2, 2)}[mode]
+  launch = _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
+                   jnp.dtype(out_dtype).itemsize, jnp.dtype(dtype).itemsize)
+  return (config.max_concurrent_steps * launch.stage_bytes()
+          + launch.epilogue_bytes(config.block_m) + _SMEM_RESERVE)
+
+
+def _swizzle_transforms(dtype, minor: int):
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _pad_axis(x, axis: int, size: int):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+# ----------------------------------------------------------------------------
+# Work lists (plain JAX, before the launch)
+# ----------------------------------------------------------------------------
+
+
+def _group_bounds(group_sizes, m: int):
+  """[start_g, end_g) of every group, clipped to [0, m]. int32 [G] each."""
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.minimum(jnp.cumsum(sizes), m)
+  starts = jnp.minimum(ends - sizes, m)
+  starts = jnp.maximum(starts, 0)
+  return starts, ends
+
+
+def num_row_tiles(m: int, num_groups: int, block_m: int) -> int:
+  """Static length of the row-tile work list: every row block once, plus one
+  extra tile per group boundary (G groups + the dead pseudo-group)."""
+  return -(-m // block_m) + num_groups
+
+
+def _row_tile_plan(group_sizes, m: int, block_m: int):
+  """Flat int32 [5 * T] work list: group, load_row, lo, hi, kind (see module doc)."""
+  g = group_sizes.shape[0]
+  starts, ends = _group_bounds(group_sizes, m)
+  total = ends[-1]
+  starts_x = jnp.concatenate([starts, total[None]])  # [G + 1]; G = dead rows
+  ends_x = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+  sizes = ends_x - starts_x
+  first = starts_x // block_m
+  last = (ends_x - 1) // block_m
+  count = jnp.where(sizes > 0, last - first + 1, 0)
+  cum = jnp.cumsum(count)
+  off = cum - count
+  t_max = num_row_tiles(m, g, block_m)
+  t = jnp.arange(t_max, dtype=jnp.int32)
+  gi = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)
+  valid = t < cum[-1]
+  gi = jnp.minimum(gi, g)
+  row0 = (first[gi] + t - off[gi]) * block_m
+  lo = jnp.maximum(starts_x[gi], row0)
+  hi = jnp.minimum(ends_x[gi], row0 + block_m)
+  load_row = row0  # m is a multiple of block_m (the wrapper pads), so loads stay inside
+  kind = jnp.where(valid, jnp.where(gi < g, _COMPUTE, _ZERO), _NONE)
+  group = jnp.where(gi < g, gi, 0)
+  lo = jnp.where(valid, lo, 0)
+  hi = jnp.where(valid, hi, 0)
+  load_row = jnp.where(valid, load_row, 0)
+  return jnp.concatenate([group, load_row, lo, hi, kind]).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Shared pieces of the kernel bodies
+# ----------------------------------------------------------------------------
+
+
+def _ladder_store(src_smem, dst_gmem, smem_start, gmem_start, count, max_rows: int):
+  """TMA-store rows [smem_start, smem_start + count) of src_smem to
+  dst_gmem[gmem_start:...]; 0 <= count <= max_rows (a power of two). One TMA per
+  set bit of count, largest first (rows never written outside the range):
+
+      count = 5 = 0b101:   rows 0..3  <- one 4-row store
+                           row  4     <- one 1-row store
+  """
+  size = max_rows
+  while size >= 1:
+    @pl.when((count & size) != 0)
+    def _(size=size, smem_start=smem_start, gmem_start=gmem_start):
+      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(smem_start, size)],
+                              dst_gmem.at[pl.ds(gmem_start, size)])
+    smem_start = smem_start + (count & size)
+    gmem_start = gmem_start + (count & size)
+    size //= 2
+
+
+def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, rows: int,
+                    col0, ragged: bool):
+  """Each compute warpgroup stores its [rows, wg_n] values through its own
+  [rows, _EPI_N] SMEM slot, chunk by chunk (see the module doc, "epilogue")."""
+  wg = lax.axis_index("wg")
+  slot = epi_smem.at[wg]
+  for val, out_gmem in zip(vals, out_gmems):
+    for c in range(val.shape[1] // _EPI_N):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+      slot[...] = val[:, c * _EPI_N:(c + 1) * _EPI_N].astype(slot.dtype)
+      plgpu.commit_smem()
+      dst = out_gmem.at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)]
+      if ragged:
+        _ladder_store(slot, dst, smem_row, gmem_row, count, rows)
+      else:
+        plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)])
+
+
+def _silu_mul(h, u):
+  return h * jax.nn.sigmoid(h) * u
+
+
+# ----------------------------------------------------------------------------
+# Row-tiled kernel: forward / dgrad / swiglu / sum2
+# ----------------------------------------------------------------------------
+
+
+def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
+                      m: int, k: int, n: int, num_tiles: int, block_m: int, block_k: int,
+                      wg_n: int, stages: int, in_dtype):
+  num_a = 2 if mode == "sum2" else 1
+  num_b = 1 if mode == "plain" else 2
+  a_gmems = refs[:num_a]
+  b_gmems = refs[num_a:num_a + num_b]
+  out_gmems = refs[num_a + num_b:]
+  cta_n = _NUM_COMPUTE_WGS * wg_n
+  k_iters = k // block_k
+  n_tiles = n // cta_n
+  pairs = {"plain": ((0, 0, 0),), "swiglu": ((0, 0, 0), (0, 1, 1)), "sum2": ((0, 0, 0), (1, 1, 0))}[mode]
+  num_acc = 2 if mode == "swiglu" else 1
+
+  a_transforms = _swizzle_transforms(in_dtype, block_k)
+  b_transforms = _swizzle_transforms(in_dtype, block_k if transpose_b else cta_n)
+
+  def mma_step(_, *args):
+    *smems, accs = args
+    a_smems, b_smems = smems[:num_a], smems[num_a:]
+    wg_cols = pl.ds(lax.axis_index("wg") * wg_n, wg_n)
+    for ai, bi, ci in pairs:
+      if transpose_b:
+        b = b_smems[bi].at[wg_cols, :].T
+      else:
+        b = b_smems[bi].at[:, wg_cols]
+      plgpu.wgmma(accs[ci], a_smems[ai], b)
+    plgpu.wgmma_wait(0)  # the stage is released (consumed) after this step
+    return accs
+
+  def make_pipeline(compute_context, k_steps):
+    a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms)
+    if transpose_b:
+      b_spec = plgpu.BlockSpec((cta_n, block_k), lambda ki: (0, ki), transforms=b_transforms)
+    else:
+      b_spec = plgpu.BlockSpec((block_k, cta_n), lambda ki: (ki, 0), transforms=b_transforms)
+    return plgpu.emit_pipeline_warp_specialized(
+        mma_step,
+        grid=(k_steps,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[a_spec] * num_a + [b_spec] * num_b,
+        wg_axis="wg",
+        num_compute_wgs=_NUM_COMPUTE_WGS,
+        max_concurrent_steps=stages,
+        compute_context=compute_context,
+    )
+
+  def operand_views(group, load_row, nt):
+    a_views = [a.at[pl.ds(load_row, block_m), :] for a in a_gmems]
+    cols = pl.ds(nt * cta_n, cta_n)
+    if transpose_b:
+      b_views = [b.at[group, cols, :] for b in b_gmems]
+    else:
+      b_views = [b.at[group, :, cols] for b in b_gmems]
+    return a_views, b_views
+
+  a0, b0 = operand_views(0, 0, 0)
+  ignore = lambda *_, **__: None
+  # Dynamic grid (k_steps is traced) so the allocation matches every tile's pipeline.
+  alloc_pipeline = make_pipeline(ignore, jnp.int32(k_iters))
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=alloc_pipeline.get_allocations(*a0, *b0),
+      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmems[0].dtype),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, epi_smem):
+    @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
+    def _tile_loop(loop_info):
+      (lin,) = loop_info.index
+      t = lin // n_tiles
+      nt = lin % n_tiles
+      group = plan_gmem[t]
+      load_row = pl.multiple_of(plan_gmem[num_tiles + t], block_m)
+      lo = plan_gmem[2 * num_tiles + t]
+      hi = plan_gmem[3 * num_tiles + t]
+      kind = plan_gmem[4 * num_tiles + t]
+
+      @pl.when(kind != _NONE)
+      def _live_tile():
+        k_steps = jnp.where(kind == _COMPUTE, k_iters, 0)
+
+        def compute_context(eval_pipeline):
+          def acc_scope(*accs):
+            eval_pipeline(tuple(accs))
+            vals = [acc[...] for acc in accs]
+            if mode == "swiglu":
+              outs = [_silu_mul(vals[0], vals[1])] + (vals if save_hu else [])
+            else:
+              outs = vals
+            col0 = nt * cta_n + lax.axis_index("wg") * wg_n
+            _store_epilogue(outs, out_gmems, epi_smem, smem_row=lo - load_row, gmem_row=lo,
+                            count=hi - lo, rows=block_m, col0=col0, ragged=True)
+          pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
+
+        a_views, b_views = operand_views(group, load_row, nt)
+        make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool,
+                    out_dtype, save_hu: bool, config: KernelConfig, interpret):
+  """Launch the row-tiled kernel on operands already padded to the tile grid.
+
+  a_list: [M, K] each; b_list: [G, K, N] (or [G, N, K] with transpose_b).
+  Returns a tuple of [M, N] outputs.
+  """
+  m, k = a_list[0].shape
+  g = b_list[0].shape[0]
+  n = b_list[0].shape[1] if transpose_b else b_list[0].shape[2]
+  wg_n = config.block_n if mode == "plain" else config.block_n // 2
+  if wg_n % _EPI_N:
+    raise ValueError(f"per-warpgroup tile width {wg_n=} must be a multiple of {_EPI_N}")
+  cta_n = _NUM_COMPUTE_WGS * wg_n
+  block_m, block_k = config.block_m, config.block_k
+  if block_m & (block_m - 1):
+    raise ValueError(f"{block_m=} must be a power of two (ragged TMA store ladder)")
+  if k % block_k:
+    raise ValueError(f"{k=} must be divisible by {block_k=}")
+  if n % cta_n:
+    raise ValueError(f"{n=} must be divisible by the CTA tile width {cta_n}")
+  if m % block_m:
+    raise ValueError(f"{m=} must be divisible by {block_m=}")
+  in_dtype = a_list[0].dtype
+  for x in (*a_list, *b_list):
+    if x.dtype != in_dtype:
+      raise ValueError(f"all operands must share one dtype, got {x.dtype} and {in_dtype}")
+  num_a = 2 if mode == "sum2" else 1
+  num_b = 1 if mode == "plain" else 2
+  launch = _Launch(block_m, block_k, wg_n, num_a, num_b, cta_n, block_k,
+                   jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize)
+  stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m,
+                         device_lib.HOPPER_SMEM_BYTES)
+  num_tiles = num_row_tiles(m, g, block_m)
+  plan = _row_tile_plan(group_sizes, m, block_m)
+  num_out = 3 if (mode == "swiglu" and save_hu) else 1
+  body = functools.partial(
+      _row_tiled_kernel, mode=mode, transpose_b=transpose_b, save_hu=save_hu, m=m, k=k, n=n,
+      num_tiles=num_tiles, block_m=block_m, block_k=block_k, wg_n=wg_n, stages=stages,
+      in_dtype=in_dtype)
+  kernel = plgpu.kernel(
+      body,
+      out_type=tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for _ in range(num_out)),
+      grid=(device_lib.num_sms(config.num_sms),),
+      grid_names=("sm",),
+      num_threads=_NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=resolve_interpret(interpret),
+  )
+  return kernel(plan, *a_list, *b_list)
+
+
+# ----------------------------------------------------------------------------
+# Wgrad kernel
+# ----------------------------------------------------------------------------
+
+
+def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int,
+                  block_m: int, block_n: int, block_k: int, stages: int, in_dtype):
+  _, k_out = lhs_gmem.shape
+  _, n_out = dout_gmem.shape
+  cta_k = _NUM_COMPUTE_WGS * block_m
+  k_tiles = k_out // cta_k
+  n_tiles = n_out // block_n
+  a_transforms = _swizzle_transforms(in_dtype, cta_k)
+  b_transforms = _swizzle_transforms(in_dtype, block_n)
+
+  def make_pipeline(compute_context, num_blocks, first_block, start, end):
+    def mma_step(idxs, a_smem, b_smem, acc):
+      (r,) = idxs
+      a_wg = a_smem.at[:, pl.ds(lax.axis_index("wg") * block_m, block_m)]
+      row0 = (first_block + r) * block_k
+
+      @pl.when((row0 < start) | (row0 + block_k > end))
+      def _mask_rows():  # this warpgroup's own columns only: no cross-wg race
+        rows = row0 + plgpu.layout_cast(
+            lax.broadcasted_iota(jnp.int32, (block_k, block_m), 0), plgpu.Layout.WGMMA)
+        tile = a_wg[...]
+        a_wg[...] = jnp.where((rows >= start) & (rows < end), tile, jnp.zeros_like(tile))
+        plgpu.commit_smem()
+
+      plgpu.wgmma(acc, a_wg.T, b_smem)
+      plgpu.wgmma_wait(0)
+      return acc
+
+    return plgpu.emit_pipeline_warp_specialized(
+        mma_step,
+        grid=(num_blocks,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((block_k, cta_k), lambda r: (first_block + r, 0),
+                            transforms=a_transforms),
+            plgpu.BlockSpec((block_k, block_n), lambda r: (first_block + r, 0),
+                            transforms=b_transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=_NUM_COMPUTE_WGS,
+        max_concurrent_steps=stages,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+  alloc_pipeline = make_pipeline(ignore, jnp.int32(1), 0, 0, 0)
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=alloc_pipeline.get_allocations(
+          lhs_gmem.at[:, pl.ds(0, cta_k)], dout_gmem.at[:, pl.ds(0, block_n)]),
+      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmem.dtype),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, epi_smem):
+    @plgpu.nd_loop((num_groups * k_tiles * n_tiles,), collective_axes="sm")
+    def _tile_loop(loop_info):
+      (lin,) = loop_info.index
+      g = lin // (k_tiles * n_tiles)
+      kt = (lin // n_tiles) % k_tiles
+      nt = lin % n_tiles
+      start = bounds_gmem[g]
+      end = bounds_gmem[num_groups + g]
+      first_block = start // block_k
+      num_blocks = jnp.where(end > start, (end + block_k - 1) // block_k - first_block, 0)
+
+      def compute_context(eval_pipeline):
+        def acc_scope(acc):
+          eval_pipeline(acc)
+          wg = lax.axis_index("wg")
+          _store_epilogue([acc[...]], [out_gmem.at[g]], epi_smem, smem_row=0,
+                          gmem_row=kt * cta_k + wg * block_m, count=block_m, rows=block_m,
+                          col0=nt * block_n, ragged=False)
+        pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n), jnp.float32))
+
+      make_pipeline(compute_context, num_blocks, first_block, start, end)(
+          lhs_gmem.at[:, pl.ds(kt * cta_k, cta_k)],
+          dout_gmem.at[:, pl.ds(nt * block_n, block_n)],
+          allocations=pipeline_allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, interpret):
+  """drhs[g] = lhs[rows g]^T @ dout[rows g] on operands padded to the tile grid."""
+  m, k_out = lhs.shape
+  _, n_out = dout.shape
+  g = group_sizes.shape[0]
+  block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+  cta_k = _NUM_COMPUTE_WGS * block_m
+  if k_out % cta_k:
+    raise ValueError(f"{k_out=} must be divisible by the CTA tile {cta_k}")
+  if n_out % block_n:
+    raise ValueError(f"{n_out=} must be divisible by {block_n=}")
+  if m % block_k:
+    raise ValueError(f"{m=} must be divisible by {block_k=}")
+  in_dtype = lhs.dtype
+  if dout.dtype != in_dtype:
+    raise ValueError(f"lhs and dout must share one dtype, got {lhs.dtype} and {dout.dtype}")
+  launch = _Launch(block_k, block_k, block_n // 2, 1, 1, block_n, cta_k,
+                   jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize)
+  stages = launch.stages(config.max_concurrent_steps, m // block_k, block_m,
+                         device_lib.HOPPER_SMEM_BYTES)
+  starts, ends = _group_bounds(group_sizes, m)
+  bounds = jnp.concatenate([starts, ends]).astype(jnp.int32)
+  body = functools.partial(_wgrad_kernel, num_groups=g, block_m=block_m, block_n=block_n,
+                           block_k=block_k, stages=stages, in_dtype=in_dtype)
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((g, k_out, n_out), out_dtype),
+      grid=(device_lib.num_sms(config.num_sms),),
+      grid_names=("sm",),
+      num_threads=_NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=resolve_interpret(interpret),
+  )
+  return kernel(bounds, lhs, dout)
+
+
+# ----------------------------------------------------------------------------
+# Public kernels (padding + launch)
+# ----------------------------------------------------------------------------
+
+
+def _padded_rows(m: int, config: KernelConfig, wgrad: bool = False) -> int:
+  rows = _round_up(m, config.block_m)
+  if wgrad:
+    rows = _round_up(rows, config.block_k)
+  return rows
+
+
+def gmm(lhs, rhs, group_sizes, *, out_dtype=None, config: KernelConfig = KernelConfig(),
+        interpret=None):
+  """Forward: out[rows of g] = lhs[rows of g] @ rhs[g]. lhs [M, K], rhs [G, K, N].
+
+  Returns [M, N] in `out_dtype` (default lhs.dtype), float32 accumulation; dead
+  rows (past sum(group_sizes)) are zero.
+  """
+  m, k = lhs.shape
+  g, k2, n = rhs.shape
+  if k != k2:
+    raise ValueError(f"lhs.shape={lhs.shape} and rhs.shape={rhs.shape}: K differs")
+  if group_sizes.shape != (g,):
+    raise ValueError(f"group_sizes.shape={group_sizes.shape} must be ({g},)")
+  k_p = _round_up(k, config.block_k)
+  n_p = _round_up(n, _NUM_COMPUTE_WGS * config.block_n)
+  m_p = _padded_rows(m, config)
+  lhs_p = _pad_axis(_pad_axis(lhs, 1, k_p), 0, m_p)
+  rhs_p = _pad_axis(_pad_axis(rhs, 1, k_p), 2, n_p)
+  (out,) = _row_tiled_call([lhs_p], [rhs_p], group_sizes, mode="plain", transpose_b=False,
+                           out_dtype=out_dtype or lhs.dtype, save_hu=False, config=config,
+                           interpret=interpret)
+  return out[:m, :n] if (m_p, n_p) != (m, n) else out
+
+
+def gmm_dgrad(dout, rhs, group_sizes, *, out_dtype=None, config: KernelConfig = KernelConfig(),
+              interpret=None):
+  """Dgrad: dlhs[rows of g] = dout[rows of g] @ rhs[g]^T. dout [M, N], rhs [G, K, N] -> [M, K].
+
+  rhs is read through a transposed SMEM view (no transposed copy). Dead rows are zero.
+  """
+  m, n = dout.shape
+  g, k, n2 = rhs.shape
+  if n != n2:
+    raise ValueError(f"dout.shape={dout.shape} and rhs.shape={rhs.shape}: N differs")
+  n_p = _round_up(n, config.block_k)
+  k_p = _round_up(k, _NUM_COMPUTE_WGS * config.block_n)
+  m_p = _padded_rows(m, config)
+  dout_p = _pad_axis(_pad_axis(dout, 1, n_p), 0, m_p)
+  rhs_p = _pad_axis(_pad_axis(rhs, 2, n_p), 1, k_p)
+  (out,) = _row_tiled_call([dout_p], [rhs_p], group_sizes, mode="plain", transpose_b=True,
+                           out_dtype=out_dtype or dout.dtype, save_hu=False, config=config,
+                           interpret=interpret)
+  return out[:m, :k] if (m_p, k_p) != (m, k) else out
+
+
+def gmm_wgrad(lhs, dout, group_sizes, *, out_dtype=None, config: KernelConfig = KernelConfig(),
+              interpret=None):
+  """Wgrad: drhs[g] = lhs[rows of g]^T @ dout[rows of g]. lhs [M, K], dout [M, N] -> [G, K, N].
+
+  Empty groups give zeros. The sum over a group's rows runs sequentially over
+  its block_k row blocks (fixed order, one CTA per output tile, no atomics).
+  dout rows sharing a block_k row block with the group must be finite.
+  """
+  m, k = lhs.shape
+  m2, n = dout.shape
+  if m != m2:
+    raise ValueError(f"lhs.shape={lhs.shape} and dout.shape={dout.shape}: M differs")
+  k_p = _round_up(k, _NUM_COMPUTE_WGS * config.block_m)
+  n_p = _round_up(n, config.block_n)
+  m_p = _padded_rows(m, config, wgrad=True)
+  lhs_p = _pad_axis(_pad_axis(lhs, 1, k_p), 0, m_p)
+  dout_p = _pad_axis(_pad_axis(dout, 1, n_p), 0, m_p)
+  out = _wgrad_call(lhs_p, dout_p, group_sizes, out_dtype=out_dtype or lhs.dtype, config=config,
+                    interpret=interpret)
+  return out[:, :k, :n] if (k_p, n_p) != (k, n) else out
+
+
+# ----------------------------------------------------------------------------
+# Differentiable wrappers
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_matmul_fn(config: KernelConfig, interpret):
+  kw = dict(config=config, interpret=interpret)
+
+  @jax.custom_vjp
+  def f(lhs, rhs, group_sizes):
+    return gmm(lhs, rhs, group_sizes, **kw)
+
+  def fwd(lhs, rhs, group_sizes):
+    return gmm(lhs, rhs, group_sizes, **kw), (lhs, rhs, group_sizes)
+
+  def bwd(res, dout):
+    lhs, rhs, group_sizes = res
+    dout = dout.astype(lhs.dtype)
+    dlhs = gmm_dgrad(dout, rhs, group_sizes, out_dtype=lhs.dtype, **kw)
+    drhs = gmm_wgrad(lhs, dout, group_sizes, out_dtype=rhs.dtype, **kw)
+    return dlhs, drhs, None
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, config: KernelConfig = KernelConfig(),
+                   interpret=None):
+  """Differentiable grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g].
+
+  lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (no gradient) -> [M, N] in
+  lhs.dtype (float32 accumulation). Rows past sum(group_sizes) come back zero;
+  their cotangents do not reach dlhs or drhs (they must be finite: wgrad
+  multiplies them by exact zeros). Gradients: dlhs by the dgrad kernel, drhs by the
+  wgrad kernel (empty groups -> zero gradient).
+  """
+  return _grouped_matmul_fn(config, resolve_interpret(interpret))(lhs, rhs, group_sizes)
+
+
+def _swiglu_padded_weights(w_gate, w_up, w_down, config: KernelConfig):
+  """Pad F to the CTA tile of the fused gate/up kernel (block_n) with zeros.
+
+  Zero columns of w_gate/w_up give h = u = 0, so a = silu(0) * 0 = 0 in the
+  padded columns, and the zero rows of w_down add nothing: the FFN is exact in
+  the padded space and only the (small) weights are copied.
+  """
+  f = w_gate.shape[2]
+  # F is an output dim of the gate/up kernel (CTA tile block_n), of the da dgrad
+  # (2 block_n) and of the dw_down wgrad (2 block_m), and a contraction dim (block_k).
+  f_p = _round_up(f, math.lcm(2 * config.block_n, 2 * config.block_m, config.block_k))
+  return (_pad_axis(w_gate, 2, f_p), _pad_axis(w_up, 2, f_p), _pad_axis(w_down, 1, f_p), f_p)
+
+
+def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save: bool):
+  m, h_dim = x.shape
+  wg_p, wu_p, wd_p, _ = _swiglu_padded_weights(w_gate, w_up, w_down, config)
+  h_p = _round_up(h_dim, config.block_k)
+  h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)
+  m_p = _padded_rows(m, config)
+  x_p = _pad_axis(_pad_axis(x, 1, h_p), 0, m_p)
+  wg_p = _pad_axis(wg_p, 1, h_p)
+  wu_p = _pad_axis(wu_p, 1, h_p)
+  wd_p = _pad_axis(wd_p, 2, h_out)
+  outs = _row_tiled_call([x_p], [wg_p, wu_p], group_sizes, mode="swiglu", transpose_b=False,
+                         out_dtype=x.dtype, save_hu=save, config=config, interpret=interpret)
+  a = outs[0]  # [m_p, F_p]
+  (y,) = _row_tiled_call([a], [wd_p], group_sizes, mode="plain", transpose_b=False,
+                         out_dtype=x.dtype, save_hu=False, config=config, interpret=interpret)
+  y = y[:m, :h_dim] if y.shape != (m, h_dim) else y
+  return y, outs
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_fn(config: KernelConfig, interpret):
+
+  @jax.custom_vjp
+  def f(x, w_gate, w_up, w_down, group_sizes):
+    y, _ = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save=False)
+    return y
+
+  def fwd(x, w_gate, w_up, w_down, group_sizes):
+    y, (a, h, u) = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret,
+                                   save=True)
+    return y, (x, w_gate, w_up, w_down, group_sizes, a, h, u)
+
+  def bwd(res, dy):
+    x, w_gate, w_up, w_down, group_sizes, a, h, u = res
+    m, h_dim = x.shape
+    f_dim = w_gate.shape[2]
+    kw = dict(config=config, interpret=interpret)
+    wg_p, wu_p, wd_p, f_p = _swiglu_padded_weights(w_gate, w_up, w_down, config)
+    m_p = a.shape[0]
+    h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
+    h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
+    dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
+    # da = dy @ w_down^T, float32 out: [m_p, f_p]
+    (da,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="plain",
+                            transpose_b=True, out_dtype=jnp.float32, save_hu=False, **kw)
+    hf = h.astype(jnp.float32)
+    uf = u.astype(jnp.float32)
+    s = jax.nn.sigmoid(hf)
+    dh = (da * uf * s * (1.0 + hf * (1.0 - s))).astype(x.dtype)
+    du = (da * hf * s).astype(x.dtype)
+    # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
+    (dx,) = _row_tiled_call([dh, du], [_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)],
+                            group_sizes, mode="sum2", transpose_b=True, out_dtype=x.dtype,
+                            save_hu=False, **kw)
+    dx = dx[:m, :h_dim]
+    x_w = _pad_axis(x, 0, m_p)
+    dw_gate = gmm_wgrad(x_w, dh, group_sizes, out_dtype=w_gate.dtype, **kw)[:, :, :f_dim]
+    dw_up = gmm_wgrad(x_w, du, group_sizes, out_dtype=w_up.dtype, **kw)[:, :, :f_dim]
+    dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
+                        out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
+    return dx, dw_gate, dw_up, dw_down, None
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
+                       config: KernelConfig = KernelConfig(), interpret=None):
+  """SwiGLU expert FFN over grouped rows, differentiable (custom_vjp).
+
+  x [M, H], w_gate/w_up [G, H, F], w_down [G, F, H], group_sizes [G] -> y [M, H]:
+    h = x @ w_gate[g], u = x @ w_up[g]      (one kernel, two f32 accumulators)
+    a = (silu(h) * u) in f32, cast to x.dtype
+    y = a @ w_down[g] (f32 accumulation), cast to x.dtype.
+  Rows past sum(group_sizes) come back zero. F need not be a multiple of 64.
+
+  Saved for the backward pass: a, h, u (x.dtype, written by the gate/up
+  epilogue; no recompute of the gate/up GEMMs). Backward (dh, du are cast to
+  x.dtype before the GEMMs that consume them; h and u are the saved x.dtype values):
+    da = dy @ w_down^T (f32 output);  s = sigmoid(h)
+    dh = da * u * s * (1 + h (1 - s)),  du = da * silu(h)
+    dx = dh @ w_gate^T + du @ w_up^T (one "sum2" kernel)
+    dw_gate = x^T dh, dw_up = x^T du, dw_down = a^T dy (wgrad kernel).
+  """
+  return _swiglu_fn(config, resolve_interpret(interpret))(x, w_gate, w_up, w_down, group_sizes)
+
+
+# ----------------------------------------------------------------------------
+# Pure-JAX references (the test oracle)
+# ----------------------------------------------------------------------------
+
+
+def _dead_row_mask(m: int, group_sizes):
+  total = jnp.sum(group_sizes.astype(jnp.int32))
+  return (jnp.arange(m) < total)[:, None]
+
+
+def reference_gmm(lhs, rhs, group_sizes, out_dtype=None):
+  """lax.ragged_dot with f32 accumulation; dead rows zero."""
+  out = lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                       preferred_element_type=jnp.float32)
+  out = jnp.where(_dead_row_mask(lhs.shape[0], group_sizes), out, 0.0)
+  return out.astype(out_dtype or lhs.dtype)
+
+
+def reference_gmm_dgrad(dout, rhs, group_sizes, out_dtype=None):
+  return reference_gmm(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, out_dtype)
+
+
+def reference_gmm_wgrad(lhs, dout, group_sizes, out_dtype=None):
+  """drhs[g] = lhs[rows g]^T dout[rows g] via ragged_dot_general (f32 accumulation)."""
+  dims = lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())),
+      lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[],
+  )
+  mask = _dead_row_mask(lhs.shape[0], group_sizes)
+  lhs = jnp.where(mask, lhs, 0)
+  out = lax.ragged_dot_general(lhs, dout, group_sizes.astype(jnp.int32), dims,
+                               preferred_element_type=jnp.float32)
+  return out.astype(out_dtype or lhs.dtype)
+
+
+def reference_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes):
+  """The FFN with lax.ragged_dot (f32 accumulation, same casts as the kernel)."""
+  gs = group_sizes.astype(jnp.int32)
+  h = lax.ragged_dot(x, w_gate, gs, preferred_element_type=jnp.float32)
+  u = lax.ragged_dot(x, w_up, gs, preferred_element_type=jnp.float32)
+  a = (jax.nn.silu(h) * u).astype(x.dtype)
+  y = lax.ragged_dot(a, w_down, gs, preferred_element_type=jnp.float32)
+  y = jnp.where(_dead_row_mask(x.shape[0], group_sizes), y, 0.0)
+  return y.astype(x.dtype)

@@ -1,0 +1,260 @@
+"""Tests of the Pallas grouped GEMM (pallas_kernels.grouped_gemm).
+
+On the CPU every kernel runs in Mosaic GPU interpret mode with the race detector
+on (`plgpu.InterpretGPUParams(detect_races=True)`); shapes are small (each case
+takes seconds). The oracle is `lax.ragged_dot` with float32 accumulation on
+float32 copies of the bf16 inputs; the kernel's bf16 output may then differ from
+it by one bf16 rounding (relative 2^-8) plus float32 summation-order noise.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+from pallas_kernels import grouped_gemm as gg
+from uniep_jax.config import KernelConfig
+
+ON_GPU = any(d.platform == "gpu" for d in jax.devices())
+# Two simulated SMs: every CTA walks several tiles (exercises the persistent loop,
+# barrier phase reuse across tiles and the epilogue slot reuse); two stages.
+CONFIG = KernelConfig(num_sms=2, max_concurrent_steps=2)
+INTERPRET = False if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
+BF16 = jnp.bfloat16
+BF16_RTOL = 2.0**-8  # one bf16 rounding of the output
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpret_state():
+  """Interpret mode keeps global state; a failed kernel leaves it dirty."""
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+  yield
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def assert_no_races():
+  """The race detector of the last interpreted kernel found nothing."""
+  if ON_GPU:
+    return
+  assert gpu_callbacks._races is not None, "no interpreted kernel ran"
+  assert not gpu_callbacks.get_races().races_found, "race detector reported a race"
+
+
+def rand(key, shape, scale=1.0):
+  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(BF16)
+
+
+def f32(x):
+  return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+def assert_bf16_close(out, ref_f32, atol=1e-4):
+  """out (bf16) equals the f32 reference up to one bf16 rounding."""
+  np.testing.assert_allclose(f32(out), f32(ref_f32), rtol=BF16_RTOL, atol=atol)
+
+
+# Empty first, middle and last groups; boundaries not aligned to 64; dead rows.
+GROUP_SIZES = np.array([0, 37, 0, 90, 61, 0], np.int32)  # sum 188 of M = 256
+
+
+def test_row_tile_plan_covers_every_row_once():
+  m, block_m = 300, 64
+  gs = jnp.array([0, 70, 0, 5, 100, 0], jnp.int32)
+  plan = np.asarray(gg._row_tile_plan(gs, m, block_m)).reshape(5, -1)
+  group, load_row, lo, hi, kind = plan
+  owner = np.full(m, -1)
+  for t in np.nonzero(kind)[0]:
+    assert load_row[t] <= lo[t] < hi[t] <= load_row[t] + block_m
+    assert np.all(owner[lo[t]:hi[t]] == -1), "a row is stored twice"
+    owner[lo[t]:hi[t]] = group[t] if kind[t] == gg._COMPUTE else 99
+  ends = np.cumsum(np.asarray(gs))
+  expected = np.concatenate([np.full(int(s), g) for g, s in enumerate(np.asarray(gs))] +
+                            [np.full(m - ends[-1], 99)])
+  np.testing.assert_array_equal(owner, expected)
+
+
+def test_forward_ragged_k_n_empty_groups_dead_rows_zero():
+  m, k, n = 256, 96, 200  # K and N not multiples of 64
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = rand(kx, (m, k))
+  w = rand(kw, (len(GROUP_SIZES), k, n), k**-0.5)
+  gs = jnp.asarray(GROUP_SIZES)
+  out = gg.gmm(x, w, gs, config=CONFIG, interpret=INTERPRET)
+  assert_no_races()
+  assert out.shape == (m, n) and out.dtype == BF16
+  ref = gg.reference_gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs)
+  assert_bf16_close(out, ref)
+  total = int(GROUP_SIZES.sum())
+  np.testing.assert_array_equal(f32(out[total:]), 0.0)  # documented: dead rows are zero
+
+
+def test_dgrad_ragged_k_n():
+  m, k, n = 256, 200, 96
+  kd, kw = jax.random.split(jax.random.key(1))
+  dout = rand(kd, (m, n))
+  w = rand(kw, (len(GROUP_SIZES), k, n), n**-0.5)
+  gs = jnp.asarray(GROUP_SIZES)
+  out = gg.gmm_dgrad(dout, w, gs, config=CONFIG, interpret=INTERPRET)
+  assert_no_races()
+  assert out.shape == (m, k)
+  ref = gg.reference_gmm_dgrad(dout.astype(jnp.float32), w.astype(jnp.float32), gs)
+  assert_bf16_close(out, ref)
+  np.testing.assert_array_equal(f32(out[int(GROUP_SIZES.sum()):]), 0.0)
+
+
+def test_wgrad_unaligned_groups_empty_groups_zero():
+  m, k, n = 256, 96, 200
+  kx, kd = jax.random.split(jax.random.key(2))
+  x = rand(kx, (m, k))
+  dout = rand(kd, (m, n))
+  gs = jnp.asarray(GROUP_SIZES)
+  out = gg.gmm_wgrad(x, dout, gs, out_dtype=jnp.float32, config=CONFIG, interpret=INTERPRET)
+  assert_no_races()
+  assert out.shape == (len(GROUP_SIZES), k, n)
+  ref = gg.reference_gmm_wgrad(x.astype(jnp.float32), dout.astype(jnp.float32), gs,
+                               out_dtype=jnp.float32)
+  np.testing.assert_allclose(f32(out), f32(ref), rtol=1e-5, atol=1e-4)
+  for g in np.nonzero(GROUP_SIZES == 0)[0]:
+    np.testing.assert_array_equal(f32(out[g]), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["swiglu", "sum2"])
+def test_fused_modes_no_races(mode):
+  """The two fused variants of the row-tiled kernel against their definition."""
+  m, k, n = 256, 128, 128
+  ks = jax.random.split(jax.random.key(3), 4)
+  gs = jnp.asarray(GROUP_SIZES)
+  g = len(GROUP_SIZES)
+  if mode == "swiglu":
+    x = rand(ks[0], (m, k))
+    wg_, wu_ = rand(ks[1], (g, k, n), k**-0.5), rand(ks[2], (g, k, n), k**-0.5)
+    a, h, u = gg._row_tiled_call([x], [wg_, wu_], gs, mode="swiglu", transpose_b=False,
+                                 out_dtype=BF16, save_hu=True, config=CONFIG, interpret=INTERPRET)
+    assert_no_races()
+    xf = x.astype(jnp.float32)
+    h_ref = gg.reference_gmm(xf, wg_.astype(jnp.float32), gs, jnp.float32)
+    u_ref = gg.reference_gmm(xf, wu_.astype(jnp.float32), gs, jnp.float32)
+    assert_bf16_close(h, h_ref)
+    assert_bf16_close(u, u_ref)
+    assert_bf16_close(a, jax.nn.silu(h_ref) * u_ref)
+  else:
+    a0, a1 = rand(ks[0], (m, k)), rand(ks[1], (m, k))
+    b0, b1 = rand(ks[2], (g, n, k), k**-0.5), rand(ks[3], (g, n, k), k**-0.5)
+    (out,) = gg._row_tiled_call([a0, a1], [b0, b1], gs, mode="sum2", transpose_b=True,
+                                out_dtype=jnp.float32, save_hu=False, config=CONFIG,
+                                interpret=INTERPRET)
+    assert_no_races()
+    ref = (gg.reference_gmm_dgrad(a0.astype(jnp.float32), b0.astype(jnp.float32), gs, jnp.float32)
+           + gg.reference_gmm_dgrad(a1.astype(jnp.float32), b1.astype(jnp.float32), gs,
+                                    jnp.float32))
+    np.testing.assert_allclose(f32(out), f32(ref), rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_matmul_gradients():
+  m, k, n = 256, 96, 128
+  ks = jax.random.split(jax.random.key(4), 3)
+  x, w, dy = rand(ks[0], (m, k)), rand(ks[1], (len(GROUP_SIZES), k, n), k**-0.5), rand(ks[2], (m, n))
+  gs = jnp.asarray(GROUP_SIZES)
+  y, vjp = jax.vjp(lambda a, b: gg.grouped_matmul(a, b, gs, config=CONFIG, interpret=INTERPRET),
+                   x, w)
+  dx, dw = vjp(dy)
+  ref_fn = lambda a, b: gg.reference_gmm(a, b, gs, jnp.float32)
+  y_ref, vjp_ref = jax.vjp(ref_fn, x.astype(jnp.float32), w.astype(jnp.float32))
+  dx_ref, dw_ref = vjp_ref(dy.astype(jnp.float32))
+  assert dx.dtype == x.dtype and dw.dtype == w.dtype
+  assert_bf16_close(y, y_ref)
+  assert_bf16_close(dx, dx_ref)
+  assert_bf16_close(dw, dw_ref, atol=1e-3)
+
+
+def test_swiglu_ffn_forward_and_gradients():
+  m, h, f = 256, 128, 96  # F not a multiple of 64
+  g = len(GROUP_SIZES)
+  ks = jax.random.split(jax.random.key(5), 5)
+  x = rand(ks[0], (m, h))
+  w_gate, w_up = rand(ks[1], (g, h, f), h**-0.5), rand(ks[2], (g, h, f), h**-0.5)
+  w_down = rand(ks[3], (g, f, h), f**-0.5)
+  dy = rand(ks[4], (m, h))
+  gs = jnp.asarray(GROUP_SIZES)
+  ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET)
+  y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
+  grads = vjp(dy)
+  # Forward: exactly the documented casts (a rounded to bf16), f32 accumulation.
+  y_ref = gg.reference_swiglu_ffn(x, w_gate, w_up, w_down, gs)
+  rel = np.linalg.norm(f32(y) - f32(y_ref)) / np.linalg.norm(f32(y_ref))
+  assert rel < 4e-3, rel
+  np.testing.assert_array_equal(f32(y[int(GROUP_SIZES.sum()):]), 0.0)
+  # Gradients vs jax.grad of the ragged_dot reference in float32. The kernel path
+  # rounds h, u (saved) and dh, du (GEMM inputs) to bf16: allow bf16-level error.
+  ref = lambda *a: gg.reference_swiglu_ffn(*[v.astype(jnp.float32) for v in a], gs)
+  _, vjp_ref = jax.vjp(ref, x, w_gate, w_up, w_down)
+  grads_ref = vjp_ref(dy.astype(jnp.float32))
+  for name, got, want in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, grads_ref):
+    assert got.shape == want.shape and got.dtype == BF16, name
+    rel = np.linalg.norm(f32(got) - f32(want)) / np.linalg.norm(f32(want))
+    assert rel < 1e-2, (name, rel)
+
+
+def test_row_split_invariance_bitwise():
+  """The same rows give the same bits whether launched together or split."""
+  m, k, n = 256, 128, 128
+  kx, kw = jax.random.split(jax.random.key(6))
+  x = rand(kx, (m, k))
+  w = rand(kw, (2, k, n), k**-0.5)
+  run = functools.partial(gg.gmm, config=CONFIG, interpret=INTERPRET)
+  whole = run(x, w, jnp.array([100, 156], jnp.int32))
+  first = run(x[:128], w, jnp.array([100, 28], jnp.int32))
+  second = run(x[128:], w, jnp.array([0, 128], jnp.int32))
+  chex.assert_trees_all_equal(whole, jnp.concatenate([first, second]))
+  # A row in another position of its tile (shifted by 37 rows) is still bitwise equal.
+  shifted = run(jnp.concatenate([x[:37], x]), w, jnp.array([137, 156], jnp.int32))
+  chex.assert_trees_all_equal(whole, shifted[37:])
+
+
+def test_deterministic_under_jit():
+  m, k, n = 256, 128, 128
+  kx, kw = jax.random.split(jax.random.key(7))
+  x = rand(kx, (m, k))
+  w = rand(kw, (len(GROUP_SIZES), k, n), k**-0.5)
+  gs = jnp.asarray(GROUP_SIZES)
+  f = jax.jit(lambda a, b, s: gg.gmm_wgrad(a, b, s, config=CONFIG, interpret=INTERPRET))
+  outs = [f(x, x[:, :n], gs) for _ in range(3)]
+  chex.assert_trees_all_equal(outs[0], outs[1])
+  chex.assert_trees_all_equal(outs[0], outs[2])
+
+
+def test_no_python_unrolling_over_groups():
+  """The traced program does not grow with G (256 groups traces like 4)."""
+  m, k, n = 256, 64, 128
+  x = jnp.zeros((m, k), BF16)
+
+  def size(g):
+    w = jnp.zeros((g, k, n), BF16)
+    gs = jnp.zeros((g,), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda a, b, s: gg.gmm(a, b, s, config=CONFIG,
+                                                  interpret=INTERPRET))(x, w, gs)
+    return len(str(jaxpr))
+
+  small, large = size(4), size(256)
+  assert large < 1.05 * small, (small, large)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_medium_shapes():
+  m, k, n, g = 4096, 1536, 480, 16
+  ks = jax.random.split(jax.random.key(8), 3)
+  x, w, d = rand(ks[0], (m, k)), rand(ks[1], (g, k, n), k**-0.5), rand(ks[2], (m, n))
+  gs = jnp.asarray(np.random.default_rng(0).multinomial(m - 100, np.ones(g) / g).astype(np.int32))
+  cfg = KernelConfig()
+  assert_bf16_close(gg.gmm(x, w, gs, config=cfg),
+                    gg.reference_gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs), atol=1e-3)
+  assert_bf16_close(gg.gmm_dgrad(d, w, gs, config=cfg),
+                    gg.reference_gmm_dgrad(d.astype(jnp.float32), w.astype(jnp.float32), gs),
+                    atol=1e-3)
