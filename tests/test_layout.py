@@ -74,3 +74,45 @@ def test_plan_is_deterministic_under_jit():
   a, b, c = f(topk, cm, 2), f(topk, cm, 2), f(topk, cm, 2)
   for x, y in ((a, b), (a, c)):
     jax.tree.map(np.testing.assert_array_equal, x, y)
+
+
+@pytest.mark.parametrize("order", ["interleaved", "peer_major"])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_segments_reproduce_the_transport(ranks, order):
+  """Copying the dispatch segments of every rank, then the return segments, in
+  numpy, gives the receive layout of `send_rows` and the identity on return."""
+  from uniep_jax.layout import dispatch_segments, return_segments
+  t, k, e = 13, 3, 8
+  rng = np.random.default_rng(10 + ranks)
+  topks = [_random_routing(rng, t, k, e, skew=True) for _ in range(ranks)]
+  cm = jnp.stack([local_group_sizes(jnp.asarray(tk), e) for tk in topks])
+  plans = [jax.tree.map(np.asarray, make_plan(jnp.asarray(topks[r]), cm, r)) for r in range(ranks)]
+  n = t * k
+  # source rows: a unique id per (rank, sorted position)
+  src = [np.arange(n) + 1000 * r for r in range(ranks)]
+  recv = [np.full(ranks * n, -1) for _ in range(ranks)]
+  for r in range(ranks):
+    seg = jax.tree.map(np.asarray, dispatch_segments(make_plan(jnp.asarray(topks[r]), cm, r), r, order))
+    for s0, d0, m, p in zip(seg.src_start, seg.dst_start, seg.rows, seg.peer):
+      assert (recv[p][d0:d0 + m] == -1).all()      # no overlap between writers
+      recv[p][d0:d0 + m] = src[r][s0:s0 + m]
+  for me in range(ranks):
+    pl = plans[me]
+    live = int(pl.recv_valid.sum())
+    want = 1000 * pl.recv_source[:live] + plans_send_pos(plans, pl, me)[:live]
+    np.testing.assert_array_equal(recv[me][:live], want)
+    assert (recv[me][live:] == -1).all()
+  back = [np.full(n, -1) for _ in range(ranks)]
+  for r in range(ranks):
+    seg = jax.tree.map(np.asarray, return_segments(make_plan(jnp.asarray(topks[r]), cm, r), r, order))
+    for s0, d0, m, p in zip(seg.src_start, seg.dst_start, seg.rows, seg.peer):
+      assert (back[p][d0:d0 + m] == -1).all()
+      back[p][d0:d0 + m] = recv[r][s0:s0 + m]
+  for r in range(ranks):
+    np.testing.assert_array_equal(back[r], src[r])
+
+
+def plans_send_pos(plans, pl, me):
+  """Sorted position at the source of every receive row of rank `me`."""
+  return np.array([plans[s].send_offsets[me] + i
+                   for s, i in zip(pl.recv_source, pl.recv_index_in_source)])

@@ -83,3 +83,9 @@ def test_weight_shape_mismatch(setup):
     _call(x, p.replace(router=p.router.astype(jnp.bfloat16)), mesh)
   with pytest.raises(ValueError, match="mesh is required"):
     _call(x, p, None)
+
+
+def test_uniep_backend_needs_gpus(setup):
+  x, p, mesh = setup
+  with pytest.raises(ValueError, match="needs GPUs"):
+    _call(x, p, mesh, config=UniEPConfig(backend="uniep"))

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+SEGMENT_ORDERS = ("interleaved", "peer_major")
 BACKENDS = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+TRANSPORTS = ("ragged", "padded", "nvlink")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +49,15 @@ class RoutingConfig:
 class KernelConfig:
   """Tiling of the Pallas grouped GEMM (backends "pallas" and "uniep").
 
-  block_m / block_n / block_k: the CTA tile (rows of tokens, output columns,
+  block_m / block_n / block_k: the tile (rows of tokens, output columns,
     reduction step). block_k is fixed per launch: a row's result never depends on
-    which other rows share the launch (no M-dependent split-K).
+    which other rows share the launch (no M-dependent split-K). In the Pallas
+    grouped GEMM (pallas_kernels/grouped_gemm.py) each CTA runs 2 compute
+    warpgroups: block_n is the width of ONE warpgroup's tile (CTA tile
+    block_m x 2*block_n for forward/dgrad; the fused SwiGLU gate/up and the dx
+    kernel use block_n/2 per warpgroup, so block_n must be a multiple of 128
+    there), and wgrad tiles are 2*block_m (K) x block_n (N). block_m must be a
+    power of two (ragged row stores).
   max_concurrent_steps: TMA pipeline depth (shared-memory stages).
   num_sms: persistent grid size; None reads the device's SM count.
   """
@@ -72,6 +80,45 @@ class KernelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransferConfig:
+  """The in-kernel NVLink row transfer (backend "uniep"; pallas_kernels/ep_transfer.py).
+
+  chunk_rows: rows per work item, a power of two (the store ladder's largest
+    step). Larger: fewer, bigger TMAs; smaller: finer load balance over CTAs.
+  col_tile: columns per TMA box (<= 256); H must be a multiple of it.
+  num_ctas: CTAs that move rows. About half the SMs saturate NVLink (notes).
+  segment_order: see the module docstring.
+  """
+
+  chunk_rows: int = 128
+  col_tile: int = 256
+  num_ctas: int = 64
+  segment_order: str = "interleaved"
+
+  def __post_init__(self):
+    if self.chunk_rows < 1 or self.chunk_rows & (self.chunk_rows - 1):
+      raise ValueError(f"chunk_rows={self.chunk_rows} must be a power of two")
+    if not 8 <= self.col_tile <= 256:
+      raise ValueError(f"col_tile={self.col_tile} must be in [8, 256] (the TMA box limit)")
+    if self.num_ctas < 1:
+      raise ValueError(f"num_ctas={self.num_ctas} must be >= 1")
+    if self.segment_order not in SEGMENT_ORDERS:
+      raise ValueError(f"segment_order={self.segment_order!r} must be one of {SEGMENT_ORDERS}")
+
+  def smem_bytes(self, itemsize: int = 2) -> int:
+    return 2 * self.chunk_rows * self.col_tile * itemsize
+
+  def col_tile_for(self, hidden: int) -> int:
+    """The widest column tile <= col_tile that divides `hidden` (multiple of 8)."""
+    t = self.col_tile
+    while t >= 8:
+      if hidden % t == 0 and t % 8 == 0:
+        return t
+      t -= 8
+    raise ValueError(f"hidden={hidden} has no column tile that is a multiple of 8 and <= 256")
+
+
+@dataclasses.dataclass(frozen=True)
 class UniEPConfig:
   """Configuration of `uniep_jax.moe_ffn`.
 
@@ -85,14 +132,21 @@ class UniEPConfig:
     "dense_reference" single device, float32, every expert on every token: the
                       test oracle.
     "pallas"          XLA collectives + the Pallas Mosaic GPU grouped GEMM.
-    "uniep"           the fused MegaKernel (dispatch/GEMM/combine in one kernel).
+    "uniep"           rows pushed over NVLink from inside Pallas kernels straight
+                      into the owners' receive layout and back
+                      (`transfer`), the Pallas grouped GEMM for the experts.
+                      Bitwise equal to "pallas" by construction (same layout,
+                      same GEMM). Fusing the transfer into the GEMM (overlap)
+                      is the next step of the MegaKernel issue.
   routing: see `RoutingConfig`.
   capacity_factor: only for "xla_capacity".
   kernel: see `KernelConfig`; only for "pallas" / "uniep".
   transport: how "xla_dropless"/"pallas" move rows: "ragged"
     (`lax.ragged_all_to_all`, packed), "padded" (`lax.all_to_all` of per-peer
     worst-case buffers); None picks "ragged" on GPU, "padded" elsewhere (the
-    CPU cannot compile ragged_all_to_all). Both land every row at the same place.
+    CPU cannot compile ragged_all_to_all), "nvlink" (Pallas kernels writing into
+    peers' buffers; GPU only). All land every row at the same place.
+  transfer: see `TransferConfig`; used by the "nvlink" transport.
   """
 
   backend: str = "xla_dropless"
@@ -100,10 +154,11 @@ class UniEPConfig:
   capacity_factor: float = 1.25
   kernel: KernelConfig = dataclasses.field(default_factory=KernelConfig)
   transport: Optional[str] = None
+  transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
 
   def __post_init__(self):
-    if self.transport is not None and self.transport not in ("ragged", "padded"):
-      raise ValueError(f"transport={self.transport!r} is unknown; expected 'ragged', 'padded' or None")
+    if self.transport is not None and self.transport not in TRANSPORTS:
+      raise ValueError(f"transport={self.transport!r} is unknown; expected one of {TRANSPORTS} or None")
     if self.backend not in BACKENDS:
       raise ValueError(f"backend={self.backend!r} is unknown; expected one of {BACKENDS}")
     if not self.capacity_factor > 0:

@@ -17,8 +17,13 @@ Transports (`transport=`):
   "ragged"  `lax.ragged_all_to_all` into a packed source-major buffer (GPU).
   "padded"  `lax.all_to_all` of [R, T*K, H] per-peer buffers (one fixed slot per
             peer, the dropless worst case) plus a gather. Used on the CPU, where
-            ragged_all_to_all does not compile. Exactly the same rows land in
-            the same places.
+            ragged_all_to_all does not compile.
+  "nvlink"  Pallas kernels (`pallas_kernels/ep_transfer.py`) push each
+            contiguous (peer, local expert) segment straight into the peer's
+            buffer (GPU only). Padding rows are not written, except a window of
+            `_ZERO_WINDOW` rows after the live ones, which is zeroed (the grouped
+            GEMM's wgrad reads up to block_k rows past a group's end).
+All transports put exactly the same rows in the same places.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 
 from uniep_jax.layout import DispatchPlan
 
-TRANSPORTS = ("ragged", "padded")
+from uniep_jax.config import TRANSPORTS, TransferConfig  # noqa: F401
 
 
 def default_transport(platform: str) -> str:
@@ -131,20 +136,63 @@ def _return_ragged(recv, plan: DispatchPlan, axis_name, num_local_experts):
       axis_name=axis_name)                                          # [n, H] sorted order
 
 
-_SEND = {"padded": _send_padded, "ragged": _send_ragged}
-_RETURN = {"padded": _return_padded, "ragged": _return_ragged}
+_ZERO_WINDOW = 256
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def send_rows(rows_sorted, plan, axis_name, num_local_experts, transport):
+def _zero_rows_from(buf, start, window: int):
+  """Zeroes rows [start, start + window) of buf (clipped to its end), in place."""
+  rows = buf.shape[0]
+  window = min(window, rows)
+  at = jnp.clip(start, 0, rows - window)
+  win = jax.lax.dynamic_slice_in_dim(buf, at, window, axis=0)
+  keep = (at + jnp.arange(window)) < start
+  win = jnp.where(keep[:, None], win, jnp.zeros((), buf.dtype))
+  return jax.lax.dynamic_update_slice_in_dim(buf, win, at, axis=0)
+
+
+def _send_nvlink(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts, transfer):
+  from pallas_kernels.ep_transfer import transfer_segments  # GPU kernels, lazy
+  from uniep_jax.layout import dispatch_segments
+  n, _ = rows_sorted.shape
+  r = plan.send_counts.shape[0]
+  rank = jax.lax.axis_index(axis_name)
+  seg = dispatch_segments(plan, rank, transfer.segment_order)
+  recv = transfer_segments(rows_sorted, seg.src_start, seg.dst_start, seg.rows, seg.peer,
+                           out_rows=r * n, config=transfer, axis_name=axis_name, num_peers=r)
+  return _zero_rows_from(recv, plan.num_received, _ZERO_WINDOW)
+
+
+def _return_nvlink(recv, plan: DispatchPlan, axis_name, num_local_experts, transfer):
+  from pallas_kernels.ep_transfer import transfer_segments
+  from uniep_jax.layout import return_segments
+  cap, _ = recv.shape
+  r = plan.send_counts.shape[0]
+  rank = jax.lax.axis_index(axis_name)
+  seg = return_segments(plan, rank, transfer.segment_order)
+  return transfer_segments(recv, seg.src_start, seg.dst_start, seg.rows, seg.peer,
+                           out_rows=cap // r, config=transfer, axis_name=axis_name, num_peers=r)
+
+
+def _with_transfer(fn):
+  return lambda rows, plan, axis_name, el, transfer: fn(rows, plan, axis_name, el)
+
+
+_SEND = {"padded": _with_transfer(_send_padded), "ragged": _with_transfer(_send_ragged),
+         "nvlink": _send_nvlink}
+_RETURN = {"padded": _with_transfer(_return_padded), "ragged": _with_transfer(_return_ragged),
+           "nvlink": _return_nvlink}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def send_rows(rows_sorted, plan, axis_name, num_local_experts, transport, transfer):
   """Sorted rows [T*K, H] of this rank -> receive layout [R*T*K, H] on the owners."""
-  return _SEND[transport](rows_sorted, plan, axis_name, num_local_experts)
+  return _SEND[transport](rows_sorted, plan, axis_name, num_local_experts, transfer)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def return_rows(recv, plan, axis_name, num_local_experts, transport):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def return_rows(recv, plan, axis_name, num_local_experts, transport, transfer):
   """Receive layout [R*T*K, H] -> rows back at their sources, sorted order [T*K, H]."""
-  return _RETURN[transport](recv, plan, axis_name, num_local_experts)
+  return _RETURN[transport](recv, plan, axis_name, num_local_experts, transfer)
 
 
 def _zero_plan_cotangent(plan):
@@ -153,23 +201,23 @@ def _zero_plan_cotangent(plan):
                       else jnp.zeros_like(a), plan)
 
 
-def _send_fwd(rows_sorted, plan, axis_name, num_local_experts, transport):
-  return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport), plan
+def _send_fwd(rows_sorted, plan, axis_name, num_local_experts, transport, transfer):
+  return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport, transfer), plan
 
 
-def _send_bwd(axis_name, num_local_experts, transport, plan, ct):
+def _send_bwd(axis_name, num_local_experts, transport, transfer, plan, ct):
   # The transpose of a dispatch is a combine (without the weighting).
-  return (_RETURN[transport](ct, plan, axis_name, num_local_experts),
+  return (_RETURN[transport](ct, plan, axis_name, num_local_experts, transfer),
           _zero_plan_cotangent(plan))
 
 
-def _return_fwd(recv, plan, axis_name, num_local_experts, transport):
-  return return_rows(recv, plan, axis_name, num_local_experts, transport), plan
+def _return_fwd(recv, plan, axis_name, num_local_experts, transport, transfer):
+  return return_rows(recv, plan, axis_name, num_local_experts, transport, transfer), plan
 
 
-def _return_bwd(axis_name, num_local_experts, transport, plan, ct):
+def _return_bwd(axis_name, num_local_experts, transport, transfer, plan, ct):
   # The transpose of a combine is a dispatch.
-  return (_SEND[transport](ct, plan, axis_name, num_local_experts),
+  return (_SEND[transport](ct, plan, axis_name, num_local_experts, transfer),
           _zero_plan_cotangent(plan))
 
 
@@ -177,15 +225,17 @@ send_rows.defvjp(_send_fwd, _send_bwd)
 return_rows.defvjp(_return_fwd, _return_bwd)
 
 
-def dispatch(x, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport):
-  """x [T, H] -> receive layout [R*T*K, H] (padding rows zero)."""
+def dispatch(x, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport,
+             transfer=TransferConfig()):
+  """x [T, H] -> receive layout [R*T*K, H] (padding rows zero, see "nvlink")."""
   rows = replicate_slots(x, top_k)                                  # [T*K, H]
   rows_sorted = jnp.take(rows, plan.sort_order, axis=0)             # [T*K, H]
-  return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport)
+  return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport, transfer)
 
 
-def collect(recv, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport):
+def collect(recv, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport,
+            transfer=TransferConfig()):
   """Receive layout [R*T*K, H] -> [T, K, H]: each assignment's expert output at home."""
-  rows_sorted = return_rows(recv, plan, axis_name, num_local_experts, transport)
+  rows_sorted = return_rows(recv, plan, axis_name, num_local_experts, transport, transfer)
   rows = jnp.take(rows_sorted, plan.sorted_position, axis=0)        # [T*K, H]
   return rows.reshape(-1, top_k, recv.shape[-1])

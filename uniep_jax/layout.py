@@ -164,3 +164,67 @@ def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank) -> Dispatc
       return_offsets=return_offsets.astype(jnp.int32),
       recv_source=recv_source, recv_index_in_source=recv_index_in_source,
       recv_valid=valid)
+
+
+# ---------------------------------------------------------------------------
+# Segment tables for transports that write straight into peers' buffers.
+# A segment is a run of rows that is contiguous both at the source and at the
+# destination: one (destination rank, local expert) block of a dispatch, or one
+# (source rank, local expert) block of a return. All [R * El] int32.
+# ---------------------------------------------------------------------------
+@flax.struct.dataclass
+class Segments:
+  src_start: jax.Array   # first row in this rank's source buffer
+  dst_start: jax.Array   # first row in the peer's destination buffer
+  rows: jax.Array        # number of rows (0 allowed)
+  peer: jax.Array        # destination rank on the expert axis
+
+
+def _order_segments(seg: Segments, rank, num_ranks: int, num_local: int, order: str) -> Segments:
+  """Rows of `seg` are indexed (peer, le). "interleaved": by le, then peer rotated
+  from `rank`; "peer_major": by rotated peer, then le."""
+  peer = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), num_local)
+  le = jnp.tile(jnp.arange(num_local, dtype=jnp.int32), num_ranks)
+  rot = (peer - rank) % num_ranks
+  key = le * num_ranks + rot if order == "interleaved" else rot * num_local + le
+  perm = jnp.argsort(key, stable=True)
+  return jax.tree.map(lambda a: a[perm], seg)
+
+
+def dispatch_segments(plan: DispatchPlan, rank, order: str = "interleaved") -> Segments:
+  """This rank's sorted rows -> the owners' receive layouts, per (dst, le)."""
+  cm = plan.count_matrix
+  r, e = cm.shape
+  el = e // r
+  rank = jnp.asarray(rank, jnp.int32)
+  per = cm.reshape(r, r, el)                                        # [src, dst, le]
+  mine = jax.lax.dynamic_index_in_dim(per, rank, 0, keepdims=False)  # [dst, le]
+  src_start = plan.send_offsets[:, None] + _exclusive_cumsum(mine, axis=1)
+  received = jnp.sum(per, axis=0)                                   # [dst, le]
+  expert_off = _exclusive_cumsum(received, axis=1)                  # [dst, le]
+  before_me = jnp.sum(jnp.where(jnp.arange(r)[:, None, None] < rank, per, 0), axis=0)
+  seg = Segments(src_start=src_start.reshape(-1).astype(jnp.int32),
+                 dst_start=(expert_off + before_me).reshape(-1).astype(jnp.int32),
+                 rows=mine.reshape(-1).astype(jnp.int32),
+                 peer=jnp.repeat(jnp.arange(r, dtype=jnp.int32), el))
+  return _order_segments(seg, rank, r, el, order)
+
+
+def return_segments(plan: DispatchPlan, rank, order: str = "interleaved") -> Segments:
+  """This rank's receive layout -> the sources' sorted rows, per (src, le)."""
+  cm = plan.count_matrix
+  r, e = cm.shape
+  el = e // r
+  rank = jnp.asarray(rank, jnp.int32)
+  per = cm.reshape(r, r, el)                                        # [src, dst, le]
+  incoming = jax.lax.dynamic_index_in_dim(per, rank, 1, keepdims=False)  # [src, le]
+  expert_off = _exclusive_cumsum(jnp.sum(incoming, axis=0))         # [le]
+  src_start = expert_off[None, :] + _exclusive_cumsum(incoming, axis=0)
+  # at source s, rows for my experts start after its rows for ranks < me
+  before = jnp.sum(jnp.where(jnp.arange(r)[None, :, None] < rank, per, 0), axis=(1, 2))  # [src]
+  dst_start = before[:, None] + _exclusive_cumsum(incoming, axis=1)
+  seg = Segments(src_start=src_start.reshape(-1).astype(jnp.int32),
+                 dst_start=dst_start.reshape(-1).astype(jnp.int32),
+                 rows=incoming.reshape(-1).astype(jnp.int32),
+                 peer=jnp.repeat(jnp.arange(r, dtype=jnp.int32), el))
+  return _order_segments(seg, rank, r, el, order)

@@ -26,7 +26,8 @@ from uniep_jax import routing as routing_lib
 from uniep_jax.capacity import capacity_moe_shard
 from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
-from uniep_jax.dispatch import TRANSPORTS, collect, default_transport, dispatch
+from uniep_jax.config import TRANSPORTS
+from uniep_jax.dispatch import collect, default_transport, dispatch
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import local_group_sizes, make_plan
 from uniep_jax.params import MoEParams
@@ -129,15 +130,18 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
         x, out.topk_experts, params, top_k=top_k,
         capacity_factor=config.capacity_factor, axis_name=expert_axis)
     dropped = jax.lax.psum(dropped, token_axes)
-  elif config.backend in ("xla_dropless", "pallas"):
+  elif config.backend in ("xla_dropless", "pallas", "uniep"):
     transport = transport or config.transport or "padded"
+    if config.backend == "uniep":
+      transport = "nvlink"
     rank = jax.lax.axis_index(expert_axis)
     count_matrix = jax.lax.all_gather(
         local_group_sizes(out.topk_experts, num_experts), expert_axis)   # [R, E]
     plan = make_plan(out.topk_experts, count_matrix, rank)
-    kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport)
+    kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport,
+              transfer=config.transfer)
     recv = dispatch(x, plan, **kw)                                       # [R*T*K, H]
-    if config.backend == "pallas":
+    if config.backend in ("pallas", "uniep"):
       y_recv = swiglu_pallas(recv, params.w_gate, params.w_up, params.w_down,
                              plan.recv_group_sizes, kernel_config=config.kernel)
     else:
@@ -189,10 +193,12 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   if mesh is None:
     raise ValueError(f"mesh is required for backend={config.backend!r}")
   validate_inputs(x, params, top_k=top_k, config=config, expert_axis=expert_axis, mesh=mesh)
-  if config.backend == "uniep":
-    raise ValueError("backend='uniep' (the fused MegaKernel) is not available in this build")
-  token_axes = tuple(mesh.axis_names)
   platform = mesh.devices.flat[0].platform
+  if config.backend == "uniep" or config.transport == "nvlink":
+    if platform != "gpu":
+      raise ValueError(f"backend={config.backend!r} with in-kernel NVLink transfers needs GPUs; "
+                       f"the mesh holds {platform} devices")
+  token_axes = tuple(mesh.axis_names)
   transport = config.transport or default_transport(platform)
   x_spec = P(token_axes, None)
   p_specs = param_specs(params, expert_axis)
@@ -205,5 +211,5 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
 
   aux_specs = {k: P() for k in AUX_KEYS}
   fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, p_specs),
-                     out_specs=(x_spec, aux_specs), check_vma=config.backend != "pallas")
+                     out_specs=(x_spec, aux_specs), check_vma=config.backend not in ("pallas", "uniep"))
   return fn(x, params)
