@@ -64,12 +64,16 @@ def _bitwise_equal(a, b) -> bool:
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=None)
-  ap.add_argument("--backends", default="xla_dropless,xla_capacity,pallas")
+  ap.add_argument("--backends", default="xla_dropless,xla_capacity,pallas,uniep")
+  ap.add_argument("--quick", action="store_true",
+                  help="float32 on the (1, n) mesh only; bfloat16 on (1, n) and (2, n/2)")
   args = ap.parse_args(argv)
   meta = common.run_metadata()
   print(meta, flush=True)
   n = len(jax.devices())
   meshes = [(n // ep, ep) for ep in (1, 2, 4, 8) if ep <= n and n % ep == 0]
+  if args.quick:
+    meshes = [m for m in meshes if m[1] in (n, n // 2) and m[1] > 1] or meshes
   e, h, f, tokens, top_k = 16, 256, 192, 512, 4
   checks = []
 
@@ -87,11 +91,14 @@ def main(argv=None):
     tol_y = 1e-5 if dtype == jnp.float32 else 2e-2
     tol_g = 1e-4 if dtype == jnp.float32 else 3e-2
     for data, ep in meshes:
+      if args.quick and dtype == jnp.float32 and ep != n:
+        continue
       mesh = jax.make_mesh((data, ep), ("data", "expert"))
+      by_backend = {}
       for backend in args.backends.split(","):
-        if backend == "pallas" and dtype == jnp.float32:
+        if backend in ("pallas", "uniep") and dtype == jnp.float32:
           continue  # the Pallas kernels take bf16 operands
-        transports = ["ragged", "padded"] if backend in ("xla_dropless", "pallas") else [None]
+        transports = {"xla_dropless": ["ragged", "padded"], "pallas": ["padded"]}.get(backend, [None])
         outs = {}
         for tr in transports:
           cfg = uniep_jax.UniEPConfig(backend=backend, transport=tr, capacity_factor=100.0)
@@ -117,6 +124,12 @@ def main(argv=None):
         if len(outs) == 2:
           record(f"ragged_equals_padded_bitwise {backend}/{jnp.dtype(dtype).name}/data={data},ep={ep}",
                  _bitwise_equal(outs["ragged"], outs["padded"]))
+        if outs:
+          by_backend[backend] = next(iter(outs.values()))
+      if "uniep" in by_backend and "pallas" in by_backend:
+        # The UniEP guarantee: the NVLink transport changes no bit.
+        record(f"uniep_equals_pallas_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
+               _bitwise_equal(by_backend["uniep"], by_backend["pallas"]))
 
   # pallas vs xla_dropless at a mid size, bf16, all GPUs on the expert axis
   if "pallas" in args.backends:
@@ -134,6 +147,9 @@ def main(argv=None):
       record("pallas_vs_xla_dropless", False, error=repr(ex)[:400])
 
   failed = [c for c in checks if not c["ok"]]
+  uniep_checks = [c for c in checks if "uniep" in c["name"]]
+  if uniep_checks and all(c["ok"] for c in uniep_checks):
+    open(os.path.join(common.out_dir(args.out), "uniep_ok"), "w").write("ok\n")
   payload = dict(meta, benchmark="check_moe_gpu", checks=checks, passed=len(checks) - len(failed),
                  failed=len(failed))
   kind = meta["device_kind"].replace(" ", "_")

@@ -38,6 +38,7 @@ BACKEND_CONFIGS = {
     "xla_dropless": uniep_jax.UniEPConfig(backend="xla_dropless", transport="ragged"),
     "xla_dropless_padded": uniep_jax.UniEPConfig(backend="xla_dropless", transport="padded"),
     "pallas": uniep_jax.UniEPConfig(backend="pallas", transport="padded"),
+    "uniep": uniep_jax.UniEPConfig(backend="uniep"),
 }
 
 
@@ -159,6 +160,7 @@ def main(argv=None):
             row["error"] = repr(e)[:500]
             traceback.print_exc(limit=2)
           results.append(row)
+          _checkpoint(args, meta, dense, results, skipped, ep)
           print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         del_fns = None  # noqa: F841
       del x, p
@@ -182,6 +184,16 @@ def main(argv=None):
   except Exception as e:  # noqa: BLE001
     print("plot failed:", e)
   return 0
+
+
+def _checkpoint(args, meta, dense, results, skipped, ep):
+  """Rewrites the partial JSON after every case, so a hang or a kill loses little."""
+  kind = meta["device_kind"].replace(" ", "_")
+  path = os.path.join(common.out_dir(args.out), f"moe_layer_{kind}_ep{ep}.partial.json")
+  with open(path, "w") as f:
+    import json
+    json.dump(dict(meta, benchmark="moe_layer", dense_tflops=dense, results=results,
+                   skipped=skipped, partial=True), f)
 
 
 def print_table(results):
