@@ -21,17 +21,22 @@ undefined); callers that need zeros there write them (see `push_rows`).
 
 Work list and tiling
 --------------------
-Before the launch, plain JAX cuts every segment into chunks of `chunk_rows`
-rows (the last chunk of a segment may be shorter) and lists them, at most
-W = cdiv(Ns, chunk_rows) + S items of (src_row, dst_row, rows, peer), plus the
-live count. Items are ordered segment by segment; `segment_order` decides the
-segment order ("interleaved": by local expert, then peer rotated from this rank,
-so that consecutive items, which go to different CTAs, load every NVLink at
-once; "peer_major": all of one peer's rows first). Nothing here is unrolled over
-segments: compile time does not depend on S.
+Segments come as [R, El] tables indexed by (peer, local expert). Before the
+launch, plain JAX rotates them so that row j holds the segments for peer
+(me + j) mod R, and cuts each row's segments into chunks of `chunk_rows` rows
+(the last chunk of a segment may be shorter): per peer offset j at most
+W = cdiv(Ns, chunk_rows) + El items of (src_row, dst_row, rows), plus the live
+count. Nothing is unrolled over segments: compile time does not depend on El.
 
-Grid: `num_ctas` CTAs ("cta"), one warpgroup each. CTA c takes items
-c, c + num_ctas, ... . An item is moved column tile by column tile
+The kernel loops over the peer offsets j = 1, ..., R-1, 0 STATICALLY (the
+remote peers first, its own rows last): a TMA descriptor for a peer's buffer is
+built on the host, so the peer id must be an arithmetic function of the device
+id, never a value loaded from memory. At offset j every rank r writes to rank
+r + j, so every NVLink carries traffic in both directions at once.
+
+Grid: `num_ctas` CTAs ("cta"), one warpgroup each. For each peer offset, CTA c
+takes items c, c + num_ctas, ... of that offset's list. An item is moved column
+tile by column tile
 ([chunk_rows, col_tile], col_tile <= 256, the TMA box limit):
 
     GMEM src --TMA load--> SMEM stage s --TMA store ladder--> (peer) GMEM out
@@ -48,10 +53,11 @@ Synchronisation contract
 ------------------------
   load_barrier[s]  (SMEM barrier, one per stage): producer the TMA load of
       step i into stage s = i % 2; consumer the same CTA's store of step i,
-      after `barrier_wait`. Re-armed by every load (phase flips).
-  stage reuse: before loading step i + 1 into stage 1 - s, the CTA waits
-      `wait_smem_to_gmem(0, wait_read_only=True)`: the stores of step i - 1
-      have finished reading that stage.
+      after `barrier_wait`. Every load is waited exactly once (phase flips).
+  stage reuse: before loading step i + 1 into stage 1 - s, and before the
+      first load of the next peer offset, the CTA waits
+      `wait_smem_to_gmem(0, wait_read_only=True)`: earlier stores have
+      finished reading the stage.
   ready_sem[c]  (global semaphore per CTA index, communicating mode only):
       at entry CTA c signals ready_sem[c] on every rank of the expert axis
       (itself included), then waits for R signals with decrement (so it is
@@ -68,9 +74,9 @@ Synchronisation contract
   index c), so no CTA can take another's count. All ranks launch the same
   num_ctas, and num_ctas <= the SM count, so all CTAs are resident and the
   barrier cannot deadlock.
-The local (non-communicating) form has no semaphores and writes every segment
-into this device's `out`: it runs in the CPU interpret mode, so the work list,
-the pipeline and the store ladder are tested on the CPU.
+The local (non-communicating) form has no semaphores and writes every peer
+offset's segments into this device's `out`: it runs in the CPU interpret mode,
+so the work lists, the pipelines and the store ladder are tested on the CPU.
 """
 
 from __future__ import annotations
@@ -84,30 +90,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
-from uniep_jax.config import SEGMENT_ORDERS, TransferConfig  # noqa: F401  (re-exported)
+from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
 
 
-def work_list(seg_src, seg_dst, seg_len, seg_peer, *, src_rows: int, chunk_rows: int):
-  """Cuts segments into chunk items. Returns int32 [4 * W + 1]:
-  src_row[W], dst_row[W], rows[W], peer[W], live item count; W = max items."""
-  seg_len = seg_len.astype(jnp.int32)
-  num_seg = seg_len.shape[0]
-  w = pl.cdiv(src_rows, chunk_rows) + num_seg
-  chunks = (seg_len + chunk_rows - 1) // chunk_rows                 # [S]
-  ends = jnp.cumsum(chunks)
-  starts = ends - chunks
-  i = jnp.arange(w, dtype=jnp.int32)
-  seg = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
-  valid = seg < num_seg
-  seg = jnp.minimum(seg, num_seg - 1)
-  j = i - starts[seg]
-  src_row = seg_src[seg] + j * chunk_rows
-  dst_row = seg_dst[seg] + j * chunk_rows
-  rows = jnp.where(valid, jnp.minimum(chunk_rows, seg_len[seg] - j * chunk_rows), 0)
-  peer = seg_peer[seg]
-  z = lambda a: jnp.where(valid, a, 0).astype(jnp.int32)  # noqa: E731
-  return jnp.concatenate([z(src_row), z(dst_row), rows.astype(jnp.int32), z(peer),
-                          ends[-1:].astype(jnp.int32)])
+def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: int):
+  """Per peer offset j (row j: peer (rank + j) mod R), the chunk items.
+
+  seg_*: [R, El] int32 indexed by (peer, local expert). Returns int32
+  [R, 3 * W + 1]: src_row[W], dst_row[W], rows[W], live item count.
+  """
+  r, el = seg_len.shape
+  w = pl.cdiv(src_rows, chunk_rows) + el
+  rot = lambda a: jnp.roll(a.astype(jnp.int32), -rank, axis=0)  # noqa: E731  row j: peer rank+j
+  seg_src, seg_dst, seg_len = rot(seg_src), rot(seg_dst), rot(seg_len)
+
+  def one(src, dst, length):
+    chunks = (length + chunk_rows - 1) // chunk_rows                # [El]
+    ends = jnp.cumsum(chunks)
+    starts = ends - chunks
+    i = jnp.arange(w, dtype=jnp.int32)
+    seg = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+    valid = seg < el
+    seg = jnp.minimum(seg, el - 1)
+    j = i - starts[seg]
+    z = lambda a: jnp.where(valid, a, 0).astype(jnp.int32)  # noqa: E731
+    rows = z(jnp.minimum(chunk_rows, length[seg] - j * chunk_rows))
+    return jnp.concatenate([z(src[seg] + j * chunk_rows), z(dst[seg] + j * chunk_rows), rows,
+                            ends[-1:].astype(jnp.int32)])
+
+  return jax.vmap(one)(seg_src, seg_dst, seg_len)
 
 
 def _ladder_store(src_smem, dst_gmem, smem_start, gmem_start, count, max_rows: int):
@@ -127,13 +138,12 @@ def _ladder_store(src_smem, dst_gmem, smem_start, gmem_start, count, max_rows: i
 def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
                    w: int, chunk_rows: int, col_tile: int, num_ctas: int,
                    axis_name, num_peers: int):
-  """One CTA's share of the work list. `axis_name=None`: the local form."""
+  """One CTA's share of every peer offset's work list. `axis_name=None`: the
+  local form (every offset's rows land in this device's `out`)."""
   ns, hidden = src_gmem.shape
   n_col = hidden // col_tile
   c = lax.axis_index("cta")
-  live = work_gmem[4 * w]
-  my_items = jnp.maximum(live - c + num_ctas - 1, 0) // num_ctas
-  steps = my_items * n_col
+  stride = 3 * w + 1
 
   if axis_name is not None:
     me = lax.axis_index(axis_name)
@@ -143,55 +153,55 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
       pl.semaphore_signal(ready_sem.at[c], device_id={axis_name: p})
     pl.semaphore_wait(ready_sem.at[c], num_peers)
 
-  def item_col(s):
-    return c + (s // n_col) * num_ctas, (s % n_col) * col_tile
-
-  def load_row(it):
-    # The load box never leaves src: near the end it starts earlier and the
-    # item's rows sit further down the stage buffer.
-    return jnp.minimum(work_gmem[it], ns - chunk_rows)
-
-  def load(s, stage):
-    it, col = item_col(s)
-    plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(load_row(it), chunk_rows), pl.ds(col, col_tile)],
-                            stage_smem.at[stage], load_barrier.at[stage])
-
-  @pl.when(steps > 0)
-  def _():
-    load(0, 0)
-
-  def step(s, carry):
-    stage = lax.rem(s, 2)
-    plgpu.barrier_wait(load_barrier.at[stage])
-
-    @pl.when(s + 1 < steps)
-    def _():
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
-      load(s + 1, 1 - stage)
-
-    it, col = item_col(s)
-    smem_row = work_gmem[it] - load_row(it)
-    dst_row = work_gmem[w + it]
-    rows = work_gmem[2 * w + it]
-    if axis_name is None:
-      _ladder_store(stage_smem.at[stage], out_gmem.at[:, pl.ds(col, col_tile)],
-                    smem_row, dst_row, rows, chunk_rows)
+  for j in list(range(1, num_peers)) + [0]:   # static: remote peers first, own rows last
+    base = j * stride
+    if axis_name is None or j == 0:
+      dst_gmem = out_gmem
     else:
-      peer = work_gmem[3 * w + it]
+      peer = lax.rem(me + j, num_peers)
+      dst_gmem = plgpu.remote_ref(out_gmem, {axis_name: peer})
+    live = work_gmem[base + 3 * w]
+    my_items = jnp.maximum(live - c + num_ctas - 1, 0) // num_ctas
+    steps = my_items * n_col
 
-      @pl.when(peer == me)
+    def item_col(s, base=base):
+      it = c + (s // n_col) * num_ctas
+      return base + it, (s % n_col) * col_tile
+
+    def load_row(at):
+      # The load box never leaves src: near the end it starts earlier and the
+      # item's rows sit further down the stage buffer.
+      return jnp.minimum(work_gmem[at], ns - chunk_rows)
+
+    def load(s, stage, item_col=item_col):
+      at, col = item_col(s)
+      plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(load_row(at), chunk_rows), pl.ds(col, col_tile)],
+                              stage_smem.at[stage], load_barrier.at[stage])
+
+    @pl.when(steps > 0)
+    def _(load=load):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
+      load(0, 0)
+
+    def step(s, carry, load=load, item_col=item_col, steps=steps, dst_gmem=dst_gmem):
+      stage = lax.rem(s, 2)
+      plgpu.barrier_wait(load_barrier.at[stage])
+
+      @pl.when(s + 1 < steps)
       def _():
-        _ladder_store(stage_smem.at[stage], out_gmem.at[:, pl.ds(col, col_tile)],
-                      smem_row, dst_row, rows, chunk_rows)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
+        load(s + 1, 1 - stage)
 
-      @pl.when(peer != me)
-      def _():
-        remote = plgpu.remote_ref(out_gmem, {axis_name: peer})
-        _ladder_store(stage_smem.at[stage], remote.at[:, pl.ds(col, col_tile)],
-                      smem_row, dst_row, rows, chunk_rows)
-    return carry
+      at, col = item_col(s)
+      smem_row = work_gmem[at] - load_row(at)
+      dst_row = work_gmem[at + w]
+      rows = work_gmem[at + 2 * w]
+      _ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
+                    smem_row, dst_row, rows, chunk_rows)
+      return carry
 
-  lax.fori_loop(0, steps, step, 0)
+    lax.fori_loop(0, steps, step, 0)
+
   plgpu.wait_smem_to_gmem(0)
 
   if axis_name is not None:
@@ -200,25 +210,29 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
     pl.semaphore_wait(done_sem.at[c], num_peers)
 
 
-def transfer_segments(src, seg_src, seg_dst, seg_len, seg_peer, *, out_rows: int,
+def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
                       config: TransferConfig = TransferConfig(), axis_name=None,
-                      num_peers: int = 1, interpret=None):
+                      rank=0, interpret=None):
   """Copies row segments of `src` [Ns, H] into a new [out_rows, H] buffer.
 
+  seg_src/seg_dst/seg_len: [R, El] int32, the segments for peer p in row p.
   axis_name=None: the local form, every segment lands in this device's output
-  (peers ignored; runs in the CPU interpret mode). Otherwise, inside a
-  `shard_map` over `axis_name` of size `num_peers`: segment i lands in the
-  output of rank seg_peer[i] (collective metadata mode; GPU only).
-  Rows no segment covers are undefined.
+  (`rank` only rotates the order; runs in the CPU interpret mode). Otherwise,
+  inside a `shard_map` over `axis_name` (size R): row p's segments land in the
+  output of rank p (collective metadata mode; GPU only). Rows that no segment
+  covers are undefined.
   """
   ns, hidden = src.shape
+  num_peers = seg_len.shape[0]
   col_tile = config.col_tile_for(hidden)
   chunk = config.chunk_rows
   if ns < chunk:  # the load box must fit inside src
     src = jnp.pad(src, ((0, chunk - ns), (0, 0)))
   num_ctas = min(config.num_ctas, device_lib.num_sms())
-  work = work_list(seg_src, seg_dst, seg_len, seg_peer, src_rows=ns, chunk_rows=chunk)
-  w = (work.shape[0] - 1) // 4
+  if axis_name is not None:
+    rank = lax.axis_index(axis_name)
+  work = work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=ns, chunk_rows=chunk)
+  w = (work.shape[1] - 1) // 3
   body = functools.partial(_transfer_body, w=w, chunk_rows=chunk, col_tile=col_tile,
                            num_ctas=num_ctas, axis_name=axis_name, num_peers=num_peers)
   if interpret is None:
@@ -235,4 +249,4 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, seg_peer, *, out_rows: int
       grid_names=("cta",),
       interpret=interpret,
   )
-  return kernel(work, src)
+  return kernel(work.reshape(-1), src)

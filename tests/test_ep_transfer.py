@@ -1,5 +1,6 @@
-"""The NVLink row transfer's local form in the CPU interpret mode: work list,
-load/store pipeline and the TMA store ladder (rows outside segments untouched)."""
+"""The NVLink row transfer's local form in the CPU interpret mode: per-peer work
+lists, the load/store pipeline and the TMA store ladder (rows outside segments
+are never written)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +9,12 @@ import pytest
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import ep_transfer
+from uniep_jax import TransferConfig
 
 
-def _segments(rng, src_rows, out_rows, n_seg):
-  """Random disjoint src and dst segments (some empty), in a random dst order."""
+def _segments(rng, src_rows, out_rows, peers, per_peer):
+  """Random disjoint src and dst segments [peers, per_peer] (some empty)."""
+  n_seg = peers * per_peer
   cuts = np.sort(rng.choice(np.arange(1, src_rows), n_seg - 1, replace=False))
   bounds = np.concatenate([[0], cuts, [src_rows]])
   lens = np.diff(bounds)
@@ -26,43 +29,47 @@ def _segments(rng, src_rows, out_rows, n_seg):
     dst[i] = pos
     pos += lens[i]
   assert pos <= out_rows
-  return [jnp.asarray(a, jnp.int32) for a in (src, dst, lens, np.zeros(n_seg))]
+  return [jnp.asarray(a.reshape(peers, per_peer), jnp.int32) for a in (src, dst, lens)]
 
 
-@pytest.mark.parametrize("chunk,src_rows,n_seg,num_ctas", [(8, 53, 5, 3), (16, 100, 9, 4), (32, 20, 3, 2)])
-def test_local_transfer_matches_numpy(chunk, src_rows, n_seg, num_ctas):
+@pytest.mark.parametrize("chunk,src_rows,peers,per_peer,num_ctas,rank",
+                         [(8, 53, 1, 5, 3, 0), (16, 100, 3, 3, 4, 1), (32, 20, 2, 2, 2, 1)])
+def test_local_transfer_matches_numpy(chunk, src_rows, peers, per_peer, num_ctas, rank):
   rng = np.random.default_rng(chunk + src_rows)
-  h, out_rows = 128, src_rows + 3 * n_seg
+  h, out_rows = 128, src_rows + 3 * peers * per_peer
   x = jax.random.normal(jax.random.key(0), (src_rows, h), jnp.float32).astype(jnp.bfloat16)
-  seg_src, seg_dst, seg_len, seg_peer = _segments(rng, src_rows, out_rows, n_seg)
-  cfg = ep_transfer.TransferConfig(chunk_rows=chunk, col_tile=64, num_ctas=num_ctas)
+  seg_src, seg_dst, seg_len = _segments(rng, src_rows, out_rows, peers, per_peer)
+  cfg = TransferConfig(chunk_rows=chunk, col_tile=64, num_ctas=num_ctas)
   out = ep_transfer.transfer_segments(
-      x, seg_src, seg_dst, seg_len, seg_peer, out_rows=out_rows, config=cfg,
+      x, seg_src, seg_dst, seg_len, out_rows=out_rows, config=cfg, rank=rank,
       interpret=plgpu.InterpretGPUParams(detect_races=True))
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
   assert not gpu_callbacks.get_races().races_found, "race detector reported a race"
   out = np.asarray(out.astype(jnp.float32))
   xs = np.asarray(x.astype(jnp.float32))
   covered = np.zeros(out_rows, bool)
-  for s, d, n in zip(*(np.asarray(a) for a in (seg_src, seg_dst, seg_len))):
+  for s, d, n in zip(*(np.asarray(a).ravel() for a in (seg_src, seg_dst, seg_len))):
     np.testing.assert_array_equal(out[d:d + n], xs[s:s + n])
     covered[d:d + n] = True
   # interpret mode fills unwritten output with NaN: nothing outside a segment was written
-  assert np.isnan(out[~covered]).all()
+  assert (~covered).any() and np.isnan(out[~covered]).all()
 
 
-def test_work_list_bounds():
-  seg_len = jnp.array([0, 5, 17, 8], jnp.int32)
-  work = ep_transfer.work_list(jnp.array([0, 0, 5, 22]), jnp.array([100, 0, 50, 7]), seg_len,
-                               jnp.array([0, 1, 2, 3]), src_rows=30, chunk_rows=8)
-  w = (work.shape[0] - 1) // 4
-  assert w == 4 + 4 and int(work[-1]) == 1 + 3 + 1
-  rows = np.asarray(work[2 * w:3 * w])
-  assert rows.sum() == 30 and rows[:5].tolist() == [5, 8, 8, 1, 8]
+def test_work_lists_rotate_and_cover():
+  seg_len = jnp.array([[0, 5], [17, 8]], jnp.int32)
+  seg_src = jnp.array([[0, 0], [5, 22]], jnp.int32)
+  seg_dst = jnp.array([[100, 0], [50, 7]], jnp.int32)
+  work = ep_transfer.work_lists(seg_src, seg_dst, seg_len, rank=1, src_rows=30, chunk_rows=8)
+  w = (work.shape[1] - 1) // 3
+  assert w == 4 + 2
+  # row 0 holds this rank's own segments (peer 1), row 1 peer 0
+  assert int(work[0, -1]) == 3 + 1 and int(work[1, -1]) == 1
+  np.testing.assert_array_equal(np.asarray(work[0, 2 * w:2 * w + 4]), [8, 8, 1, 8])
+  assert int(work[1, 2 * w]) == 5 and int(work[1, w]) == 0
 
 
 def test_config_errors():
   with pytest.raises(ValueError, match="chunk_rows"):
-    ep_transfer.TransferConfig(chunk_rows=48)
+    TransferConfig(chunk_rows=48)
   with pytest.raises(ValueError, match="col_tile"):
-    ep_transfer.TransferConfig(col_tile=512)
+    TransferConfig(col_tile=512)

@@ -191,3 +191,19 @@ def test_per_shard_form_inside_shard_map():
   p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
   y, _ = fn(x, p)
   assert rel_err(y, y_ref) < 2e-6
+
+
+def test_ragged_transport_traces_with_gradients():
+  """ragged_all_to_all does not compile on the CPU, but its forward and backward
+  must trace and lower (the shard_map type check runs at trace time)."""
+  mesh = make_mesh(2, 4)
+  kx, kp = jax.random.split(jax.random.key(51))
+  p = make_params(kp, experts=E, hidden=H, ffn=F)
+  x = make_x(kx, 64, H)
+  cfg = UniEPConfig(backend="xla_dropless", transport="ragged")
+
+  def loss(x, p):
+    return jnp.sum(uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=cfg)[0] ** 2)
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, p).as_text()
+  assert text.count("ragged_all_to_all") >= 4   # dispatch, combine and their transposes

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SEGMENT_ORDERS = ("interleaved", "peer_major")
 BACKENDS = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 TRANSPORTS = ("ragged", "padded", "nvlink")
@@ -87,13 +86,11 @@ class TransferConfig:
     step). Larger: fewer, bigger TMAs; smaller: finer load balance over CTAs.
   col_tile: columns per TMA box (<= 256); H must be a multiple of it.
   num_ctas: CTAs that move rows. About half the SMs saturate NVLink (notes).
-  segment_order: see the module docstring.
   """
 
   chunk_rows: int = 128
   col_tile: int = 256
   num_ctas: int = 64
-  segment_order: str = "interleaved"
 
   def __post_init__(self):
     if self.chunk_rows < 1 or self.chunk_rows & (self.chunk_rows - 1):
@@ -102,8 +99,6 @@ class TransferConfig:
       raise ValueError(f"col_tile={self.col_tile} must be in [8, 256] (the TMA box limit)")
     if self.num_ctas < 1:
       raise ValueError(f"num_ctas={self.num_ctas} must be >= 1")
-    if self.segment_order not in SEGMENT_ORDERS:
-      raise ValueError(f"segment_order={self.segment_order!r} must be one of {SEGMENT_ORDERS}")
 
   def smem_bytes(self, itemsize: int = 2) -> int:
     return 2 * self.chunk_rows * self.col_tile * itemsize

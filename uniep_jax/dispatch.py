@@ -68,6 +68,23 @@ def _replicate_bwd(top_k, _, ct):
 replicate_slots.defvjp(_replicate_fwd, _replicate_bwd)
 
 
+def _varying_axes(x: jax.Array) -> frozenset:
+  """The manual mesh axes `x` varies over inside a shard_map (empty outside)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _zeros_varying_like(ref: jax.Array, shape) -> jax.Array:
+  """Zeros of `shape` with the varying mesh axes of `ref` (a collective's output
+  buffer must carry the operand's type inside a type-checked shard_map)."""
+  z = jnp.zeros(shape, ref.dtype)
+  vma = tuple(sorted(_varying_axes(ref)))
+  return jax.lax.pcast(z, vma, to="varying") if vma else z
+
+
 def _take_rows(rows: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
   """rows[index] with invalid rows zeroed. `index` is a permutation of the valid rows."""
   out = jnp.take(rows, index, axis=0, mode="clip")
@@ -117,7 +134,7 @@ def _send_ragged(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts):
   n, h = rows_sorted.shape
   r = plan.send_counts.shape[0]
   packed = jax.lax.ragged_all_to_all(
-      rows_sorted, jnp.zeros((r * n, h), rows_sorted.dtype),
+      rows_sorted, _zeros_varying_like(rows_sorted, (r * n, h)),
       plan.send_offsets, plan.send_counts, plan.output_offsets, plan.recv_counts,
       axis_name=axis_name)                                          # [R*n, H] source-major
   flat = plan.recv_offsets[plan.recv_source] + plan.recv_index_in_source
@@ -131,7 +148,7 @@ def _return_ragged(recv, plan: DispatchPlan, axis_name, num_local_experts):
   flat = plan.recv_offsets[plan.recv_source] + plan.recv_index_in_source
   packed = _put_rows(cap, recv, flat, plan.recv_valid)
   return jax.lax.ragged_all_to_all(
-      packed, jnp.zeros((n, h), recv.dtype),
+      packed, _zeros_varying_like(packed, (n, h)),
       plan.recv_offsets, plan.recv_counts, plan.return_offsets, plan.send_counts,
       axis_name=axis_name)                                          # [n, H] sorted order
 
@@ -156,9 +173,9 @@ def _send_nvlink(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts, 
   n, _ = rows_sorted.shape
   r = plan.send_counts.shape[0]
   rank = jax.lax.axis_index(axis_name)
-  seg = dispatch_segments(plan, rank, transfer.segment_order)
-  recv = transfer_segments(rows_sorted, seg.src_start, seg.dst_start, seg.rows, seg.peer,
-                           out_rows=r * n, config=transfer, axis_name=axis_name, num_peers=r)
+  seg = dispatch_segments(plan, rank)
+  recv = transfer_segments(rows_sorted, seg.src_start, seg.dst_start, seg.rows,
+                           out_rows=r * n, config=transfer, axis_name=axis_name)
   return _zero_rows_from(recv, plan.num_received, _ZERO_WINDOW)
 
 
@@ -168,9 +185,9 @@ def _return_nvlink(recv, plan: DispatchPlan, axis_name, num_local_experts, trans
   cap, _ = recv.shape
   r = plan.send_counts.shape[0]
   rank = jax.lax.axis_index(axis_name)
-  seg = return_segments(plan, rank, transfer.segment_order)
-  return transfer_segments(recv, seg.src_start, seg.dst_start, seg.rows, seg.peer,
-                           out_rows=cap // r, config=transfer, axis_name=axis_name, num_peers=r)
+  seg = return_segments(plan, rank)
+  return transfer_segments(recv, seg.src_start, seg.dst_start, seg.rows,
+                           out_rows=cap // r, config=transfer, axis_name=axis_name)
 
 
 def _with_transfer(fn):

@@ -170,28 +170,17 @@ def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank) -> Dispatc
 # Segment tables for transports that write straight into peers' buffers.
 # A segment is a run of rows that is contiguous both at the source and at the
 # destination: one (destination rank, local expert) block of a dispatch, or one
-# (source rank, local expert) block of a return. All [R * El] int32.
+# (source rank, local expert) block of a return. All [R, El] int32, indexed by
+# (peer, local expert).
 # ---------------------------------------------------------------------------
 @flax.struct.dataclass
 class Segments:
   src_start: jax.Array   # first row in this rank's source buffer
   dst_start: jax.Array   # first row in the peer's destination buffer
   rows: jax.Array        # number of rows (0 allowed)
-  peer: jax.Array        # destination rank on the expert axis
 
 
-def _order_segments(seg: Segments, rank, num_ranks: int, num_local: int, order: str) -> Segments:
-  """Rows of `seg` are indexed (peer, le). "interleaved": by le, then peer rotated
-  from `rank`; "peer_major": by rotated peer, then le."""
-  peer = jnp.repeat(jnp.arange(num_ranks, dtype=jnp.int32), num_local)
-  le = jnp.tile(jnp.arange(num_local, dtype=jnp.int32), num_ranks)
-  rot = (peer - rank) % num_ranks
-  key = le * num_ranks + rot if order == "interleaved" else rot * num_local + le
-  perm = jnp.argsort(key, stable=True)
-  return jax.tree.map(lambda a: a[perm], seg)
-
-
-def dispatch_segments(plan: DispatchPlan, rank, order: str = "interleaved") -> Segments:
+def dispatch_segments(plan: DispatchPlan, rank) -> Segments:
   """This rank's sorted rows -> the owners' receive layouts, per (dst, le)."""
   cm = plan.count_matrix
   r, e = cm.shape
@@ -203,14 +192,12 @@ def dispatch_segments(plan: DispatchPlan, rank, order: str = "interleaved") -> S
   received = jnp.sum(per, axis=0)                                   # [dst, le]
   expert_off = _exclusive_cumsum(received, axis=1)                  # [dst, le]
   before_me = jnp.sum(jnp.where(jnp.arange(r)[:, None, None] < rank, per, 0), axis=0)
-  seg = Segments(src_start=src_start.reshape(-1).astype(jnp.int32),
-                 dst_start=(expert_off + before_me).reshape(-1).astype(jnp.int32),
-                 rows=mine.reshape(-1).astype(jnp.int32),
-                 peer=jnp.repeat(jnp.arange(r, dtype=jnp.int32), el))
-  return _order_segments(seg, rank, r, el, order)
+  return Segments(src_start=src_start.astype(jnp.int32),
+                  dst_start=(expert_off + before_me).astype(jnp.int32),
+                  rows=mine.astype(jnp.int32))
 
 
-def return_segments(plan: DispatchPlan, rank, order: str = "interleaved") -> Segments:
+def return_segments(plan: DispatchPlan, rank) -> Segments:
   """This rank's receive layout -> the sources' sorted rows, per (src, le)."""
   cm = plan.count_matrix
   r, e = cm.shape
@@ -223,8 +210,6 @@ def return_segments(plan: DispatchPlan, rank, order: str = "interleaved") -> Seg
   # at source s, rows for my experts start after its rows for ranks < me
   before = jnp.sum(jnp.where(jnp.arange(r)[None, :, None] < rank, per, 0), axis=(1, 2))  # [src]
   dst_start = before[:, None] + _exclusive_cumsum(incoming, axis=1)
-  seg = Segments(src_start=src_start.reshape(-1).astype(jnp.int32),
-                 dst_start=dst_start.reshape(-1).astype(jnp.int32),
-                 rows=incoming.reshape(-1).astype(jnp.int32),
-                 peer=jnp.repeat(jnp.arange(r, dtype=jnp.int32), el))
-  return _order_segments(seg, rank, r, el, order)
+  return Segments(src_start=src_start.astype(jnp.int32),
+                  dst_start=dst_start.astype(jnp.int32),
+                  rows=incoming.astype(jnp.int32))

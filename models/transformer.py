@@ -1,0 +1,145 @@
+"""Decoder-only MoE transformer (Flax NNX): embedding, RMSNorm, RoPE, causal GQA
+self-attention, `UniEPMoE` (or a dense SwiGLU) per layer, tied or untied head.
+
+    model = Transformer(get_config("tiny"), mesh=mesh, backend="xla_dropless", rngs=nnx.Rngs(0))
+    logits, aux = model(tokens)   # tokens [B, S] int32 -> logits [B, S, V] float32
+
+`aux` stacks the routing statistics of the MoE layers (L_moe of them):
+  expert_counts [L_moe, E] int32, load_balance_loss [L_moe], router_z_loss [L_moe], dropped [L_moe].
+All weights except the routed experts are replicated; the batch is split over the
+whole mesh (data parallel), the experts over the expert axis (expert parallel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+from uniep_jax.config import UniEPConfig
+from uniep_jax.module import SwiGLU, UniEPMoE, fan_in_normal, sharding_metadata
+
+AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped")
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, *, eps: float, mesh=None):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **sharding_metadata((None,), mesh))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding (rotate-half form). x: [B, S, n, D] -> same."""
+  B, S, n, D = x.shape
+  inv_freq = theta ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)  # [D/2]
+  angles = jnp.arange(S, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [S, D/2]
+  cos = jnp.cos(angles)[None, :, None, :]  # [1, S, 1, D/2]
+  sin = jnp.sin(angles)[None, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., : D // 2], x32[..., D // 2:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query self-attention with RoPE; softmax in float32."""
+
+  def __init__(self, c: ModelConfig, *, mesh=None, rngs: nnx.Rngs):
+    self.c = c
+    self.dtype = jnp.dtype(c.dtype)
+    H, nh, nkv, hd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+    kw = sharding_metadata((None, None), mesh)
+    self.wq = nnx.Param(fan_in_normal(rngs.params(), (H, nh * hd), H, jnp.float32), **kw)
+    self.wk = nnx.Param(fan_in_normal(rngs.params(), (H, nkv * hd), H, jnp.float32), **kw)
+    self.wv = nnx.Param(fan_in_normal(rngs.params(), (H, nkv * hd), H, jnp.float32), **kw)
+    self.wo = nnx.Param(fan_in_normal(rngs.params(), (nh * hd, H), nh * hd, jnp.float32), **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c, dt = self.c, self.dtype
+    B, S, _ = x.shape
+    nkv, g, hd = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
+    q = (x @ self.wq[...].astype(dt)).reshape(B, S, c.n_heads, hd)  # [B, S, nh, hd]
+    k = (x @ self.wk[...].astype(dt)).reshape(B, S, nkv, hd)  # [B, S, nkv, hd]
+    v = (x @ self.wv[...].astype(dt)).reshape(B, S, nkv, hd)  # [B, S, nkv, hd]
+    q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
+    q = q.reshape(B, S, nkv, g, hd)  # [B, S, nkv, g, hd], query head = kv head * g + j
+    scores = jnp.einsum("bsngd,btnd->bngst", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
+    causal = jnp.tril(jnp.ones((S, S), dtype=bool))  # [S(query), S(key)]
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)  # [B, nkv, g, S, S]
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bngst,btnd->bsngd", probs, v)  # [B, S, nkv, g, hd]
+    out = out.reshape(B, S, c.n_heads * hd)  # [B, S, nh*hd]
+    return out @ self.wo[...].astype(dt)
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)); x + ffn(norm(x))."""
+
+  def __init__(self, c: ModelConfig, layer: int, *, mesh, moe_config: UniEPConfig, rngs: nnx.Rngs):
+    dt = jnp.dtype(c.dtype)
+    self.attn_norm = RMSNorm(c.d_model, eps=c.norm_eps, mesh=mesh)
+    self.attn = Attention(c, mesh=mesh, rngs=rngs)
+    self.ffn_norm = RMSNorm(c.d_model, eps=c.norm_eps, mesh=mesh)
+    self.is_moe = c.is_moe_layer(layer)
+    if self.is_moe:
+      self.ffn = UniEPMoE(c.d_model, c.d_expert, c.n_experts, c.top_k, n_shared=c.n_shared,
+                          mesh=mesh, config=moe_config, use_expert_bias=c.use_expert_bias,
+                          dtype=dt, rngs=rngs)
+    else:
+      self.ffn = SwiGLU(c.d_model, c.d_ff, mesh=mesh, dtype=dt, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x))
+    return x + self.ffn(self.ffn_norm(x))
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array, mesh) -> jax.Array:
+  """table [V, H], tokens [B, S] -> [B, S, H], sharded like tokens on Explicit meshes."""
+  if mesh is None or not any(t == AxisType.Explicit for t in mesh.axis_types):
+    return jnp.take(table, tokens, axis=0)
+  spec = tuple(jax.typeof(tokens).sharding.spec)
+  spec = spec + (None,) * (tokens.ndim - len(spec))
+  return table.at[tokens].get(out_sharding=NamedSharding(mesh, P(*spec, None)))
+
+
+class Transformer(nnx.Module):
+  """tokens [B, S] int32 -> (logits [B, S, V] float32, aux of the MoE layers)."""
+
+  def __init__(self, c: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
+               backend: str = "xla_dropless", capacity_factor: float = 1.25, rngs: nnx.Rngs):
+    self.c, self.mesh = c, mesh
+    self.dtype = jnp.dtype(c.dtype)
+    moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor)
+    kw = sharding_metadata((None, None), mesh)
+    self.embed = nnx.Param(fan_in_normal(rngs.params(), (c.vocab_size, c.d_model), c.d_model,
+                                          jnp.float32), **kw)
+    self.layers = nnx.List([Block(c, i, mesh=mesh, moe_config=moe_config, rngs=rngs)
+                            for i in range(c.n_layers)])
+    self.final_norm = RMSNorm(c.d_model, eps=c.norm_eps, mesh=mesh)
+    self.head = (None if c.tie_embeddings else
+                 nnx.Param(fan_in_normal(rngs.params(), (c.d_model, c.vocab_size), c.d_model,
+                                          jnp.float32), **kw))
+
+  def moe_modules(self) -> list[UniEPMoE]:
+    return [blk.ffn for blk in self.layers if blk.is_moe]
+
+  def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
+    dt = self.dtype
+    x = embed_lookup(self.embed[...], tokens, self.mesh).astype(dt)  # [B, S, H]
+    for blk in self.layers:
+      x = blk(x)
+    x = self.final_norm(x)
+    w_head = self.embed[...].T if self.head is None else self.head[...]  # [H, V]
+    logits = jnp.einsum("bsh,hv->bsv", x, w_head.astype(dt), preferred_element_type=jnp.float32)
+    moes = self.moe_modules()
+    aux = {k: jnp.stack([jnp.asarray(m.aux.get_value()[k]) for m in moes]) for k in AUX_KEYS}
+    return logits, aux

@@ -1,0 +1,209 @@
+"""Training: the loss falls, runs are bitwise reproducible, resume is exact,
+expert parallelism does not change the maths, and bad meshes fail clearly.
+
+In-process tests use the 8 virtual CPU devices of conftest.py; the CLI tests run
+`python -m train` in a subprocess (it sizes its own device pool before importing jax).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from train import loop
+from train.config import TrainConfig, parse_args
+from train.data import make_dataset
+from train.mesh import parse_mesh, validate_mesh
+
+SMALL = dict(config="tiny", batch=8, seq=32, steps=12, warmup=2, lr=3e-3, eval_every=6,
+             eval_batches=1, progress=False, plot=False)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data():
+  return make_dataset(None, max_bytes=256 << 10, heldout_fraction=0.05, seq=32)
+
+
+def _train(path, data, **kw):
+  return loop.train(TrainConfig(**{**SMALL, "out": str(path), **kw}), data=data)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+  """An uninterrupted 12-step run on mesh data=2,expert=4."""
+  return _train(tmp_path_factory.mktemp("ref"), data)
+
+
+def test_loss_decreases(reference):
+  losses = reference["losses"]
+  assert sorted(losses) == list(range(1, 13))
+  assert np.mean([losses[s] for s in (10, 11, 12)]) < losses[1] - 1.0, losses
+  held = reference["heldout"]
+  assert held[12] < held[0] - 1.0, held
+  assert all(np.isfinite(v) for v in losses.values())
+
+
+def test_identical_runs_are_bitwise_equal(tmp_path, data, reference):
+  again = _train(tmp_path, data)
+  assert again["losses"] == reference["losses"]
+  assert again["heldout"] == reference["heldout"]
+  assert again["summary"]["sha256"] == reference["summary"]["sha256"]
+  assert again["summary"]["param_sum"] == reference["summary"]["param_sum"]
+
+
+def test_resume_is_bitwise_equal(tmp_path, data, reference):
+  ckpt = str(tmp_path / "ckpt")
+  first = _train(tmp_path / "a", data, ckpt_dir=ckpt, ckpt_every=3, stop_after=6)
+  assert sorted(first["losses"]) == list(range(1, 7))
+  second = _train(tmp_path / "b", data, ckpt_dir=ckpt, ckpt_every=3, resume=True)
+  assert second["summary"]["start_step"] == 6
+  assert sorted(second["losses"]) == list(range(7, 13))
+  merged = {**first["losses"], **second["losses"]}
+  assert merged == reference["losses"]  # bitwise: float(f32) compared exactly
+  assert second["heldout"][12] == reference["heldout"][12]
+  assert second["summary"]["sha256"] == reference["summary"]["sha256"]
+
+
+def _loss_and_grads(mesh: str):
+  cfg = TrainConfig(**{**SMALL, "mesh": mesh, "out": "unused"})
+  s = loop.make_setup(cfg)
+  params, rest, _ = loop.init_state(s)
+  data = make_dataset(None, max_bytes=64 << 10, heldout_fraction=0.05, seq=32)
+  x, y = (jax.device_put(a, s.batch_sh) for a in data.batch(0, 0, cfg.batch, cfg.seq))
+  fn = jax.jit(jax.value_and_grad(lambda p: loop.loss_fn(s, p, rest, x, y), has_aux=True))
+  (loss, (ce, lb, z, aux)), grads = fn(params)
+  host = lambda t: jax.tree.map(np.asarray, jax.device_get(t))
+  return host(params), float(loss), host(aux), host(grads)
+
+
+def test_expert_parallel_matches_expert_1():
+  p1, loss1, aux1, g1 = _loss_and_grads("data=8,expert=1")
+  p4, loss4, aux4, g4 = _loss_and_grads("data=2,expert=4")
+  for k in p1:  # the initialisation does not depend on the layout
+    np.testing.assert_array_equal(p1[k], p4[k], err_msg=k)
+  np.testing.assert_array_equal(aux1["expert_counts"], aux4["expert_counts"])
+  np.testing.assert_allclose(loss1, loss4, rtol=1e-6)
+  for k in g1:
+    np.testing.assert_allclose(g1[k], g4[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_aux_free_bias_updates(tmp_path, data):
+  rate = 1e-2
+  res = _train(tmp_path, data, config="tiny-deepseek", steps=3, warmup=1, eval_every=3,
+               aux_free_bias_rate=rate)
+  biases = {k: np.asarray(v) for k, v in res["rest"].items() if k.endswith("expert_bias")}
+  assert len(biases) == 3  # layers 1..3 are MoE layers, layer 0 is dense
+  for k, b in biases.items():
+    steps = b / rate  # each update moves every bias by -rate, 0 or +rate
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3, err_msg=k)
+    assert np.abs(steps).max() <= 3 + 1e-3 and np.any(b != 0), (k, b)
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("", "empty"),
+    ("data=2,expert", "cannot parse"),
+    ("data=2;expert=4", "cannot parse"),
+    ("pipe=2,expert=4", "unknown axis"),
+    ("data=2,data=4", "twice"),
+    ("data=0,expert=8", ">= 1"),
+])
+def test_bad_mesh_strings(spec, match):
+  with pytest.raises(ValueError, match=match):
+    parse_mesh(spec)
+
+
+def test_impossible_meshes():
+  assert parse_mesh("expert=8") == {"data": 1, "expert": 8}
+  with pytest.raises(ValueError, match="has 6 devices but 8 are available"):
+    validate_mesh(parse_mesh("data=2,expert=3"), num_devices=8, num_experts=8, batch=8)
+  with pytest.raises(ValueError, match="expert=3 must divide the number of experts 8"):
+    validate_mesh(parse_mesh("data=2,expert=3"), num_devices=6, num_experts=8, batch=6)
+  with pytest.raises(ValueError, match="batch=12 must be divisible by the mesh size 8"):
+    validate_mesh(parse_mesh("data=2,expert=4"), num_devices=8, num_experts=8, batch=12)
+  with pytest.raises(ValueError, match="has 4 devices but 8 are available"):
+    loop.make_setup(TrainConfig(**{**SMALL, "mesh": "data=1,expert=4", "out": "unused"}))
+
+
+def test_parse_args_errors(capsys):
+  with pytest.raises(SystemExit) as e:
+    parse_args(["--mesh", "data=2,model=4"])
+  assert e.value.code == 2
+  assert "unknown axis 'model'" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    parse_args(["--resume"])
+  assert "--resume needs --ckpt-dir" in capsys.readouterr().err
+  cfg = parse_args([])
+  assert (cfg.config, cfg.mesh, cfg.backend) == ("tiny", "data=2,expert=4", "xla_dropless")
+
+
+def _cli(*args, timeout=240):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sizes the pool itself
+  return subprocess.run([sys.executable, "-m", "train", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_rejects_impossible_mesh():
+  r = _cli("--mesh", "data=2,expert=3", "--batch", "6")
+  assert r.returncode == 2, r.stderr
+  assert "expert=3 must divide the number of experts 8" in r.stderr
+
+
+def test_cli_end_to_end(tmp_path):
+  text = tmp_path / "corpus.txt"
+  text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(4000)))
+  out = tmp_path / "out"
+  r = _cli("--mesh", "data=4,expert=2", "--steps", "4", "--warmup", "1", "--batch", "8",
+           "--seq", "32", "--eval-every", "2", "--eval-batches", "1", "--data", str(text),
+           "--out", str(out), "--no-progress")
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "param checksum: sum=" in r.stdout and "unigram entropy" in r.stdout
+  assert (out / "loss.png").stat().st_size > 0
+  recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r_["step"] for r_ in recs if "ce" in r_] == [1, 2, 3, 4]
+  assert [r_["step"] for r_ in recs if "heldout_loss" in r_] == [0, 2, 4]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["mesh"] == {"data": 4, "expert": 2}
+
+
+def test_data_is_pure_and_split_is_fixed(tmp_path, data):
+  from train.data import load_tokens, unigram_entropy
+  x1, y1 = data.batch(3, 17, 8, 32)
+  x2, y2 = data.batch(3, 17, 8, 32)
+  np.testing.assert_array_equal(x1, x2)
+  np.testing.assert_array_equal(x1[:, 1:], y1[:, :-1])  # targets are the inputs shifted by one
+  assert not np.array_equal(data.batch(3, 18, 8, 32)[0], x1)
+  again = make_dataset(None, max_bytes=256 << 10, heldout_fraction=0.05, seq=32)
+  np.testing.assert_array_equal(again.heldout, data.heldout)
+  assert 0 < len(data.heldout) < 0.1 * len(data.train)
+  np.testing.assert_allclose(unigram_entropy(np.arange(256).repeat(3)), np.log(256), rtol=1e-12)
+  ids = np.arange(1000, dtype=np.int64) % 50
+  np.save(tmp_path / "ids.npy", ids)
+  toks, _ = load_tokens(str(tmp_path / "ids.npy"), max_bytes=0)
+  np.testing.assert_array_equal(toks, ids)
+  with pytest.raises(FileNotFoundError):
+    load_tokens(str(tmp_path / "missing.txt"), max_bytes=0)
+
+
+def test_transformer_on_explicit_and_auto_meshes(mesh_factory):
+  """The model runs on Explicit-axis meshes (conftest's) as on the trainer's Auto ones."""
+  from flax import nnx
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from models import Transformer, get_config
+
+  c = get_config("tiny", n_layers=2, max_seq_len=32)
+  tokens = (np.arange(8 * 32, dtype=np.int32).reshape(8, 32) * 7) % 256
+  outs = []
+  for mesh in (mesh_factory(2, 4),
+               jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)):
+    model = Transformer(c, mesh=mesh, rngs=nnx.Rngs(0))
+    tok = jax.device_put(tokens, NamedSharding(mesh, P(("data", "expert"))))
+    with jax.set_mesh(mesh):
+      logits, aux = nnx.jit(lambda m, t: m(t))(model, tok)
+    assert logits.shape == (8, 32, 256) and aux["expert_counts"].shape == (2, 8)
+    outs.append(np.asarray(logits))
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)

@@ -1,0 +1,35 @@
+"""Command line: `python -m train [flags]` / `uniep-train [flags]`.
+
+Parses the flags first, then asks XLA for as many virtual CPU devices as the mesh
+has (XLA_FLAGS must be set before jax is imported), then imports the loop.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from train.config import parse_args
+from train.mesh import ConfigError, mesh_size, parse_mesh, request_host_devices
+
+
+def run(argv: Optional[Sequence[str]] = None) -> dict:
+  """Parse flags, size the device pool, train; returns `train.loop.train`'s result."""
+  cfg = parse_args(argv)
+  request_host_devices(mesh_size(parse_mesh(cfg.mesh)))
+  from train.loop import train  # imports jax
+
+  try:
+    return train(cfg)
+  except (ConfigError, FileNotFoundError) as e:  # found once the devices and the data are known
+    print(f"uniep-train: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  """Console script `uniep-train` (returns None: `sys.exit(main())` exits 0)."""
+  run(argv)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,122 @@
+"""`TrainConfig`: every knob of a training run, and its command-line parser.
+
+No jax import here: `train.cli` parses flags, sizes the virtual device pool, and
+only then imports jax (through `train.loop`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional, Sequence
+
+from train.mesh import parse_mesh
+
+BACKEND_CHOICES = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  config: str = "tiny"  # model config name (models.CONFIGS)
+  mesh: str = "data=2,expert=4"
+  backend: str = "xla_dropless"
+  capacity_factor: float = 1.25
+  steps: int = 300  # length of the schedule (and of the run unless stop_after)
+  stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
+  batch: int = 8  # sequences per step (global)
+  seq: int = 128
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1
+  warmup: Optional[int] = None  # None: min(30, steps // 10)
+  weight_decay: float = 0.1
+  clip: float = 1.0
+  seed: int = 0
+  data: Optional[str] = None  # None: the Python standard library's sources
+  data_bytes: int = 4 << 20  # cap of the default corpus
+  heldout_fraction: float = 0.05
+  lb_weight: float = 0.01  # weight of the load-balance loss
+  z_weight: float = 1e-3  # weight of the router z-loss
+  aux_free_bias_rate: Optional[float] = None  # None: 1e-3 if the model has expert biases, else 0
+  eval_every: int = 50
+  eval_batches: int = 8
+  ckpt_dir: Optional[str] = None
+  ckpt_every: int = 100
+  resume: bool = False
+  out: str = "runs/default"
+  progress: bool = True
+  plot: bool = True
+
+  def __post_init__(self):
+    parse_mesh(self.mesh)
+    if self.backend not in BACKEND_CHOICES:
+      raise ValueError(f"backend={self.backend!r} is unknown; expected one of {BACKEND_CHOICES}")
+    for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
+      raise ValueError(f"stop_after={self.stop_after} must be in [1, steps={self.steps}]")
+    if self.warmup is not None and not 0 <= self.warmup < self.steps:
+      raise ValueError(f"warmup={self.warmup} must be in [0, steps={self.steps})")
+    if self.resume and not self.ckpt_dir:
+      raise ValueError("--resume needs --ckpt-dir")
+    if not 0 < self.heldout_fraction < 1:
+      raise ValueError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+
+  @property
+  def warmup_steps(self) -> int:
+    return min(30, self.steps // 10) if self.warmup is None else self.warmup
+
+  @property
+  def last_step(self) -> int:
+    return self.steps if self.stop_after is None else self.stop_after
+
+
+def build_parser() -> argparse.ArgumentParser:
+  d = TrainConfig()
+  p = argparse.ArgumentParser(
+      prog="uniep-train",
+      description="Train a decoder-only MoE transformer with UniEP-JAX expert parallelism. "
+                  "With no flags: the 'tiny' model on 8 virtual CPU devices (mesh data=2,expert=4) "
+                  "on byte-level Python standard-library sources.")
+  a = p.add_argument
+  a("--config", default=d.config, help="model config name (default %(default)s)")
+  a("--mesh", default=d.mesh, help="mesh axes, e.g. data=2,expert=4; the product must equal the "
+                                  "device count (CPU: that many virtual devices are created)")
+  a("--backend", default=d.backend, choices=BACKEND_CHOICES, help="moe_ffn backend")
+  a("--capacity-factor", type=float, default=d.capacity_factor, help="for --backend xla_capacity")
+  a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
+  a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
+  a("--batch", type=int, default=d.batch, help="global batch in sequences")
+  a("--seq", type=int, default=d.seq, help="sequence length")
+  a("--lr", type=float, default=d.lr, help="peak learning rate (AdamW, warmup + cosine)")
+  a("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+  a("--warmup", type=int, default=None, help="warmup steps (default min(30, steps // 10))")
+  a("--weight-decay", type=float, default=d.weight_decay)
+  a("--clip", type=float, default=d.clip, help="global gradient-norm clip")
+  a("--seed", type=int, default=d.seed, help="seeds the parameters and the batches")
+  a("--data", default=None, help="text file, folder of text files, or .npy of token ids "
+                                 "(default: the Python standard library's sources)")
+  a("--data-bytes", type=int, default=d.data_bytes, help="cap on the default corpus size")
+  a("--lb-weight", type=float, default=d.lb_weight, help="load-balance loss weight")
+  a("--z-weight", type=float, default=d.z_weight, help="router z-loss weight")
+  a("--aux-free-bias-rate", type=float, default=None,
+    help="expert-bias update rate (default 1e-3 for models with expert biases, else off)")
+  a("--eval-every", type=int, default=d.eval_every, help="held-out loss every N steps")
+  a("--eval-batches", type=int, default=d.eval_batches)
+  a("--ckpt-dir", default=None, help="Orbax checkpoint directory")
+  a("--ckpt-every", type=int, default=d.ckpt_every)
+  a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+  a("--out", default=d.out, help="metrics.jsonl, loss.png and summary.json go here")
+  a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+  a("--no-plot", dest="plot", action="store_false", help="no loss.png")
+  return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
+  """Flags -> TrainConfig; invalid values exit through argparse with the reason."""
+  p = build_parser()
+  ns = p.parse_args(argv)
+  try:
+    return TrainConfig(**vars(ns))
+  except ValueError as e:
+    p.error(str(e))

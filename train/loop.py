@@ -1,0 +1,344 @@
+"""The training loop: init on the mesh, jitted train step, eval, checkpoints, metrics.
+
+State is kept as flat dicts {"layers.0.attn.wq": array, ...} (easy to checkpoint
+and to hand to optax); `nnx.merge` rebuilds the model inside the jitted step.
+  params  nnx.Param arrays, sharded by their `out_sharding` metadata
+  rest    the other variables (the `ExpertBias` of each MoE layer)
+  opt     optax state (clip -> AdamW with warmup + cosine decay)
+Batches are split over every mesh axis; the experts over "expert".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig, get_config
+from models.report import format_report, model_report
+from models.transformer import Transformer
+from train.checkpoint import Checkpointer
+from train.config import TrainConfig
+from train.data import Dataset, make_dataset, unigram_entropy
+from train.mesh import MESH_AXES, ConfigError, make_mesh, parse_mesh, validate_mesh
+
+LN2 = float(np.log(2.0))
+
+
+# ----------------------------------------------------------------------------- state as flat dicts
+
+def _key(path) -> str:
+  return ".".join(str(p) for p in path)
+
+
+def flat_arrays(state: nnx.State) -> dict[str, jax.Array]:
+  return {_key(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def unflatten(template: nnx.State, arrays: dict[str, jax.Array]) -> nnx.State:
+  """The inverse of `flat_arrays`, given a state of the same structure (abstract is fine)."""
+  return nnx.from_flat_state([(path, var.replace(arrays[_key(path)]))
+                              for path, var in nnx.to_flat_state(template)])
+
+
+def flat_shardings(state: nnx.State, mesh) -> dict[str, NamedSharding]:
+  return flat_arrays(nnx.get_named_sharding(state, mesh))
+
+
+# ----------------------------------------------------------------------------- setup
+
+@dataclasses.dataclass
+class Setup:
+  cfg: TrainConfig
+  model_cfg: ModelConfig
+  mesh: Any
+  graphdef: Any
+  params_tmpl: nnx.State
+  rest_tmpl: nnx.State
+  param_sh: dict
+  rest_sh: dict
+  batch_sh: NamedSharding
+  tx: optax.GradientTransformation
+  schedule: Any  # step -> learning rate
+  bias_rate: float
+
+
+def make_setup(cfg: TrainConfig) -> Setup:
+  shape = parse_mesh(cfg.mesh)
+  try:
+    model_cfg = get_config(cfg.config, max_seq_len=cfg.seq)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  validate_mesh(shape, num_devices=len(jax.devices()), num_experts=model_cfg.n_experts, batch=cfg.batch)
+  mesh = make_mesh(shape)
+
+  def build():
+    return Transformer(model_cfg, mesh=mesh, backend=cfg.backend,
+                       capacity_factor=cfg.capacity_factor, rngs=nnx.Rngs(cfg.seed))
+
+  graphdef, params_tmpl, rest_tmpl = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+  bias_rate = cfg.aux_free_bias_rate
+  if bias_rate is None:
+    bias_rate = 1e-3 if model_cfg.use_expert_bias else 0.0
+  if bias_rate and not model_cfg.use_expert_bias:
+    raise ConfigError(f"--aux-free-bias-rate={bias_rate} but model {model_cfg.name!r} has no expert biases")
+
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
+      end_value=cfg.lr * cfg.min_lr_ratio)
+  decay_mask = {k: v.ndim >= 2 for k, v in flat_arrays(params_tmpl).items()}  # no decay on norm scales
+  tx = optax.chain(optax.clip_by_global_norm(cfg.clip),
+                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask))
+  return Setup(cfg=cfg, model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, params_tmpl=params_tmpl,
+               rest_tmpl=rest_tmpl, param_sh=flat_shardings(params_tmpl, mesh),
+               rest_sh=flat_shardings(rest_tmpl, mesh),
+               batch_sh=NamedSharding(mesh, P(MESH_AXES, None)), tx=tx, schedule=schedule,
+               bias_rate=float(bias_rate))
+
+
+def init_state(s: Setup) -> tuple[dict, dict, Any]:
+  """Fresh (params, rest, opt_state), created directly on their shardings."""
+  def init():
+    model = Transformer(s.model_cfg, mesh=s.mesh, backend=s.cfg.backend,
+                        capacity_factor=s.cfg.capacity_factor, rngs=nnx.Rngs(s.cfg.seed))
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return flat_arrays(params), flat_arrays(rest)
+
+  params, rest = jax.jit(init, out_shardings=(s.param_sh, s.rest_sh))()
+  opt_state = jax.jit(s.tx.init)(params)
+  rep = NamedSharding(s.mesh, P())
+  # the moments follow the params; scalars (step counts) are replicated over the mesh
+  opt_sh = jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else rep, opt_state)
+  return params, rest, jax.device_put(opt_state, opt_sh)
+
+
+# ----------------------------------------------------------------------------- steps
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token cross entropy in nats. logits [B, S, V] f32, targets [B, S]."""
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def _model(s: Setup, params: dict, rest: dict) -> Transformer:
+  return nnx.merge(s.graphdef, unflatten(s.params_tmpl, params), unflatten(s.rest_tmpl, rest))
+
+
+def loss_fn(s: Setup, params: dict, rest: dict, inputs, targets):
+  """Training loss = cross entropy + weighted MoE aux losses (means over the MoE layers)."""
+  logits, aux = _model(s, params, rest)(inputs)
+  ce = cross_entropy(logits, targets)
+  lb = jnp.mean(aux["load_balance_loss"])
+  z = jnp.mean(aux["router_z_loss"])
+  return ce + s.cfg.lb_weight * lb + s.cfg.z_weight * z, (ce, lb, z, aux)
+
+
+def make_train_step(s: Setup, opt_sh):
+  def train_step(params, rest, opt_state, inputs, targets):
+    (loss, (ce, lb, z, aux)), grads = jax.value_and_grad(
+        lambda p: loss_fn(s, p, rest, inputs, targets), has_aux=True)(params)
+    updates, opt_state = s.tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if s.bias_rate:
+      model = _model(s, params, rest)
+      for moe, counts in zip(model.moe_modules(), aux["expert_counts"]):
+        moe.update_expert_bias(counts, s.bias_rate)
+      rest = flat_arrays(nnx.split(model, nnx.Param, ...)[2])
+    counts = aux["expert_counts"].astype(jnp.float32)  # [L_moe, E]
+    metrics = dict(loss=loss, ce=ce, load_balance_loss=lb, router_z_loss=z,
+                   grad_norm=optax.tree.norm(grads), dropped=jnp.sum(aux["dropped"]),
+                   max_load=jnp.max(counts / jnp.mean(counts, axis=-1, keepdims=True)))
+    return params, rest, opt_state, metrics
+
+  rep = NamedSharding(s.mesh, P())
+  return jax.jit(train_step,
+                 in_shardings=(s.param_sh, s.rest_sh, opt_sh, s.batch_sh, s.batch_sh),
+                 out_shardings=(s.param_sh, s.rest_sh, opt_sh, rep),
+                 donate_argnums=(0, 1, 2))
+
+
+def make_eval_step(s: Setup):
+  def eval_step(params, rest, inputs, targets):
+    logits, _ = _model(s, params, rest)(inputs)
+    return cross_entropy(logits, targets)
+
+  return jax.jit(eval_step, in_shardings=(s.param_sh, s.rest_sh, s.batch_sh, s.batch_sh),
+                 out_shardings=NamedSharding(s.mesh, P()))
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def checksum(params: dict, rest: dict) -> dict:
+  """Sum (float64) of every parameter and a sha256 over the bytes of params and rest, in key order."""
+  h = hashlib.sha256()
+  total = 0.0
+  for name, tree in (("params", params), ("rest", rest)):
+    for k in sorted(tree):
+      a = np.asarray(jax.device_get(tree[k]))
+      if name == "params":
+        total += float(a.astype(np.float64).sum())
+      h.update(f"{name}/{k}:{a.dtype}{a.shape}".encode())
+      h.update(np.ascontiguousarray(a).tobytes())
+  return dict(param_sum=total, sha256=h.hexdigest())
+
+
+def _read_metrics(path: pathlib.Path) -> list[dict]:
+  return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+
+
+def plot_losses(records: list[dict], unigram_nats: float, path: pathlib.Path, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  train = sorted((r["step"], r["ce"]) for r in records if "ce" in r)
+  held = sorted((r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r)
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  if train:
+    ax.plot(*zip(*train), lw=0.8, alpha=0.7, label="train cross entropy")
+  if held:
+    ax.plot(*zip(*held), "o-", label="held-out cross entropy")
+  ax.axhline(unigram_nats, color="gray", ls="--", label=f"unigram entropy {unigram_nats:.3f}")
+  ax.set_xlabel("step")
+  ax.set_ylabel("nats / token")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the run
+
+def _log(msg: str) -> None:
+  print(msg, flush=True)
+
+
+def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
+  """Run training; returns per-step losses, held-out losses, checksum and timings."""
+  t_start = time.perf_counter()
+  s = make_setup(cfg)
+  out = pathlib.Path(cfg.out)
+  out.mkdir(parents=True, exist_ok=True)
+  if data is None:
+    data = make_dataset(cfg.data, max_bytes=cfg.data_bytes, heldout_fraction=cfg.heldout_fraction, seq=cfg.seq)
+  if data.vocab_needed > s.model_cfg.vocab_size:
+    raise ConfigError(f"the data has token ids up to {data.vocab_needed - 1}, "
+                     f"beyond model {s.model_cfg.name!r}'s vocab_size={s.model_cfg.vocab_size}")
+  h_uni = unigram_entropy(data.train)
+  _log(format_report(model_report(s.model_cfg, cfg.seq)))
+  _log(f"mesh {dict(s.mesh.shape)} on {len(s.mesh.devices.flat)} {jax.devices()[0].platform} devices; "
+       f"backend {cfg.backend}; batch {cfg.batch}x{cfg.seq} tokens; aux-free bias rate {s.bias_rate}")
+  _log(f"data: {data.description}; train {len(data.train)} / held-out {len(data.heldout)} tokens; "
+       f"unigram entropy {h_uni:.4f} nats/token = {h_uni / LN2:.4f} bits/token")
+
+  params, rest, opt_state = init_state(s)
+  opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+  start = 0
+  ckpt = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
+  if ckpt and not cfg.resume and ckpt.latest_step() is not None:
+    raise ConfigError(f"{cfg.ckpt_dir} already holds checkpoints (latest step {ckpt.latest_step()}); "
+                      f"pass --resume to continue, or another --ckpt-dir")
+  if cfg.resume:
+    latest = ckpt.latest_step()
+    if latest is None:
+      _log(f"--resume: no checkpoint in {cfg.ckpt_dir}; starting from step 0")
+    else:
+      restored = ckpt.restore(latest, dict(params=params, rest=rest, opt_state=opt_state))
+      params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
+      start = latest
+      _log(f"resumed from {ckpt.directory} at step {start}")
+  if start >= cfg.last_step:
+    raise ConfigError(f"nothing to do: the checkpoint is at step {start} >= {cfg.last_step}")
+
+  train_step = make_train_step(s, opt_sh)
+  eval_step = make_eval_step(s)
+  put = lambda a: jax.device_put(a, s.batch_sh)
+  held_batches = [(put(x), put(y)) for x, y in data.heldout_batches(cfg.eval_batches, cfg.batch, cfg.seq)]
+
+  def heldout_loss() -> float:
+    vals = [np.float32(eval_step(params, rest, x, y)) for x, y in held_batches]
+    return float(np.mean(np.asarray(vals, np.float64)))
+
+  metrics_path = out / "metrics.jsonl"
+  if not cfg.resume:
+    metrics_path.write_text("")
+  mf = metrics_path.open("a")
+
+  def emit(rec: dict) -> None:
+    mf.write(json.dumps(rec) + "\n")
+    mf.flush()
+
+  losses: dict[int, float] = {}
+  heldout: dict[int, float] = {}
+  if start == 0:
+    heldout[0] = heldout_loss()
+    emit(dict(step=0, heldout_loss=heldout[0]))
+
+  from tqdm.auto import tqdm
+  bar = tqdm(total=cfg.last_step, initial=start, disable=not cfg.progress, dynamic_ncols=True, desc="train")
+  tokens_per_step = cfg.batch * cfg.seq
+  t_loop = time.perf_counter()
+  step_times = []
+  for step in range(start, cfg.last_step):
+    t0 = time.perf_counter()
+    x, y = data.batch(cfg.seed, step, cfg.batch, cfg.seq)
+    params, rest, opt_state, m = train_step(params, rest, opt_state, put(x), put(y))
+    m = {k: float(np.asarray(v)) for k, v in jax.device_get(m).items()}  # waits for the step
+    dt = time.perf_counter() - t0
+    step_times.append(dt)
+    done = step + 1
+    losses[done] = m["loss"]
+    rec = dict(step=done, **m, lr=float(s.schedule(step)), step_s=dt, tokens_per_s=tokens_per_step / dt)
+    if done % cfg.eval_every == 0 or done == cfg.last_step:
+      heldout[done] = rec["heldout_loss"] = heldout_loss()
+    emit(rec)
+    bar.update(1)
+    post = dict(loss=f"{m['ce']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+    if done in heldout:
+      post["heldout"] = f"{heldout[done]:.3f}"
+    bar.set_postfix(post, refresh=False)
+    if ckpt and (done % cfg.ckpt_every == 0 or done == cfg.last_step):
+      ckpt.save(done, dict(params=params, rest=rest, opt_state=opt_state))
+  bar.close()
+  mf.close()
+  if ckpt:
+    ckpt.close()
+  t_end = time.perf_counter()
+
+  cs = checksum(params, rest)
+  records = _read_metrics(metrics_path)
+  tail = [r["ce"] for r in records if "ce" in r][-20:]
+  final_train = float(np.mean(tail))
+  final_held = heldout[cfg.last_step]
+  # steady-state throughput: skip the first step (compilation)
+  steady = step_times[1:] or step_times
+  summary = dict(
+      config=cfg.config, mesh=dict(s.mesh.shape), backend=cfg.backend, steps=cfg.last_step,
+      start_step=start, unigram_entropy_nats=h_uni, unigram_entropy_bits=h_uni / LN2,
+      final_train_loss_nats=final_train, final_heldout_loss_nats=final_held,
+      final_train_loss_bits=final_train / LN2, final_heldout_loss_bits=final_held / LN2,
+      tokens_per_s=tokens_per_step / float(np.mean(steady)), loop_s=t_end - t_loop,
+      wall_s=t_end - t_start, **cs)
+  (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  if cfg.plot:
+    plot_losses(records, h_uni, out / "loss.png",
+                f"{cfg.config} / {cfg.backend} / mesh {cfg.mesh}")
+  _log(f"unigram entropy of the training tokens: {h_uni:.4f} nats = {h_uni / LN2:.4f} bits per token")
+  _log(f"final train loss (mean of last {len(tail)} steps): {final_train:.4f} nats = {final_train / LN2:.4f} bits per token")
+  _log(f"final held-out loss: {final_held:.4f} nats = {final_held / LN2:.4f} bits per token")
+  _log(f"throughput {summary['tokens_per_s']:,.0f} tokens/s; wall {summary['wall_s']:.1f} s")
+  _log(f"param checksum: sum={cs['param_sum']!r} sha256={cs['sha256']}")
+  _log(f"wrote {metrics_path}, {out / 'summary.json'}" + (f", {out / 'loss.png'}" if cfg.plot else ""))
+  return dict(summary=summary, losses=losses, heldout=heldout, params=params, rest=rest)
