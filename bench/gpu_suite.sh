@@ -20,7 +20,7 @@ if [[ "$CHECK" == "1" ]]; then
   echo "check rc=$?" | tee -a "$OUT/suite.log"
   grep -v "^PASS" "$OUT/check.log" | grep -E "^FAIL|passed|Error|error" | head -40
 fi
-BACKENDS="xla_capacity,xla_dropless_padded,pallas"
+BACKENDS="${BACKENDS:-xla_capacity,xla_dropless_padded,pallas}"
 if [[ -f "$OUT/uniep_ok" || "${FORCE_UNIEP:-0}" == "1" ]]; then BACKENDS="$BACKENDS,uniep"; fi
 echo "bench backends: $BACKENDS" | tee -a "$OUT/suite.log"
 timeout "$BENCH_S" python3 -m bench.moe_layer --shapes "$SHAPES" --routings "$ROUTINGS" \
