@@ -76,8 +76,14 @@ def time_ms(fn, *args, trials: int = 7, min_batch_s: float = 0.05, max_reps: int
 
 
 def git_commit() -> str:
+  """The commit of the code that runs: $GIT_COMMIT, else the file BENCH_COMMIT at
+  the repository root (written by bench/stamp_commit.sh before a device call,
+  since .git does not travel), else `git rev-parse HEAD`."""
   if os.environ.get("GIT_COMMIT"):
     return os.environ["GIT_COMMIT"]
+  stamp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCH_COMMIT")
+  if os.path.exists(stamp):
+    return open(stamp).read().strip()
   try:
     out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
