@@ -90,6 +90,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
+from pallas_kernels.tma import ladder_store
 from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
 
 
@@ -119,20 +120,6 @@ def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: in
                             ends[-1:].astype(jnp.int32)])
 
   return jax.vmap(one)(seg_src, seg_dst, seg_len)
-
-
-def _ladder_store(src_smem, dst_gmem, smem_start, gmem_start, count, max_rows: int):
-  """Rows [smem_start, smem_start + count) of src_smem to dst_gmem[gmem_start:];
-  one TMA per set bit of count, largest first."""
-  size = max_rows
-  while size >= 1:
-    @pl.when((count & size) != 0)
-    def _(size=size, smem_start=smem_start, gmem_start=gmem_start):
-      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(smem_start, size)],
-                              dst_gmem.at[pl.ds(gmem_start, size)])
-    smem_start = smem_start + (count & size)
-    gmem_start = gmem_start + (count & size)
-    size //= 2
 
 
 def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
@@ -196,7 +183,7 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
       smem_row = work_gmem[at] - load_row(at)
       dst_row = work_gmem[at + w]
       rows = work_gmem[at + 2 * w]
-      _ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
+      ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
                     smem_row, dst_row, rows, chunk_rows)
       return carry
 

@@ -120,6 +120,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
+from pallas_kernels.tma import ladder_store
 from uniep_jax.config import KernelConfig
 
 _NONE, _COMPUTE, _ZERO = 0, 1, 2
@@ -256,25 +257,6 @@ def _row_tile_plan(group_sizes, m: int, block_m: int):
 # ----------------------------------------------------------------------------
 
 
-def _ladder_store(src_smem, dst_gmem, smem_start, gmem_start, count, max_rows: int):
-  """TMA-store rows [smem_start, smem_start + count) of src_smem to
-  dst_gmem[gmem_start:...]; 0 <= count <= max_rows (a power of two). One TMA per
-  set bit of count, largest first (rows never written outside the range):
-
-      count = 5 = 0b101:   rows 0..3  <- one 4-row store
-                           row  4     <- one 1-row store
-  """
-  size = max_rows
-  while size >= 1:
-    @pl.when((count & size) != 0)
-    def _(size=size, smem_start=smem_start, gmem_start=gmem_start):
-      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(smem_start, size)],
-                              dst_gmem.at[pl.ds(gmem_start, size)])
-    smem_start = smem_start + (count & size)
-    gmem_start = gmem_start + (count & size)
-    size //= 2
-
-
 def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, rows: int,
                     col0, ragged: bool):
   """Each compute warpgroup stores its [rows, wg_n] values through its own
@@ -288,7 +270,7 @@ def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, row
       plgpu.commit_smem()
       dst = out_gmem.at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)]
       if ragged:
-        _ladder_store(slot, dst, smem_row, gmem_row, count, rows)
+        ladder_store(slot, dst, smem_row, gmem_row, count, rows)
       else:
         plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)])
 
