@@ -139,7 +139,9 @@ def main(argv=None):
         comm_floor = (2 * shape.dispatch_bytes_per_rank(ep) * (1 if direction == "fwd" else 2)
                       / (a2a["gbps"] * 1e9) * 1e3) if "gbps" in a2a else None
         row_base = dict(shape=name, routing=routing, direction=direction, ep=ep,
-                        compute_floor_ms=compute_floor, comm_floor_ms=comm_floor)
+                        compute_floor_ms=compute_floor, comm_floor_ms=comm_floor,
+                        receive_buffer_bytes=uniep_jax.receive_buffer_bytes(
+                            shape.tokens, shape.top_k, shape.hidden, ep))
         for backend in backends:
           if time.time() - t_start > args.budget_s:
             skipped.append(dict(shape=name, routing=routing, direction=direction,

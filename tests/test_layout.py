@@ -76,22 +76,25 @@ def test_plan_is_deterministic_under_jit():
     jax.tree.map(np.testing.assert_array_equal, x, y)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_segments_reproduce_the_transport(ranks):
+@pytest.mark.parametrize("ranks,bound", [(1, None), (2, None), (4, None), (2, 30), (4, 20)])
+def test_segments_reproduce_the_transport(ranks, bound):
   """Copying the dispatch segments of every rank, then the return segments, in
-  numpy, gives the receive layout of `send_rows` and the identity on return."""
+  numpy, gives the receive layout of `send_rows` and the identity on return
+  (with a receive bound: rows past it are neither sent nor returned)."""
   from uniep_jax.layout import dispatch_segments, return_segments
   t, k, e = 13, 3, 8
   rng = np.random.default_rng(10 + ranks)
   topks = [_random_routing(rng, t, k, e, skew=True) for _ in range(ranks)]
   cm = jnp.stack([local_group_sizes(jnp.asarray(tk), e) for tk in topks])
-  plans = [jax.tree.map(np.asarray, make_plan(jnp.asarray(topks[r]), cm, r)) for r in range(ranks)]
+  mk = lambda r: make_plan(jnp.asarray(topks[r]), cm, r, recv_rows=bound)  # noqa: E731
+  plans = [jax.tree.map(np.asarray, mk(r)) for r in range(ranks)]
   n = t * k
+  cap = bound or ranks * n
   # source rows: a unique id per (rank, sorted position)
   src = [np.arange(n) + 1000 * r for r in range(ranks)]
-  recv = [np.full(ranks * n, -1) for _ in range(ranks)]
+  recv = [np.full(cap, -1) for _ in range(ranks)]
   for r in range(ranks):
-    seg = jax.tree.map(np.asarray, dispatch_segments(make_plan(jnp.asarray(topks[r]), cm, r), r))
+    seg = jax.tree.map(np.asarray, dispatch_segments(mk(r), r))
     peer = np.repeat(np.arange(ranks), e // ranks)
     for s0, d0, m, p in zip(seg.src_start.ravel(), seg.dst_start.ravel(), seg.rows.ravel(), peer):
       assert (recv[p][d0:d0 + m] == -1).all()      # no overlap between writers
@@ -102,15 +105,22 @@ def test_segments_reproduce_the_transport(ranks):
     want = 1000 * pl.recv_source[:live] + plans_send_pos(plans, pl, me)[:live]
     np.testing.assert_array_equal(recv[me][:live], want)
     assert (recv[me][live:] == -1).all()
+    # what overflowed the bound is counted
+    total = sum(int((tk // (e // ranks) == me).sum()) for tk in topks)
+    assert int(pl.dropped) == total - live and (bound is not None or total == live)
   back = [np.full(n, -1) for _ in range(ranks)]
   for r in range(ranks):
-    seg = jax.tree.map(np.asarray, return_segments(make_plan(jnp.asarray(topks[r]), cm, r), r))
+    seg = jax.tree.map(np.asarray, return_segments(mk(r), r))
     peer = np.repeat(np.arange(ranks), e // ranks)
     for s0, d0, m, p in zip(seg.src_start.ravel(), seg.dst_start.ravel(), seg.rows.ravel(), peer):
       assert (back[p][d0:d0 + m] == -1).all()
       back[p][d0:d0 + m] = recv[r][s0:s0 + m]
+  dropped_total = sum(int(p.dropped) for p in plans)
+  assert (bound is None) == (dropped_total == 0)
   for r in range(ranks):
-    np.testing.assert_array_equal(back[r], src[r])
+    returned = back[r] != -1
+    np.testing.assert_array_equal(back[r][returned], src[r][returned])
+  assert sum(int((b == -1).sum()) for b in back) == dropped_total
 
 
 def plans_send_pos(plans, pl, me):

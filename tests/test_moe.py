@@ -193,17 +193,72 @@ def test_per_shard_form_inside_shard_map():
   assert rel_err(y, y_ref) < 2e-6
 
 
-def test_ragged_transport_traces_with_gradients():
+@pytest.mark.parametrize("bound", [None, 1.0])
+def test_ragged_transport_traces_with_gradients(bound):
   """ragged_all_to_all does not compile on the CPU, but its forward and backward
   must trace and lower (the shard_map type check runs at trace time)."""
   mesh = make_mesh(2, 4)
   kx, kp = jax.random.split(jax.random.key(51))
   p = make_params(kp, experts=E, hidden=H, ffn=F)
   x = make_x(kx, 64, H)
-  cfg = UniEPConfig(backend="xla_dropless", transport="ragged")
+  cfg = UniEPConfig(backend="xla_dropless", transport="ragged", receive_capacity_factor=bound)
 
   def loss(x, p):
     return jnp.sum(uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=cfg)[0] ** 2)
 
   text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, p).as_text()
   assert text.count("ragged_all_to_all") >= 4   # dispatch, combine and their transposes
+
+
+def _expected_receive_drops(topk, data, ep, tokens_per_shard, cap, experts):
+  """[N, K] bool kept mask under a receive bound of `cap` rows per rank: per data
+  replica and destination rank, rows in (local expert, source, token, slot)
+  order past `cap` are dropped."""
+  n, k = topk.shape
+  el = experts // ep
+  keep = np.ones_like(topk, bool)
+  for d in range(data):
+    for me in range(ep):
+      rows = []
+      for s in range(ep):
+        base = (d * ep + s) * tokens_per_shard
+        for t in range(tokens_per_shard):
+          for kk in range(k):
+            e = topk[base + t, kk]
+            if e // el == me:
+              rows.append((e - me * el, s, t, kk, base + t))
+      for pos, (_, _, _, kk, tok) in enumerate(sorted(rows)):
+        keep[tok, kk] = pos < cap
+  return keep
+
+
+@pytest.mark.parametrize("data,ep", [(1, 4), (2, 2)])
+def test_receive_bound_drops_deterministically_and_counts(data, ep):
+  tokens, top_k = 128, 2
+  kx, kp = jax.random.split(jax.random.key(61))
+  bias = jnp.zeros(E).at[0].set(100.0).at[1].set(100.0)    # every token to experts 0 and 1
+  p = make_params(kp, experts=E, hidden=H, ffn=F, bias=bias)
+  x = make_x(kx, tokens, H)
+  cfg = UniEPConfig(backend="xla_dropless", receive_capacity_factor=1.0)
+  y, aux = _fwd("xla_dropless", data, ep, top_k, cfg)(x, p)
+  tps = tokens // (data * ep)
+  cap = uniep_jax.moe.receive_rows(tps, top_k, ep, cfg)
+  assert cap is not None and cap < ep * tps * top_k
+  out = uniep_jax.route(x, p.router, top_k, cfg.routing, p.expert_bias)
+  keep = _expected_receive_drops(np.asarray(out.topk_experts), data, ep, tps, cap, E)
+  assert int(aux["dropped"]) == int((~keep).sum()) > 0
+  h = jnp.einsum("nh,ehf->enf", x, p.w_gate, precision="highest")
+  u = jnp.einsum("nh,ehf->enf", x, p.w_up, precision="highest")
+  y_all = jnp.einsum("enf,efh->enh", jax.nn.silu(h) * u, p.w_down, precision="highest")
+  y_sel = np.asarray(y_all)[np.asarray(out.topk_experts), np.arange(tokens)[:, None]]
+  y_ref = np.einsum("tk,tkh->th", np.where(keep, np.asarray(out.topk_weights), 0.0), y_sel)
+  assert rel_err(y, y_ref) < 2e-5
+  # the same bound without overflow is exactly the dropless result
+  cfg_big = UniEPConfig(backend="xla_dropless", receive_capacity_factor=float(ep))
+  y_big, aux_big = _fwd("xla_dropless", data, ep, top_k, cfg_big)(x, p)
+  y_free, _ = _fwd("xla_dropless", data, ep, top_k, UniEPConfig(backend="xla_dropless"))(x, p)
+  assert int(aux_big["dropped"]) == 0
+  chex.assert_trees_all_equal(y_big, y_free)
+  # gradients flow through the kept assignments only, deterministically
+  g = _loss("xla_dropless", data, ep, top_k, cfg)
+  chex.assert_trees_all_equal(g(x, p), g(x, p))

@@ -6,15 +6,18 @@
 
 from uniep_jax.config import BACKENDS, KernelConfig, RoutingConfig, TransferConfig, UniEPConfig
 from uniep_jax.layout import DispatchPlan, make_plan, sort_assignments
-from uniep_jax.moe import moe_ffn, moe_ffn_shard, param_specs, validate_inputs
+from uniep_jax.moe import (moe_ffn, moe_ffn_shard, param_specs, receive_buffer_bytes,
+                           validate_inputs)
 from uniep_jax.params import MoEParams
 from uniep_jax.module import UniEPMoE
 from uniep_jax.reference import dense_reference_moe
 from uniep_jax.routing import RouterOutput, route
+from uniep_jax.tune import TuneProblem, resolve_config
 
 __all__ = [
     "BACKENDS", "DispatchPlan", "KernelConfig", "MoEParams", "RouterOutput", "RoutingConfig",
     "TransferConfig", "UniEPMoE",
     "UniEPConfig", "dense_reference_moe", "make_plan", "moe_ffn", "moe_ffn_shard",
-    "param_specs", "route", "sort_assignments", "validate_inputs",
+    "param_specs", "receive_buffer_bytes", "route", "sort_assignments", "validate_inputs",
+    "TuneProblem", "resolve_config",
 ]

@@ -135,26 +135,45 @@ class UniEPConfig:
                       is the next step of the MegaKernel issue.
   routing: see `RoutingConfig`.
   capacity_factor: only for "xla_capacity".
-  kernel: see `KernelConfig`; only for "pallas" / "uniep".
+  kernel: see `KernelConfig`; only for "pallas" / "uniep". None means auto:
+    `moe_ffn` takes the tuned entry for the device and shapes from the tune
+    cache (user file `$UNIEP_TUNE_CACHE`, then `uniep_jax/tuned_configs.json`)
+    or else a documented heuristic (`uniep_jax.tune.resolve_config`). A
+    `KernelConfig` (the default one included) is used exactly as given.
   transport: how "xla_dropless"/"pallas" move rows: "ragged"
     (`lax.ragged_all_to_all`, packed), "padded" (`lax.all_to_all` of per-peer
     worst-case buffers); None picks "ragged" on GPU, "padded" elsewhere (the
     CPU cannot compile ragged_all_to_all), "nvlink" (Pallas kernels writing into
     peers' buffers; GPU only). All land every row at the same place.
-  transfer: see `TransferConfig`; used by the "nvlink" transport.
+  transfer: see `TransferConfig`; used by the "nvlink" transport. None means
+    auto, as for `kernel`.
+  receive_capacity_factor: dropless backends ("xla_dropless", "pallas",
+    "uniep") size each rank's receive buffer for the worst case, R*T*K rows
+    (every assignment of every rank to one rank; `receive_buffer_bytes`
+    reports it). A factor f bounds it to min(R*T*K, ceil(f*T*K)) rows, rounded
+    up to a multiple of 128 (of 8 under 1024 rows); rows past the bound are dropped deterministically
+    (the tail of the receive layout) and counted in aux["dropped"]. None: dropless.
   """
 
   backend: str = "xla_dropless"
   routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
   capacity_factor: float = 1.25
-  kernel: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+  kernel: Optional[KernelConfig] = dataclasses.field(default_factory=KernelConfig)
   transport: Optional[str] = None
-  transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+  transfer: Optional[TransferConfig] = dataclasses.field(default_factory=TransferConfig)
+  receive_capacity_factor: Optional[float] = None
 
   def __post_init__(self):
+    if self.receive_capacity_factor is not None and not self.receive_capacity_factor > 0:
+      raise ValueError(f"receive_capacity_factor={self.receive_capacity_factor} must be > 0 or None")
     if self.transport is not None and self.transport not in TRANSPORTS:
       raise ValueError(f"transport={self.transport!r} is unknown; expected one of {TRANSPORTS} or None")
     if self.backend not in BACKENDS:
       raise ValueError(f"backend={self.backend!r} is unknown; expected one of {BACKENDS}")
     if not self.capacity_factor > 0:
       raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0")
+    if self.kernel is not None and not isinstance(self.kernel, KernelConfig):
+      raise ValueError(f"kernel must be a KernelConfig or None (auto), got {type(self.kernel).__name__}")
+    if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
+      raise ValueError(f"transfer must be a TransferConfig or None (auto), "
+                       f"got {type(self.transfer).__name__}")

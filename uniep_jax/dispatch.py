@@ -119,11 +119,11 @@ def _send_padded(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts):
 
 
 def _return_padded(recv, plan: DispatchPlan, axis_name, num_local_experts):
-  cap, h = recv.shape
+  _, h = recv.shape
   r = plan.send_counts.shape[0]
-  n = cap // r
+  n = plan.sort_order.shape[0]
   flat = plan.recv_source * n + plan.recv_index_in_source
-  buf = _put_rows(cap, recv, flat, plan.recv_valid).reshape(r, n, h)  # [R(src), n, H]
+  buf = _put_rows(r * n, recv, flat, plan.recv_valid).reshape(r, n, h)  # [R(src), n, H]
   back = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)      # [R(dst), n, H]
   dest = _dest_of_sorted(plan, num_local_experts)                   # [n]
   pos = jnp.arange(n, dtype=jnp.int32) - plan.send_offsets[dest]
@@ -132,9 +132,9 @@ def _return_padded(recv, plan: DispatchPlan, axis_name, num_local_experts):
 
 def _send_ragged(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts):
   n, h = rows_sorted.shape
-  r = plan.send_counts.shape[0]
+  cap = plan.recv_valid.shape[0]
   packed = jax.lax.ragged_all_to_all(
-      rows_sorted, _zeros_varying_like(rows_sorted, (r * n, h)),
+      rows_sorted, _zeros_varying_like(rows_sorted, (cap, h)),
       plan.send_offsets, plan.send_counts, plan.output_offsets, plan.recv_counts,
       axis_name=axis_name)                                          # [R*n, H] source-major
   flat = plan.recv_offsets[plan.recv_source] + plan.recv_index_in_source
@@ -143,8 +143,7 @@ def _send_ragged(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts):
 
 def _return_ragged(recv, plan: DispatchPlan, axis_name, num_local_experts):
   cap, h = recv.shape
-  r = plan.send_counts.shape[0]
-  n = cap // r
+  n = plan.sort_order.shape[0]
   flat = plan.recv_offsets[plan.recv_source] + plan.recv_index_in_source
   packed = _put_rows(cap, recv, flat, plan.recv_valid)
   return jax.lax.ragged_all_to_all(
@@ -170,24 +169,36 @@ def _zero_rows_from(buf, start, window: int):
 def _send_nvlink(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts, transfer):
   from pallas_kernels.ep_transfer import transfer_segments  # GPU kernels, lazy
   from uniep_jax.layout import dispatch_segments
-  n, _ = rows_sorted.shape
-  r = plan.send_counts.shape[0]
   rank = jax.lax.axis_index(axis_name)
   seg = dispatch_segments(plan, rank)
   recv = transfer_segments(rows_sorted, seg.src_start, seg.dst_start, seg.rows,
-                           out_rows=r * n, config=transfer, axis_name=axis_name)
+                           out_rows=plan.recv_valid.shape[0], config=transfer,
+                           axis_name=axis_name)
   return _zero_rows_from(recv, plan.num_received, _ZERO_WINDOW)
 
 
 def _return_nvlink(recv, plan: DispatchPlan, axis_name, num_local_experts, transfer):
   from pallas_kernels.ep_transfer import transfer_segments
   from uniep_jax.layout import return_segments
-  cap, _ = recv.shape
-  r = plan.send_counts.shape[0]
   rank = jax.lax.axis_index(axis_name)
   seg = return_segments(plan, rank)
-  return transfer_segments(recv, seg.src_start, seg.dst_start, seg.rows,
-                           out_rows=cap // r, config=transfer, axis_name=axis_name)
+  out = transfer_segments(recv, seg.src_start, seg.dst_start, seg.rows,
+                          out_rows=plan.sort_order.shape[0], config=transfer,
+                          axis_name=axis_name)
+  # Rows dropped by a receive bound are never written back: zero them (only
+  # plans with a bound, which is static: a receive layout shorter than R*T*K).
+  if plan.recv_valid.shape[0] < plan.send_counts.shape[0] * plan.sort_order.shape[0]:
+    dropped_rows = _dropped_sorted_rows(plan, num_local_experts)
+    out = jnp.where(dropped_rows[:, None], jnp.zeros((), out.dtype), out)
+  return out
+
+
+def _dropped_sorted_rows(plan: DispatchPlan, num_local_experts):
+  """[T*K] bool: sorted rows that a receive bound dropped (all False without one)."""
+  n = plan.sort_order.shape[0]
+  dest = _dest_of_sorted(plan, num_local_experts)
+  pos = jnp.arange(n, dtype=jnp.int32) - plan.send_offsets[dest]
+  return pos >= plan.send_counts[dest]
 
 
 def _with_transfer(fn):
@@ -244,7 +255,7 @@ return_rows.defvjp(_return_fwd, _return_bwd)
 
 def dispatch(x, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport,
              transfer=TransferConfig()):
-  """x [T, H] -> receive layout [R*T*K, H] (padding rows zero, see "nvlink")."""
+  """x [T, H] -> receive layout [recv_rows, H] (padding rows zero, see "nvlink")."""
   rows = replicate_slots(x, top_k)                                  # [T*K, H]
   rows_sorted = jnp.take(rows, plan.sort_order, axis=0)             # [T*K, H]
   return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport, transfer)
@@ -252,7 +263,8 @@ def dispatch(x, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, tran
 
 def collect(recv, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport,
             transfer=TransferConfig()):
-  """Receive layout [R*T*K, H] -> [T, K, H]: each assignment's expert output at home."""
+  """Receive layout [recv_rows, H] -> [T, K, H]: each assignment's expert output at
+  home (zero for assignments dropped by a receive bound)."""
   rows_sorted = return_rows(recv, plan, axis_name, num_local_experts, transport, transfer)
   rows = jnp.take(rows_sorted, plan.sorted_position, axis=0)        # [T*K, H]
   return rows.reshape(-1, top_k, recv.shape[-1])

@@ -36,6 +36,13 @@ Notation (one shard of the expert axis, i.e. one EP rank `me`):
    `recv_source[p]`, `recv_index_in_source[p]` give, for every receive-layout
    row p, the source rank and the row's index inside that source's block.
 
+5. Optional receive bound (`recv_rows` < R*T*K): receive rows at layout
+   positions >= recv_rows are dropped, deterministically (they are the tail of
+   the (le, s, t, k) order) and counted in `dropped`. Kept rows keep their
+   positions, and the kept rows of each (source, destination) block are a
+   prefix of that block, so every transport just sends shorter blocks
+   (`kept_counts`). Dropped assignments come back as zeros.
+
 Everything is int32 and computed with sorts, cumsums and searchsorted: no
 atomics, nothing that depends on arrival order, so every transport and every
 schedule lands each row at the same place.
@@ -67,9 +74,13 @@ class DispatchPlan:
                                  #   packed source-major buffer (ragged_all_to_all)
   return_offsets: jax.Array      # [R] int32: where rank s's returned rows land in s's
                                  #   sorted order (= s's send_offsets[me])
-  recv_source: jax.Array         # [R*T*K] int32: source rank of receive row p (0 if padding)
-  recv_index_in_source: jax.Array  # [R*T*K] int32: index inside the source's block
+  # The receive layout has recv_rows rows (R*T*K unless bounded):
+  recv_source: jax.Array         # [recv_rows] int32: source rank of receive row p (0 if padding)
+  recv_index_in_source: jax.Array  # [recv_rows] int32: index inside the source's block
   recv_valid: jax.Array          # [R*T*K] bool: p < sum(recv_group_sizes)
+  kept_counts: jax.Array         # [R, R, El] int32: rows (src, dst, le) that are sent;
+                                 #   = C without a receive bound
+  dropped: jax.Array             # int32: rows this rank did not receive (receive bound)
 
   @property
   def num_received(self) -> jax.Array:
@@ -101,41 +112,64 @@ def local_group_sizes(topk_experts: jax.Array, num_experts: int) -> jax.Array:
   return jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
 
 
-def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank) -> DispatchPlan:
+def kept_counts(count_matrix: jax.Array, recv_rows: int | None) -> jax.Array:
+  """[R(src), R(dst), El] rows kept under a receive bound of `recv_rows` rows.
+
+  Block (le, s) of destination d starts at expert_off[d, le] + sum_{s'<s} C[s', d, le];
+  rows at positions >= recv_rows are dropped. Without a bound: C itself."""
+  r, e = count_matrix.shape
+  per = count_matrix.reshape(r, r, e // r)                          # [src, dst, le]
+  if recv_rows is None:
+    return per
+  received = jnp.sum(per, axis=0)                                   # [dst, le]
+  start = _exclusive_cumsum(received, axis=1)[None] + _exclusive_cumsum(per, axis=0)
+  return jnp.clip(recv_rows - start, 0, per).astype(per.dtype)
+
+
+def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank,
+              recv_rows: int | None = None) -> DispatchPlan:
   """Builds the plan of EP rank `rank` from its routing and the gathered counts.
 
   topk_experts: [T, K] int32 of this rank; count_matrix: [R, E] int32 (row s =
   `local_group_sizes` of rank s); rank: this rank's index on the expert axis
-  (a traced scalar inside shard_map is fine).
+  (a traced scalar inside shard_map is fine); recv_rows: the receive buffer's
+  rows (default R*T*K, the dropless worst case; fewer drops the overflow).
   """
   t, k = topk_experts.shape
   r, e = count_matrix.shape
   el = e // r
   rows = t * k
+  if recv_rows is not None and recv_rows >= r * rows:
+    recv_rows = None                                                # cannot overflow
   sort_order, sorted_position, sorted_experts, group_sizes = sort_assignments(
       topk_experts, e)
 
   per_rank = count_matrix.reshape(r, r, el)                         # [src, dst, le]
-  send_counts = jnp.sum(group_sizes.reshape(r, el), axis=1)         # [R] (dst)
-  send_offsets = _exclusive_cumsum(send_counts)
+  kept = kept_counts(count_matrix, recv_rows)                       # [src, dst, le]
+  send_offsets = _exclusive_cumsum(jnp.sum(group_sizes.reshape(r, el), axis=1))  # full order
 
   rank = jnp.asarray(rank, jnp.int32)
+  send_counts = jnp.sum(jax.lax.dynamic_index_in_dim(kept, rank, axis=0, keepdims=False),
+                        axis=1)                                     # [R] (dst)
   mine = jax.lax.dynamic_index_in_dim(per_rank, rank, axis=1, keepdims=False)  # [src, le]
-  recv_counts = jnp.sum(mine, axis=1)                               # [R] (src)
+  mine_kept = jax.lax.dynamic_index_in_dim(kept, rank, axis=1, keepdims=False)
+  recv_counts = jnp.sum(mine_kept, axis=1)                          # [R] (src)
   recv_offsets = _exclusive_cumsum(recv_counts)
-  recv_group_sizes = jnp.sum(mine, axis=0)                          # [El]
+  recv_group_sizes = jnp.sum(mine_kept, axis=0)                     # [El]
+  dropped = jnp.sum(mine) - jnp.sum(mine_kept)
 
   # Rows each (src, dst) pair exchanges, and prefix sums used for offsets.
-  pair_rows = jnp.sum(per_rank, axis=2)                             # [src, dst]
+  pair_rows = jnp.sum(kept, axis=2)                                 # [src, dst]
   # Where my block lands in dst's packed source-major buffer: rows that sources
   # before me send to dst.
   output_offsets = jnp.sum(jnp.where(jnp.arange(r)[:, None] < rank, pair_rows, 0), axis=0)
-  # Where the rows I return to src land in src's sorted order: rows src sends to
-  # ranks before me.
-  return_offsets = jnp.sum(jnp.where(jnp.arange(r)[None, :] < rank, pair_rows, 0), axis=1)
+  # Where the rows I return to src land in src's sorted order (the full order):
+  # rows src has for ranks before me.
+  full_pairs = jnp.sum(per_rank, axis=2)
+  return_offsets = jnp.sum(jnp.where(jnp.arange(r)[None, :] < rank, full_pairs, 0), axis=1)
 
   # Receive layout: for each row p, its (local expert, source, index in source block).
-  cap = r * rows
+  cap = r * rows if recv_rows is None else recv_rows
   p = jnp.arange(cap, dtype=jnp.int32)
   # Block (le, s) sizes in (le, s) order, flattened; their starts in the layout.
   block_sizes = mine.T.reshape(-1)                                  # [El*R], index le*R + s
@@ -163,7 +197,7 @@ def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank) -> Dispatc
       output_offsets=output_offsets.astype(jnp.int32),
       return_offsets=return_offsets.astype(jnp.int32),
       recv_source=recv_source, recv_index_in_source=recv_index_in_source,
-      recv_valid=valid)
+      recv_valid=valid, kept_counts=kept.astype(jnp.int32), dropped=dropped.astype(jnp.int32))
 
 
 # ---------------------------------------------------------------------------
@@ -189,12 +223,13 @@ def dispatch_segments(plan: DispatchPlan, rank) -> Segments:
   per = cm.reshape(r, r, el)                                        # [src, dst, le]
   mine = jax.lax.dynamic_index_in_dim(per, rank, 0, keepdims=False)  # [dst, le]
   src_start = plan.send_offsets[:, None] + _exclusive_cumsum(mine, axis=1)
+  sent = jax.lax.dynamic_index_in_dim(plan.kept_counts, rank, 0, keepdims=False)
   received = jnp.sum(per, axis=0)                                   # [dst, le]
   expert_off = _exclusive_cumsum(received, axis=1)                  # [dst, le]
   before_me = jnp.sum(jnp.where(jnp.arange(r)[:, None, None] < rank, per, 0), axis=0)
   return Segments(src_start=src_start.astype(jnp.int32),
                   dst_start=(expert_off + before_me).astype(jnp.int32),
-                  rows=mine.astype(jnp.int32))
+                  rows=sent.astype(jnp.int32))
 
 
 def return_segments(plan: DispatchPlan, rank) -> Segments:
@@ -210,6 +245,7 @@ def return_segments(plan: DispatchPlan, rank) -> Segments:
   # at source s, rows for my experts start after its rows for ranks < me
   before = jnp.sum(jnp.where(jnp.arange(r)[None, :, None] < rank, per, 0), axis=(1, 2))  # [src]
   dst_start = before[:, None] + _exclusive_cumsum(incoming, axis=1)
+  returned = jax.lax.dynamic_index_in_dim(plan.kept_counts, rank, 1, keepdims=False)
   return Segments(src_start=src_start.astype(jnp.int32),
                   dst_start=dst_start.astype(jnp.int32),
-                  rows=incoming.astype(jnp.int32))
+                  rows=returned.astype(jnp.int32))

@@ -101,6 +101,29 @@ def validate_inputs(x, params: MoEParams, *, top_k, config: UniEPConfig,
 
 
 # ---------------------------------------------------------------------------
+# Receive buffer size (dropless backends).
+# ---------------------------------------------------------------------------
+def receive_rows(tokens_per_shard: int, top_k: int, ep: int, config: UniEPConfig) -> int | None:
+  """Rows of a rank's receive buffer: None (= R*T*K, the dropless worst case)
+  unless `config.receive_capacity_factor` bounds it."""
+  worst = ep * tokens_per_shard * top_k
+  f = config.receive_capacity_factor
+  if f is None:
+    return None
+  need = math.ceil(f * tokens_per_shard * top_k)
+  granule = 128 if need >= 1024 else 8          # whole GEMM row tiles at real sizes
+  rows = -(-need // granule) * granule
+  return None if rows >= worst else rows
+
+
+def receive_buffer_bytes(tokens_per_shard: int, top_k: int, hidden: int, ep: int,
+                         itemsize: int = 2, config: UniEPConfig = UniEPConfig()) -> int:
+  """Bytes of one rank's receive buffer (one [rows, H] activation buffer)."""
+  rows = receive_rows(tokens_per_shard, top_k, ep, config) or ep * tokens_per_shard * top_k
+  return rows * hidden * itemsize
+
+
+# ---------------------------------------------------------------------------
 # Per-shard form.
 # ---------------------------------------------------------------------------
 def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = UniEPConfig(),
@@ -116,6 +139,12 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
   t, _ = x.shape
   num_experts = params.router.shape[1]
   el = params.w_gate.shape[0]
+  uses_tuning = config.backend in ("pallas", "uniep") or config.transport == "nvlink"
+  if uses_tuning and (config.kernel is None or config.transfer is None):   # "auto"
+    from uniep_jax.tune import resolve_config  # tune cache, else the heuristic
+    config = resolve_config(config, tokens=t, hidden=x.shape[1], ffn=params.w_gate.shape[2],
+                            experts=num_experts, top_k=top_k,
+                            ep=jax.lax.axis_size(expert_axis), dtype=x.dtype)
   out = routing_lib.route(x, params.router, top_k, config.routing, params.expert_bias)
 
   counts, prob_sum, z_sum = routing_lib.local_aux_sums(out, num_experts, config.routing)
@@ -137,7 +166,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
     rank = jax.lax.axis_index(expert_axis)
     count_matrix = jax.lax.all_gather(
         local_group_sizes(out.topk_experts, num_experts), expert_axis)   # [R, E]
-    plan = make_plan(out.topk_experts, count_matrix, rank)
+    plan = make_plan(out.topk_experts, count_matrix, rank,
+                     recv_rows=receive_rows(t, top_k, num_experts // el, config))
     kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport,
               transfer=config.transfer)
     recv = dispatch(x, plan, **kw)                                       # [R*T*K, H]
@@ -148,7 +178,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       y_recv = swiglu_ragged_dot(recv, params.w_gate, params.w_up, params.w_down,
                                  plan.recv_group_sizes)
     y_assign = collect(y_recv, plan, **kw)                               # [T, K, H]
-    dropped = jnp.zeros((), jnp.int32)
+    dropped = jax.lax.psum(plan.dropped, token_axes)
   else:
     raise ValueError(f"config.backend={config.backend!r} has no per-shard form")
 
@@ -185,7 +215,8 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   aux["expert_counts"]     [E] int32  assignments per expert, global
   aux["load_balance_loss"] f32        Switch-style E * sum_e f_e P_e
   aux["router_z_loss"]     f32        mean_t logsumexp(logits_t)^2
-  aux["dropped"]           int32      dropped assignments (0 unless "xla_capacity")
+  aux["dropped"]           int32      dropped assignments (0 unless "xla_capacity"
+                                      or a receive_capacity_factor bound overflows)
   """
   if config.backend == "dense_reference":
     validate_inputs(x, params, top_k=top_k, config=config)

@@ -1,0 +1,1105 @@
+"""Autotuner of the `"uniep"` backend: tiling and transfer knobs per shape, with a cache.
+
+What is tuned
+-------------
+A candidate is one `Candidate(kernel: KernelConfig, transfer: TransferConfig)`:
+  KernelConfig    block_m, block_n, block_k, max_concurrent_steps (grouped GEMM)
+  TransferConfig  chunk_rows, num_ctas, col_tile                 (NVLink rows)
+`SearchSpace` lists the values of each knob; its product is the enumerated space.
+`KernelConfig.num_sms` is not tuned (the persistent grid takes every SM).
+
+Problem = the per-rank MoE shape and run: `TuneProblem(tokens T, hidden H, ffn F,
+experts E, top_k K, ep R, dtype, direction)`, direction "fwd" (forward only) or
+"bwd" (forward + backward: `value_and_grad` of the layer).
+
+Pruning, before anything is compiled (`check_candidate`, raises
+`InvalidCandidate` with the reason; `enumerate_candidates` collects them):
+  * the dataclasses' own shape-free checks (multiples of 64, powers of two, ...);
+  * block_m a power of two (the grouped GEMM's ragged TMA store ladder);
+  * block_n a multiple of 128 (the fused SwiGLU and dx kernels give each compute
+    warpgroup block_n / 2 columns, which must be a multiple of the 64-column
+    epilogue);
+  * shared memory: for every launch the layer makes (gate/up "swiglu", down
+    "plain", and for "bwd" da "plain" with a float32 output, dx "sum2" and the
+    three wgrads), the kernel's own `grouped_gemm.smem_bytes` (row-tiled) and
+    `grouped_gemm._Launch` (wgrad) at ONE stage must fit the device's capacity
+    (`pallas_kernels.device.smem_capacity`), else the kernel cannot run. Above
+    one stage the kernel clamps its stage count to what fits (and to the
+    reduction steps), so two candidates whose per-launch stage counts come out
+    equal compile the same kernels: the later one is rejected as a duplicate;
+  * transfer: H divisible by col_tile (else the kernel silently takes a
+    narrower tile: a duplicate), its 2 stage buffers within shared memory, and
+    num_ctas <= the SM count (all CTAs must be resident for the kernel's
+    cross-rank barrier; the kernel would clamp it);
+  * backends without the NVLink transport ("pallas") ignore TransferConfig:
+    every transfer point but the default is a duplicate there.
+
+Verification. Every timed candidate's output ("fwd": y; "bwd": the loss and all
+gradients) is reduced to a position-sensitive bit checksum on the device and
+compared with the checksum of backend "pallas" (XLA collectives, the sequential
+path) with the SAME KernelConfig: a different block_k changes the accumulation
+order, so each tiling has its own reference. Transfer knobs only move rows, so
+all candidates sharing a KernelConfig must also agree with each other
+(`transfer_consistency` in the report). A mismatch is a bug: it is printed to
+stderr, listed under "mismatches" in the JSON, never picked, and a run with any
+mismatch writes no cache entry.
+
+Search. "staged" (default): stage 1 times every valid KernelConfig with the
+default TransferConfig; stage 2 times every valid TransferConfig with the best
+verified KernelConfig of stage 1. "grid": the whole product. Within a stage the
+default comes first, then candidates by the number of knobs that differ from
+the default (one-knob neighbours first). Compile failures are recorded and
+counted, not fatal. A wall-clock budget (stage 1 gets `stage1_fraction` of it
+when a stage 2 follows) skips what is left when it is spent; skipped
+candidates are listed. `--resume` reloads a previous report of the same
+problem and device and re-times only what it lacks (device calls are limited
+to 10 minutes; a full search takes several).
+
+Cache and "auto". `UniEPConfig(kernel=None)` and/or `transfer=None` means auto:
+`moe_ffn` fills the None fields with `resolve_config`, which looks up the key
+(device kind, T, H, F, E, K, dtype, EP, direction) - "bwd" first (training),
+then "fwd" - in the user cache (`UNIEP_TUNE_CACHE`, or an explicit path), then
+in the cache shipped with the package (`uniep_jax/tuned_configs.json`), and
+otherwise uses `heuristic_config`. Explicit dataclasses (the defaults
+included) are used exactly as given. Cache entries are written only by this
+tuner, from measurements.
+
+Filling the shipped cache (on the GPU machines, from the repository root,
+PYTHONPATH=$PWD; run each line again with --resume until its report has no
+"time budget" skips, then commit uniep_jax/tuned_configs.json and the reports):
+
+  # 4 GPUs (EP = 4), every target shape
+  for s in deepseek-like mixtral-like qwen3-like small-experts; do
+    python -m uniep_jax.tune --moe-config $s --ep 4 --direction fwd,bwd --budget-s 500 \\
+        --cache uniep_jax/tuned_configs.json --out bench/results/tune --resume
+  done
+  # 2 GPUs (EP = 2): the same with --ep 2
+
+The report (`--out`): tune_<device>_<shape>_ep<R>_<direction>.json (every trial,
+rejections with reasons, top 5, best vs default spread, mismatches) and a PNG of
+time against the main knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+
+from uniep_jax.config import KernelConfig, TransferConfig, UniEPConfig
+
+DIRECTIONS = ("fwd", "bwd")
+CACHE_ENV = "UNIEP_TUNE_CACHE"
+SHIPPED_CACHE = Path(__file__).with_name("tuned_configs.json")
+CACHE_FORMAT = 1
+_TRANSFER_STAGES = 2  # ep_transfer.py: 2 SMEM stage buffers
+_TRANSFER_SMEM_SLACK = 1024  # barriers and alignment
+
+
+class InvalidCandidate(ValueError):
+  """A point of the space that cannot run (or would duplicate another) for a problem."""
+
+
+# ---------------------------------------------------------------------------
+# Problem, device, candidates
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TuneProblem:
+  """One tuning problem. Shapes are per EP rank (as in bench/common.py SHAPES):
+
+  tokens T (this rank's tokens), hidden H, ffn F, experts E (global), top_k K,
+  ep R (ranks of the expert axis), dtype (a numpy dtype name), direction "fwd"
+  or "bwd" (forward + backward)."""
+
+  tokens: int
+  hidden: int
+  ffn: int
+  experts: int
+  top_k: int
+  ep: int
+  dtype: str = "bfloat16"
+  direction: str = "bwd"
+
+  def __post_init__(self):
+    for name in ("tokens", "hidden", "ffn", "experts", "top_k", "ep"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}={v!r} must be a positive int")
+    if self.direction not in DIRECTIONS:
+      raise ValueError(f"direction={self.direction!r} must be one of {DIRECTIONS}")
+    if self.experts % self.ep:
+      raise ValueError(f"experts={self.experts} must be divisible by ep={self.ep}")
+    if self.top_k > self.experts:
+      raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+    import numpy as np
+    object.__setattr__(self, "dtype", np.dtype(_dtype_name(self.dtype)).name)
+
+  @property
+  def itemsize(self) -> int:
+    import jax.numpy as jnp
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def recv_rows(self) -> int:
+    """Rows of the receive buffer the grouped GEMM runs on: R * T * K."""
+    return self.ep * self.tokens * self.top_k
+
+
+def _dtype_name(dtype) -> str:
+  import jax.numpy as jnp
+  return jnp.dtype(dtype).name
+
+
+def cache_key(device_kind: str, problem: TuneProblem) -> str:
+  """The cache key: device kind, per-rank shapes, dtype, EP degree, direction."""
+  p = problem
+  return (f"{device_kind}|T={p.tokens}|H={p.hidden}|F={p.ffn}|E={p.experts}|K={p.top_k}"
+          f"|{p.dtype}|ep={p.ep}|{p.direction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+  """What pruning needs to know about the device (from pallas_kernels.device)."""
+
+  kind: str
+  smem_bytes: int
+  num_sms: int
+
+  @classmethod
+  def from_device(cls, device=None, num_sms: Optional[int] = None) -> "DeviceFacts":
+    import jax
+    from pallas_kernels import device as device_lib
+    device = device or jax.devices()[0]
+    return cls(kind=device.device_kind, smem_bytes=device_lib.smem_capacity(device),
+               num_sms=device_lib.num_sms(num_sms, device))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  kernel: KernelConfig
+  transfer: TransferConfig
+
+  def label(self) -> str:
+    k, t = self.kernel, self.transfer
+    return (f"m{k.block_m}_n{k.block_n}_k{k.block_k}_s{k.max_concurrent_steps}"
+            f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
+
+  def knobs(self) -> dict:
+    return dict(block_m=self.kernel.block_m, block_n=self.kernel.block_n,
+                block_k=self.kernel.block_k,
+                max_concurrent_steps=self.kernel.max_concurrent_steps,
+                chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
+                col_tile=self.transfer.col_tile)
+
+
+KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps")
+TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
+DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
+
+
+def kernel_label(kernel: KernelConfig) -> str:
+  return Candidate(kernel, TransferConfig()).label().split("|")[0]
+
+
+def candidate_from_knobs(knobs: dict) -> Candidate:
+  """Builds a candidate; the dataclasses' own checks raise InvalidCandidate."""
+  try:
+    kernel = KernelConfig(**{k: knobs[k] for k in KERNEL_KNOBS})
+  except ValueError as e:
+    raise InvalidCandidate(f"KernelConfig: {e}") from None
+  try:
+    transfer = TransferConfig(**{k: knobs[k] for k in TRANSFER_KNOBS})
+  except ValueError as e:
+    raise InvalidCandidate(f"TransferConfig: {e}") from None
+  return Candidate(kernel, transfer)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+  """Values per knob; the product is enumerated (before pruning)."""
+
+  block_m: Sequence[int] = (64, 128, 256)
+  block_n: Sequence[int] = (64, 128, 256)
+  block_k: Sequence[int] = (64, 128)
+  max_concurrent_steps: Sequence[int] = (2, 3, 4, 5, 6)
+  chunk_rows: Sequence[int] = (32, 64, 128, 256)
+  num_ctas: Sequence[int] = (16, 32, 64, 96, 132)
+  col_tile: Sequence[int] = (64, 128, 256)
+
+  def points(self) -> Iterable[dict]:
+    names = KERNEL_KNOBS + TRANSFER_KNOBS
+    for values in itertools.product(*(getattr(self, n) for n in names)):
+      yield dict(zip(names, values))
+
+  def size(self) -> int:
+    return math.prod(len(getattr(self, n)) for n in KERNEL_KNOBS + TRANSFER_KNOBS)
+
+
+# ---------------------------------------------------------------------------
+# Pruning
+# ---------------------------------------------------------------------------
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _fit_stages(bytes_at: Callable[[int], int], requested: int, k_iters: int, capacity: int,
+                what: str) -> int:
+  """The kernel's stage count: min(requested, k_iters, what fits). Raises if 1 does not fit."""
+  if bytes_at(1) > capacity:
+    raise InvalidCandidate(f"shared memory: {what} needs {bytes_at(1)} B at one stage, "
+                           f"over the device's {capacity} B")
+  fit = 1
+  while fit < requested and bytes_at(fit + 1) <= capacity:
+    fit += 1
+  return int(min(fit, max(k_iters, 1)))
+
+
+def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capacity: int) -> tuple:
+  """Per launch of the layer's grouped GEMMs, the stage count the kernel will use.
+
+  Mirrors grouped_gemm's padding (F to lcm(2 block_n, 2 block_m, block_k), H to
+  block_k as a contraction, M to block_m, and to block_k for wgrad) and sizes
+  each launch with the kernel's own smem functions. Raises InvalidCandidate."""
+  from pallas_kernels import grouped_gemm as gg
+  import jax.numpy as jnp
+  if kernel.block_m & (kernel.block_m - 1):
+    raise InvalidCandidate(f"block_m={kernel.block_m} must be a power of two "
+                           "(ragged TMA store ladder of the grouped GEMM)")
+  if (kernel.block_n // 2) % 64:
+    raise InvalidCandidate(f"block_n={kernel.block_n} must be a multiple of 128: the SwiGLU "
+                           "and dx kernels give each warpgroup block_n/2 columns, a multiple "
+                           "of the 64-column epilogue")
+  p, bm, bn, bk = problem, kernel.block_m, kernel.block_n, kernel.block_k
+  dt = jnp.dtype(p.dtype)
+  f_p = _round_up(p.ffn, math.lcm(2 * bn, 2 * bm, bk))
+  h_k = _round_up(p.hidden, bk)
+  launches = [("fwd gate/up (swiglu)", "swiglu", dt, h_k // bk),
+              ("fwd down (plain)", "plain", dt, f_p // bk)]
+  if p.direction == "bwd":
+    launches += [("bwd da (plain, f32 out)", "plain", jnp.dtype(jnp.float32), h_k // bk),
+                 ("bwd dx (sum2)", "sum2", dt, f_p // bk)]
+  stages = []
+  for what, mode, out_dt, k_iters in launches:
+    def bytes_at(s, mode=mode, out_dt=out_dt):
+      return gg.smem_bytes(dataclasses.replace(kernel, max_concurrent_steps=s), dt, out_dt, mode)
+    stages.append(_fit_stages(bytes_at, kernel.max_concurrent_steps, k_iters, smem_capacity,
+                              f"{what} with block_m={bm} block_n={bn} block_k={bk}"))
+  if p.direction == "bwd":
+    # The wgrad kernel has no public smem function: the same _Launch it builds in _wgrad_call.
+    launch = gg._Launch(bk, bk, bn // 2, 1, 1, bn, 2 * bm, dt.itemsize, dt.itemsize)
+    m_w = _round_up(_round_up(p.recv_rows, bm), bk)
+
+    def wgrad_bytes(s):
+      return s * launch.stage_bytes() + launch.epilogue_bytes(bm) + gg._SMEM_RESERVE
+    stages.append(_fit_stages(wgrad_bytes, kernel.max_concurrent_steps, m_w // bk, smem_capacity,
+                              f"bwd wgrad with block_m={bm} block_n={bn} block_k={bk}"))
+  return tuple(stages)
+
+
+def check_transfer(transfer: TransferConfig, problem: TuneProblem, device: DeviceFacts) -> None:
+  """Raises InvalidCandidate if the transfer kernel cannot run as configured."""
+  h = problem.hidden
+  if h % transfer.col_tile:
+    raise InvalidCandidate(f"H={h} is not divisible by col_tile={transfer.col_tile} (the kernel "
+                           f"would use col_tile={_safe_col_tile(transfer, h)}: a duplicate)")
+  smem = transfer.smem_bytes(problem.itemsize) + _TRANSFER_SMEM_SLACK
+  if smem > device.smem_bytes:
+    raise InvalidCandidate(f"shared memory: transfer stages {_TRANSFER_STAGES} x "
+                           f"{transfer.chunk_rows} x {transfer.col_tile} need {smem} B, over "
+                           f"the device's {device.smem_bytes} B")
+  if transfer.num_ctas > device.num_sms:
+    raise InvalidCandidate(f"num_ctas={transfer.num_ctas} exceeds the {device.num_sms} SMs "
+                           "(CTAs of the cross-rank barrier must all be resident; the kernel "
+                           "would clamp it: a duplicate)")
+
+
+def _safe_col_tile(transfer: TransferConfig, h: int):
+  try:
+    return transfer.col_tile_for(h)
+  except ValueError:
+    return None
+
+
+def check_candidate(cand: Candidate, problem: TuneProblem, device: DeviceFacts,
+                    uses_transfer: bool = True) -> tuple:
+  """Raises InvalidCandidate (with the reason) if `cand` cannot run for `problem`.
+
+  Returns the candidate's signature: what the compiled kernels depend on (the
+  per-launch stage counts rather than the requested max_concurrent_steps)."""
+  stages = kernel_launch_stages(cand.kernel, problem, device.smem_bytes)
+  k = cand.kernel
+  sig = (k.block_m, k.block_n, k.block_k, stages)
+  if uses_transfer:
+    check_transfer(cand.transfer, problem, device)
+    t = cand.transfer
+    sig += (t.chunk_rows, t.num_ctas, t.col_tile)
+  return sig
+
+
+@dataclasses.dataclass
+class Enumeration:
+  candidates: list          # valid, unique, in search order
+  rejected: list            # dict(knobs, reason)
+  enumerated: int
+
+
+def _order_key(cand: Candidate):
+  """Default first, then by how many knobs differ from the default (neighbours first)."""
+  d = DEFAULT_CANDIDATE.knobs()
+  c = cand.knobs()
+  diffs = [k for k in c if c[k] != d[k]]
+  dist = sum(abs(math.log2(c[k] / d[k])) for k in diffs)
+  return (len(diffs), dist)
+
+
+def enumerate_candidates(space: SearchSpace, problem: TuneProblem, device: DeviceFacts,
+                         uses_transfer: bool = True) -> Enumeration:
+  """Every point of `space`, pruned (reasons kept), deduplicated, in search order."""
+  valid, rejected, seen = [], [], {}
+  default_t = DEFAULT_CANDIDATE.transfer
+  points = list(space.points())
+  # The default is considered first so that it represents its duplicates.
+  points.sort(key=lambda kn: 0 if kn == DEFAULT_CANDIDATE.knobs() else 1)
+  for knobs in points:
+    try:
+      cand = candidate_from_knobs(knobs)
+      if not uses_transfer and cand.transfer != default_t:
+        raise InvalidCandidate("TransferConfig is unused by this backend: a duplicate")
+      sig = check_candidate(cand, problem, device, uses_transfer)
+      if sig in seen:
+        raise InvalidCandidate(f"duplicate of {seen[sig]}: the kernel clamps stages to "
+                               f"{sig[3]} per launch")
+    except InvalidCandidate as e:
+      rejected.append(dict(knobs=knobs, reason=str(e)))
+      continue
+    seen[sig] = cand.label()
+    valid.append(cand)
+  valid.sort(key=_order_key)
+  return Enumeration(valid, rejected, len(points))
+
+
+# ---------------------------------------------------------------------------
+# Measuring: the Runner interface and the real layer runner
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+  median_ms: float
+  compile_s: float
+  checksum: tuple           # hex strings, one per output leaf
+  timing: dict = dataclasses.field(default_factory=dict)
+
+
+class Runner(Protocol):
+  """What the search loop needs; tests inject fakes.
+
+  reference(kernel) -> checksum of backend "pallas" with this KernelConfig
+  measure(candidate) -> Measurement of the tuned backend; both raise on failure."""
+
+  backend: str
+  uses_transfer: bool
+
+  def reference(self, kernel: KernelConfig) -> tuple: ...
+
+  def measure(self, cand: Candidate) -> Measurement: ...
+
+
+def tree_checksum(tree) -> tuple:
+  """Position-sensitive checksum of the bits of every leaf, computed on the device.
+
+  Per leaf, with u = the bits as uint32 and i = the flat index (uint32, wrapping):
+  (sum u * (2 i + 1), sum u * (2654435761 i | 1)) mod 2^32. Both multipliers are
+  odd, so any change of one element changes both sums."""
+  import jax
+  sums = _checksum_fn()(jax.tree.leaves(tree))
+  return tuple(f"{int(s[0]):08x}{int(s[1]):08x}" for s in jax.device_get(sums))
+
+
+@functools.lru_cache(maxsize=1)
+def _checksum_fn():
+  import jax
+  import jax.numpy as jnp
+
+  def leaf(a):
+    if a.dtype == jnp.bool_:
+      u = a.astype(jnp.uint32)
+    elif a.dtype.itemsize > 4:   # 64-bit: two uint32 words per element (extra minor dim)
+      u = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    else:
+      u = jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{a.dtype.itemsize * 8}"))
+      u = u.astype(jnp.uint32)
+    idx = jnp.zeros(u.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(u.ndim)):
+      idx = idx + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(stride % 2**32)
+      stride *= u.shape[d]
+    h1 = jnp.sum(u * (idx * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+    h2 = jnp.sum(u * ((idx * jnp.uint32(2654435761)) | jnp.uint32(1)), dtype=jnp.uint32)
+    return jnp.stack([h1, h2])
+
+  return jax.jit(lambda leaves: [leaf(a) for a in leaves])
+
+
+class LayerRunner:
+  """Times `moe_ffn` on a data=1, expert=R mesh with random balanced routing.
+
+  backend: the tuned backend ("uniep" on GPUs; "pallas" runs in the CPU
+  interpret mode, where it checks the machinery). num_sms overrides
+  KernelConfig.num_sms (small in the interpret mode). The reference is backend
+  "pallas" with transport "padded" and the candidate's KernelConfig."""
+
+  def __init__(self, problem: TuneProblem, *, backend: str = "uniep", mesh=None,
+               num_sms: Optional[int] = None, seed: int = 0, trials: int = 5,
+               min_batch_s: float = 0.1, max_reps: int = 10):
+    import jax
+    if backend not in ("uniep", "pallas"):
+      raise ValueError(f"backend={backend!r}: the tuner times 'uniep' (or 'pallas')")
+    self.problem, self.backend, self.num_sms = problem, backend, num_sms
+    self.uses_transfer = backend == "uniep"
+    self.timing = dict(trials=trials, min_batch_s=min_batch_s, max_reps=max_reps)
+    r = problem.ep
+    if mesh is None:
+      devs = jax.devices()
+      if len(devs) < r:
+        raise ValueError(f"ep={r} needs {r} devices, found {len(devs)}")
+      mesh = jax.make_mesh((1, r), ("data", "expert"), devices=devs[:r])
+    self.mesh = mesh
+    self.inputs = self._make_inputs(seed)
+    self._fn_cache: dict = {}
+
+  def _make_inputs(self, seed: int):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from uniep_jax.params import MoEParams
+    p, mesh = self.problem, self.mesh
+    e, h, f, dt = p.experts, p.hidden, p.ffn, jnp.dtype(p.dtype)
+    n = p.tokens * mesh.size
+    specs = MoEParams(router=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert"),
+                      expert_bias=None)
+    tok = P(tuple(mesh.axis_names), None)
+
+    def init(key):
+      k = jax.random.split(key, 6)
+      params = MoEParams(
+          router=jax.random.normal(k[0], (h, e), jnp.float32) * h ** -0.5,
+          w_gate=(jax.random.normal(k[1], (e, h, f), jnp.float32) * h ** -0.5).astype(dt),
+          w_up=(jax.random.normal(k[2], (e, h, f), jnp.float32) * h ** -0.5).astype(dt),
+          w_down=(jax.random.normal(k[3], (e, f, h), jnp.float32) * f ** -0.5).astype(dt))
+      x = jax.random.normal(k[4], (n, h), jnp.float32).astype(dt)
+      ct = jax.random.normal(k[5], (n, h), jnp.float32).astype(dt)  # cotangent of y
+      return x, params, ct
+
+    shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
+    out = (shard(tok), jax.tree.map(shard, specs), shard(tok))
+    return jax.jit(init, out_shardings=out)(jax.random.key(seed))
+
+  def _config(self, backend: str, kernel: KernelConfig, transfer: TransferConfig) -> UniEPConfig:
+    if self.num_sms is not None:
+      kernel = dataclasses.replace(kernel, num_sms=self.num_sms)
+    transport = "padded" if backend == "pallas" else None
+    return UniEPConfig(backend=backend, kernel=kernel, transfer=transfer, transport=transport)
+
+  def _fn(self, cfg: UniEPConfig):
+    """The jitted layer for `cfg` (only the last one is kept, so memory is freed)."""
+    if cfg in self._fn_cache:
+      return self._fn_cache[cfg]
+    import jax
+    import jax.numpy as jnp
+    from uniep_jax.moe import moe_ffn
+    mesh, k = self.mesh, self.problem.top_k
+
+    def fwd(x, p, ct):
+      del ct
+      return moe_ffn(x, p, mesh=mesh, top_k=k, config=cfg)[0]
+
+    def loss(x, p, ct):
+      y, aux = moe_ffn(x, p, mesh=mesh, top_k=k, config=cfg)
+      return (jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
+              + 1e-2 * aux["load_balance_loss"])
+
+    fn = jax.jit(fwd if self.problem.direction == "fwd"
+                 else jax.value_and_grad(loss, argnums=(0, 1)))
+    self._fn_cache = {cfg: fn}
+    return fn
+
+  def reference(self, kernel: KernelConfig) -> tuple:
+    fn = self._fn(self._config("pallas", kernel, TransferConfig()))
+    return tree_checksum(fn(*self.inputs))
+
+  def measure(self, cand: Candidate) -> Measurement:
+    from bench.common import block, time_ms  # the benchmarks' timing method (METHOD.md)
+    fn = self._fn(self._config(self.backend, cand.kernel, cand.transfer))
+    t0 = time.perf_counter()
+    out = block(fn(*self.inputs))
+    compile_s = time.perf_counter() - t0
+    checksum = tree_checksum(out)
+    del out
+    t = time_ms(fn, *self.inputs, **self.timing)
+    return Measurement(median_ms=t["median_ms"], compile_s=compile_s, checksum=checksum,
+                       timing=t)
+
+
+# ---------------------------------------------------------------------------
+# The search loop
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Trial:
+  candidate: Candidate
+  stage: str
+  status: str                       # ok | mismatch | failed | reference_failed | skipped
+  median_ms: Optional[float] = None
+  compile_s: Optional[float] = None
+  checksum: Optional[tuple] = None
+  reference_checksum: Optional[tuple] = None
+  error: Optional[str] = None
+  timing: Optional[dict] = None
+
+  def to_json(self) -> dict:
+    d = dict(label=self.candidate.label(), knobs=self.candidate.knobs(), stage=self.stage,
+             status=self.status, median_ms=self.median_ms, compile_s=self.compile_s,
+             checksum=list(self.checksum) if self.checksum else None,
+             reference_checksum=list(self.reference_checksum) if self.reference_checksum else None,
+             bitwise_equal_to_reference=(None if self.checksum is None
+                                         or self.reference_checksum is None
+                                         else self.checksum == self.reference_checksum),
+             error=self.error, timing=self.timing)
+    return d
+
+  @classmethod
+  def from_json(cls, d: dict) -> "Trial":
+    return cls(candidate=candidate_from_knobs(d["knobs"]), stage=d["stage"], status=d["status"],
+               median_ms=d.get("median_ms"), compile_s=d.get("compile_s"),
+               checksum=tuple(d["checksum"]) if d.get("checksum") else None,
+               reference_checksum=(tuple(d["reference_checksum"])
+                                   if d.get("reference_checksum") else None),
+               error=d.get("error"), timing=d.get("timing"))
+
+
+def _loud(msg: str) -> None:
+  bar = "!" * 78
+  print(f"{bar}\n{msg}\n{bar}", file=sys.stderr, flush=True)
+
+
+class _Search:
+  """Runs candidates against the budget, verifying each against its reference."""
+
+  def __init__(self, runner: Runner, deadline: float, clock, progress: bool,
+               references: dict, previous: dict, on_trial: Optional[Callable] = None):
+    self.runner, self.deadline, self.clock, self.progress = runner, deadline, clock, progress
+    self.on_trial = on_trial
+    self.references = references    # kernel label -> ("ok", checksum) | ("failed", error)
+    self.previous = previous        # candidate label -> Trial (resume)
+    self.trials: list[Trial] = []
+
+  def _reference(self, kernel: KernelConfig):
+    label = kernel_label(kernel)
+    if label not in self.references:
+      try:
+        self.references[label] = ("ok", tuple(self.runner.reference(kernel)))
+      except Exception as e:  # noqa: BLE001 - recorded, the candidate is not verified
+        self.references[label] = ("failed", repr(e)[:500])
+    return self.references[label]
+
+  def run(self, cands: Sequence[Candidate], stage: str, deadline: Optional[float] = None):
+    from tqdm import tqdm
+    deadline = self.deadline if deadline is None else min(deadline, self.deadline)
+    bar = tqdm(cands, desc=f"tune {stage}", disable=not self.progress, file=sys.stderr,
+               dynamic_ncols=True)
+    for cand in bar:
+      prev = self.previous.get(cand.label())
+      if prev is not None and prev.status != "skipped":
+        prev.stage = stage
+        self.trials.append(prev)
+        continue
+      if self.clock() >= deadline:
+        self.trials.append(Trial(cand, stage, "skipped", error="time budget"))
+        continue
+      self.trials.append(self._one(cand, stage))
+      if self.on_trial is not None:
+        self.on_trial(self)
+      best = best_trial(self.trials)
+      if best is not None:
+        bar.set_postfix_str(f"best {best.median_ms:.3f} ms {best.candidate.label()}")
+    bar.close()
+
+  def _one(self, cand: Candidate, stage: str) -> Trial:
+    ref_status, ref = self._reference(cand.kernel)
+    if ref_status != "ok":
+      return Trial(cand, stage, "reference_failed", error=f"reference (pallas) failed: {ref}")
+    try:
+      m = self.runner.measure(cand)
+    except Exception as e:  # noqa: BLE001 - compile/run failures are counted, not fatal
+      return Trial(cand, stage, "failed", reference_checksum=ref, error=repr(e)[:500])
+    checksum = tuple(m.checksum)
+    status = "ok" if checksum == ref else "mismatch"
+    if status == "mismatch":
+      _loud(f"BITWISE MISMATCH (a bug; never picked): {cand.label()} backend "
+            f"{self.runner.backend} vs pallas with the same KernelConfig:\n"
+            f"  candidate {checksum}\n  reference {ref}")
+    return Trial(cand, stage, status, median_ms=m.median_ms, compile_s=m.compile_s,
+                 checksum=checksum, reference_checksum=ref, timing=m.timing)
+
+
+def best_trial(trials: Sequence[Trial]) -> Optional[Trial]:
+  """The fastest verified trial: status "ok" only (mismatches are never picked)."""
+  ok = [t for t in trials if t.status == "ok" and t.median_ms is not None]
+  return min(ok, key=lambda t: t.median_ms) if ok else None
+
+
+@dataclasses.dataclass
+class TuneResult:
+  problem: TuneProblem
+  device: DeviceFacts
+  backend: str
+  strategy: str
+  budget_s: float
+  elapsed_s: float
+  enumeration: Enumeration
+  trials: list
+  references: dict
+  default: Candidate
+
+  @property
+  def best(self) -> Optional[Trial]:
+    return best_trial(self.trials)
+
+  @property
+  def mismatches(self) -> list:
+    return [t for t in self.trials if t.status == "mismatch"]
+
+  def top(self, n: int = 5) -> list:
+    ok = sorted((t for t in self.trials if t.status == "ok"), key=lambda t: t.median_ms)
+    return ok[:n]
+
+  def default_trial(self) -> Optional[Trial]:
+    for t in self.trials:
+      if t.candidate == self.default and t.median_ms is not None:
+        return t
+    return None
+
+  def counts(self) -> dict:
+    c = dict(enumerated=self.enumeration.enumerated, rejected=len(self.enumeration.rejected),
+             valid=len(self.enumeration.candidates))
+    for s in ("ok", "mismatch", "failed", "reference_failed", "skipped"):
+      c[s] = sum(t.status == s for t in self.trials)
+    c["timed"] = c["ok"] + c["mismatch"]
+    return c
+
+  def transfer_consistency(self) -> list:
+    """Per KernelConfig: do all its timed candidates (any TransferConfig) agree bitwise?"""
+    groups: dict = {}
+    for t in self.trials:
+      if t.checksum is not None:
+        groups.setdefault(kernel_label(t.candidate.kernel), []).append(t)
+    return [dict(kernel=k, candidates=len(ts), transfers=sorted({t.candidate.label() for t in ts}),
+                 distinct_checksums=len({t.checksum for t in ts}),
+                 consistent=len({t.checksum for t in ts}) == 1)
+            for k, ts in groups.items()]
+
+  def spread(self) -> Optional[dict]:
+    best, dflt = self.best, self.default_trial()
+    if best is None or dflt is None or dflt.status != "ok":
+      return None
+    return dict(default_ms=dflt.median_ms, best_ms=best.median_ms,
+                default_over_best=dflt.median_ms / best.median_ms,
+                saved_ms=dflt.median_ms - best.median_ms)
+
+  def to_json(self) -> dict:
+    best = self.best
+    consistency = self.transfer_consistency()
+    return dict(
+        tuner="uniep_jax.tune", format=CACHE_FORMAT, key=cache_key(self.device.kind, self.problem),
+        problem=dataclasses.asdict(self.problem), device=dataclasses.asdict(self.device),
+        backend=self.backend, strategy=self.strategy, budget_s=self.budget_s,
+        elapsed_s=self.elapsed_s, counts=self.counts(),
+        default=self.default.label(),
+        best=None if best is None else best.to_json(),
+        top5=[t.to_json() for t in self.top(5)], spread=self.spread(),
+        mismatches=[t.to_json() for t in self.mismatches],
+        transfer_consistency=consistency,
+        transfer_consistent=all(g["consistent"] for g in consistency),
+        references={k: dict(status=s, value=list(v) if s == "ok" else v)
+                    for k, (s, v) in self.references.items()},
+        trials=[t.to_json() for t in self.trials],
+        rejected=self.enumeration.rejected)
+
+
+def _default_candidate(enum: Enumeration, problem: TuneProblem, device: DeviceFacts) -> Candidate:
+  """What an untuned user gets: the dataclass defaults if they can run here,
+  else the heuristic, else the first valid candidate."""
+  if DEFAULT_CANDIDATE in enum.candidates:
+    return DEFAULT_CANDIDATE
+  try:
+    h = heuristic_config(problem, device)
+  except ValueError:
+    h = None
+  for c in enum.candidates:
+    if h is not None and (c == h or (c.kernel == h.kernel and c.transfer == DEFAULT_CANDIDATE.transfer)):
+      return c
+  return enum.candidates[0] if enum.candidates else DEFAULT_CANDIDATE
+
+
+def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] = None,
+         space: SearchSpace = SearchSpace(), budget_s: float = 480.0, strategy: str = "staged",
+         stage1_fraction: float = 0.6, max_candidates: Optional[int] = None,
+         resume: Optional[dict] = None, progress: bool = True,
+         on_trial: Optional[Callable[[TuneResult], None]] = None,
+         clock: Callable[[], float] = time.monotonic) -> TuneResult:
+  """Enumerates, prunes, then times and verifies candidates within `budget_s`.
+
+  runner: a `Runner` (`LayerRunner` on GPUs; tests inject fakes). resume: a
+  previous report (`TuneResult.to_json()`) of the same key; its timed trials and
+  references are reused. max_candidates caps the candidates of each stage.
+  on_trial(partial result): called after every timed candidate (checkpoints).
+  The budget is checked before each candidate: one started just before the
+  deadline runs to its end (a compile and a timing: up to ~1 min at full size)."""
+  if strategy not in ("staged", "grid"):
+    raise ValueError(f"strategy={strategy!r} must be 'staged' or 'grid'")
+  device = device or DeviceFacts.from_device()
+  start = clock()
+  enum = enumerate_candidates(space, problem, device, runner.uses_transfer)
+  previous, references = {}, {}
+  if resume:
+    if resume.get("key") != cache_key(device.kind, problem):
+      raise ValueError(f"resume report key {resume.get('key')!r} differs from "
+                       f"{cache_key(device.kind, problem)!r}")
+    previous = {d["label"]: Trial.from_json(d) for d in resume.get("trials", [])}
+    references = {k: (v["status"], tuple(v["value"]) if v["status"] == "ok" else v["value"])
+                  for k, v in resume.get("references", {}).items()}
+  default = _default_candidate(enum, problem, device)
+  deadline = start + budget_s
+
+  def result_now(search):
+    return TuneResult(problem, device, runner.backend, strategy, budget_s, clock() - start,
+                      enum, list(search.trials), search.references, default)
+
+  search = _Search(runner, deadline, clock, progress, references, previous,
+                   on_trial=None if on_trial is None else (lambda s: on_trial(result_now(s))))
+  cap = (lambda cs: cs[:max_candidates]) if max_candidates else (lambda cs: cs)
+  if strategy == "grid":
+    search.run(cap(enum.candidates), "grid")
+  else:
+    dt = default.transfer
+    stage1 = [c for c in enum.candidates if c.transfer == dt]
+    search.run(cap(stage1), "kernel",
+               deadline=start + budget_s * (stage1_fraction if runner.uses_transfer else 1.0))
+    best = best_trial(search.trials)
+    if runner.uses_transfer:
+      if best is None:
+        _loud("tune: no verified KernelConfig in stage 1; stage 2 (transfer) skipped")
+      else:
+        bk = best.candidate.kernel
+        stage2 = [c for c in enum.candidates
+                  if c.kernel == bk and c.transfer != dt]
+        search.run(cap(stage2), "transfer")
+  result = result_now(search)
+  for g in result.transfer_consistency():
+    if not g["consistent"]:
+      _loud(f"TRANSFER INCONSISTENCY (a bug): KernelConfig {g['kernel']} gives "
+            f"{g['distinct_checksums']} different checksums over transfers {g['transfers']}")
+  return result
+
+
+# ---------------------------------------------------------------------------
+# Cache, heuristic, resolution of "auto"
+# ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _read_cache(path: str, mtime_ns: int, size: int) -> dict:
+  del mtime_ns, size  # part of the lru key only: a rewritten file is read again
+  with open(path) as f:
+    data = json.load(f)
+  if not isinstance(data, dict) or not isinstance(data.get("entries", {}), dict):
+    raise ValueError(f"{path}: not a uniep_jax tune cache (expected {{'entries': {{...}}}})")
+  return data.get("entries", {})
+
+
+def load_cache(path) -> dict:
+  """The entries of a cache file ({} if the file does not exist)."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    return {}
+  st = os.stat(path)
+  return _read_cache(path, st.st_mtime_ns, st.st_size)
+
+
+def user_cache_path(path=None) -> Optional[str]:
+  """The user cache: `path` if given, else $UNIEP_TUNE_CACHE, else None."""
+  if path is not None:
+    return os.fspath(path)
+  return os.environ.get(CACHE_ENV) or None
+
+
+def _entry_candidate(entry: dict) -> Candidate:
+  return Candidate(KernelConfig(**entry["kernel"]), TransferConfig(**entry["transfer"]))
+
+
+def lookup(problem: TuneProblem, device_kind: str, *, cache_path=None):
+  """(Candidate, source) from the user cache, else the shipped one; None if no entry."""
+  key = cache_key(device_kind, problem)
+  sources = [p for p in (user_cache_path(cache_path), os.fspath(SHIPPED_CACHE)) if p]
+  for src in sources:
+    entry = load_cache(src).get(key)
+    if entry is not None:
+      return _entry_candidate(entry), src
+  return None
+
+
+def heuristic_config(problem: TuneProblem, device: DeviceFacts) -> Candidate:
+  """The fallback when no cache entry matches. NOT measured per shape; the rules:
+
+  kernel:   KernelConfig() (128/128/64, 4 stages: the v1 tiling of the bench
+            results); if it cannot run for the shape/device, the first valid
+            point of `SearchSpace()` in search order (fewest knobs changed).
+  transfer: chunk_rows = the power of two <= the mean rows per (source rank,
+            expert) segment T*K/E, clamped to [16, 128] (the load box is
+            chunk_rows rows, so it should not be much longer than a segment);
+            num_ctas = min(64, SMs / 2) (about half the SMs saturate NVLink,
+            NOTES_ep_transfer.md); col_tile = the widest tile <= 256 dividing H.
+  On the target shapes of bench/common.py this gives the defaults."""
+  seg = max(1, problem.tokens * problem.top_k // problem.experts)
+  chunk = min(128, max(16, 1 << (seg.bit_length() - 1)))
+  t = TransferConfig(chunk_rows=chunk, num_ctas=max(1, min(64, device.num_sms // 2)))
+  t = dataclasses.replace(t, col_tile=t.col_tile_for(problem.hidden))
+  kernel = KernelConfig()
+  try:
+    kernel_launch_stages(kernel, problem, device.smem_bytes)
+  except InvalidCandidate:
+    enum = enumerate_candidates(SearchSpace(), problem, device, uses_transfer=False)
+    if not enum.candidates:
+      raise ValueError(f"no KernelConfig of SearchSpace() can run {problem} on {device}")
+    kernel = enum.candidates[0].kernel
+  return Candidate(kernel, t)
+
+
+def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, experts: int,
+                   top_k: int, ep: int, dtype, device=None, cache_path=None) -> UniEPConfig:
+  """Fills `config.kernel` / `config.transfer` when None ("auto"); explicit ones are kept.
+
+  Per-rank shapes (T = this shard's tokens). Lookup order: the "bwd" entry then
+  the "fwd" entry of the user cache (`cache_path` or $UNIEP_TUNE_CACHE), then
+  of the shipped cache; else `heuristic_config`."""
+  if config.kernel is not None and config.transfer is not None:
+    return config
+  import jax
+  device = device or jax.devices()[0]
+  facts = DeviceFacts.from_device(device)
+  found = None
+  for direction in ("bwd", "fwd"):
+    problem = TuneProblem(tokens, hidden, ffn, experts, top_k, ep, _dtype_name(dtype), direction)
+    found = lookup(problem, facts.kind, cache_path=cache_path)
+    if found is not None:
+      break
+  if found is not None:
+    cand = found[0]
+  else:   # the heuristic checks the kernel against the bwd launches (a superset of fwd)
+    cand = heuristic_config(dataclasses.replace(problem, direction="bwd"), facts)
+  return dataclasses.replace(
+      config,
+      kernel=config.kernel if config.kernel is not None else cand.kernel,
+      transfer=config.transfer if config.transfer is not None else cand.transfer)
+
+
+def cache_entry(result: TuneResult) -> dict:
+  """The cache entry of a result's best verified candidate (measured numbers only)."""
+  from bench.common import git_commit
+  best = result.best
+  if best is None:
+    raise ValueError("no verified candidate: nothing to cache")
+  k = dataclasses.asdict(best.candidate.kernel)
+  k.pop("num_sms")
+  spread = result.spread()
+  return dict(kernel=k, transfer=dataclasses.asdict(best.candidate.transfer),
+              median_ms=best.median_ms, default_ms=spread["default_ms"] if spread else None,
+              backend=result.backend, strategy=result.strategy, counts=result.counts(),
+              device_count=result.problem.ep, git_commit=git_commit(),
+              date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def update_cache(path, key: str, entry: dict) -> None:
+  """Adds/replaces one entry of a cache file (atomic rewrite)."""
+  path = os.fspath(path)
+  data = dict(format=CACHE_FORMAT, entries={})
+  if os.path.exists(path):
+    with open(path) as f:
+      data = json.load(f)
+  data.setdefault("entries", {})[key] = entry
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+def report_stem(device_kind: str, shape_name: str, ep: int, direction: str) -> str:
+  kind = "".join(c if c.isalnum() else "_" for c in device_kind).strip("_")
+  return f"tune_{kind}_{shape_name}_ep{ep}_{direction}"
+
+
+def plot(result: TuneResult, path: str) -> None:
+  """Median ms against each knob (ok: dots; mismatch: red x; default: ring; best: star)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  knobs = KERNEL_KNOBS + TRANSFER_KNOBS
+  fig, axes = plt.subplots(1, len(knobs), figsize=(3.0 * len(knobs), 3.2), sharey=True)
+  ok = [t for t in result.trials if t.status == "ok"]
+  bad = [t for t in result.trials if t.status == "mismatch"]
+  best, dflt = result.best, result.default_trial()
+  for ax, knob in zip(axes, knobs):
+    ax.scatter([t.candidate.knobs()[knob] for t in ok], [t.median_ms for t in ok], s=14,
+               alpha=0.7, label="verified")
+    if bad:
+      ax.scatter([t.candidate.knobs()[knob] for t in bad], [t.median_ms for t in bad],
+                 marker="x", color="red", label="MISMATCH")
+    if dflt is not None and dflt.median_ms is not None:
+      ax.scatter([dflt.candidate.knobs()[knob]], [dflt.median_ms], s=80, facecolors="none",
+                 edgecolors="black", label="default")
+    if best is not None:
+      ax.scatter([best.candidate.knobs()[knob]], [best.median_ms], marker="*", s=120,
+                 color="gold", edgecolors="black", label="best")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(knob)
+  axes[0].set_ylabel("median ms per call")
+  axes[0].legend(fontsize=7)
+  p = result.problem
+  fig.suptitle(f"{result.device.kind}, EP={p.ep}, T={p.tokens} H={p.hidden} F={p.ffn} "
+               f"E={p.experts} K={p.top_k} {p.dtype}, {p.direction}, backend {result.backend}",
+               fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def summary(result: TuneResult) -> str:
+  lines = [f"key {cache_key(result.device.kind, result.problem)}",
+           f"counts {result.counts()}  elapsed {result.elapsed_s:.1f} s"]
+  for i, t in enumerate(result.top(5)):
+    lines.append(f"  top{i + 1}: {t.median_ms:9.3f} ms  {t.candidate.label()}")
+  s = result.spread()
+  if s:
+    lines.append(f"  default {s['default_ms']:.3f} ms, best {s['best_ms']:.3f} ms: "
+                 f"default/best = {s['default_over_best']:.3f}x")
+  if result.mismatches:
+    lines.append(f"  MISMATCHES: {[t.candidate.label() for t in result.mismatches]}")
+  return "\n".join(lines)
+
+
+def write_report(result: TuneResult, out_dir: str, shape_name: str, with_plot: bool = True) -> dict:
+  """Writes <stem>.json (and <stem>.png) under out_dir; returns the paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  p = result.problem
+  stem = os.path.join(out_dir, report_stem(result.device.kind, shape_name, p.ep, p.direction))
+  payload = dict(result.to_json(), shape_name=shape_name)
+  try:
+    from bench.common import run_metadata
+    payload["meta"] = run_metadata()
+  except Exception as e:  # noqa: BLE001 - metadata only
+    payload["meta"] = dict(error=repr(e)[:200])
+  with open(stem + ".json", "w") as f:
+    json.dump(payload, f, indent=1, sort_keys=True)
+  paths = dict(json=stem + ".json")
+  if not with_plot:
+    return paths
+  try:
+    plot(result, stem + ".png")
+    paths["png"] = stem + ".png"
+  except Exception as e:  # noqa: BLE001 - the JSON is the record
+    print(f"plot failed: {e!r}", file=sys.stderr)
+  return paths
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+def _problem_shape(args):
+  if args.shape:
+    t, h, f, e, k = (int(v) for v in args.shape.split(","))
+    return args.shape.replace(",", "x"), (t, h, f, e, k)
+  from bench.common import SHAPES, SMOKE_SHAPES
+  shapes = {**SHAPES, **SMOKE_SHAPES}
+  if args.moe_config not in shapes:
+    raise SystemExit(f"--moe-config {args.moe_config!r} unknown; one of {sorted(shapes)}")
+  s = shapes[args.moe_config]
+  return s.name, (s.tokens, s.hidden, s.ffn, s.experts, s.top_k)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(
+      prog="uniep-tune", description="Autotune the uniep backend's KernelConfig/TransferConfig.",
+      epilog="Filling the shipped cache" + __doc__.split("Filling the shipped cache")[1],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--moe-config", default="deepseek-like", help="a shape of bench/common.py")
+  ap.add_argument("--shape", default=None, help="T,H,F,E,K per rank (overrides --moe-config)")
+  ap.add_argument("--ep", type=int, default=0, help="EP degree (default: all local devices)")
+  ap.add_argument("--direction", default="fwd,bwd", help="comma list of fwd, bwd")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--backend", default="uniep", choices=("uniep", "pallas"))
+  ap.add_argument("--budget-s", type=float, default=450.0, help="total, split over directions")
+  ap.add_argument("--strategy", default="staged", choices=("staged", "grid"))
+  ap.add_argument("--max-candidates", type=int, default=None, help="cap per stage")
+  ap.add_argument("--num-sms", type=int, default=None, help="override (CPU interpret mode)")
+  ap.add_argument("--trials", type=int, default=5, help="timing trials per candidate")
+  ap.add_argument("--cache", default=None,
+                  help=f"cache file to update (default ${CACHE_ENV}, else <out>/tuned_configs.json;"
+                       " uniep_jax/tuned_configs.json to ship)")
+  ap.add_argument("--out", default=None, help="report dir (default $OUT/tune, else bench/results/tune)")
+  ap.add_argument("--resume", default=None, metavar="DIR",
+                  help="continue from the reports of the same problems in DIR")
+  ap.add_argument("--no-progress", action="store_true")
+  args = ap.parse_args(argv)
+
+  import jax
+  directions = [d for d in args.direction.split(",") if d]
+  for d in directions:
+    if d not in DIRECTIONS:
+      raise SystemExit(f"--direction {d!r} must be in {DIRECTIONS}")
+  shape_name, (t, h, f, e, k) = _problem_shape(args)
+  ep = args.ep or len(jax.devices())
+  out = args.out or (os.path.join(os.environ["OUT"], "tune") if os.environ.get("OUT")
+                     else os.path.join("bench", "results", "tune"))
+  cache = user_cache_path(args.cache) or os.path.join(out, "tuned_configs.json")
+  device = DeviceFacts.from_device(num_sms=args.num_sms)
+  rc = 0
+  per_direction = args.budget_s / len(directions)
+  for direction in directions:
+    problem = TuneProblem(t, h, f, e, k, ep, args.dtype, direction)
+    resume = None
+    if args.resume:
+      prev = os.path.join(args.resume, report_stem(device.kind, shape_name, ep, direction) + ".json")
+      if os.path.exists(prev):
+        with open(prev) as fh:
+          resume = json.load(fh)
+        print(f"resuming from {prev}", flush=True)
+    runner = LayerRunner(problem, backend=args.backend, num_sms=args.num_sms, trials=args.trials)
+    print(f"tuning {cache_key(device.kind, problem)} (budget {per_direction:.0f} s)", flush=True)
+    checkpoint = lambda r: write_report(r, out, shape_name, with_plot=False)  # noqa: E731
+    result = tune(problem, runner, device=device, budget_s=per_direction,
+                  strategy=args.strategy, max_candidates=args.max_candidates, resume=resume,
+                  progress=not args.no_progress, on_trial=checkpoint)
+    paths = write_report(result, out, shape_name)
+    print(summary(result), flush=True)
+    print(f"wrote {paths}", flush=True)
+    if result.mismatches:
+      _loud(f"{len(result.mismatches)} bitwise mismatch(es): no cache entry written")
+      rc = 2
+    elif result.best is not None:
+      update_cache(cache, cache_key(device.kind, problem), cache_entry(result))
+      print(f"cache {cache}: wrote {cache_key(device.kind, problem)}", flush=True)
+    del runner
+  return rc
+
+
+if __name__ == "__main__":
+  sys.exit(main())
