@@ -1,0 +1,223 @@
+"""End-to-end training throughput and determinism of the reference MoE transformer.
+
+For each model (default: mixtral-like and deepseek-like with `--layers` layers),
+each mesh (default data=1,expert=R and data=2,expert=R/2 over the R local GPUs)
+and each backend (xla_capacity, xla_dropless, pallas, uniep), it runs the real
+train step (train/loop.py: AdamW, aux losses, the default byte corpus) and
+reports, per case:
+  step_ms       median of timed steps (warm-up steps excluded)
+  tokens_per_s  batch * seq / step time (global)
+  mfu           model FLOPs per token (models/report.py, x3 for fwd+bwd) times
+                tokens/s over (dense bf16 matmul rate measured in this run x GPUs)
+  peak_mem_gib  max over devices of peak_bytes_in_use
+  dropped       dropped assignments summed over the timed steps (0 = dropless)
+Then the determinism checks of the issue: the same `--det-steps` training steps
+with "pallas" and "uniep" give bitwise identical losses and parameters, and two
+"uniep" runs give identical checksums.
+
+  python -m bench.train_throughput [--models mixtral-like,deepseek-like] [--layers 1]
+      [--batch 8] [--seq 2048] [--steps 8] [--backends ...] [--det-steps 50] [--out DIR]
+
+JSON (and a PNG of tokens/s) under --out ($OUT or bench/results). GPU only in
+practice; on the CPU it runs the same code on tiny shapes (`--models tiny`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import numpy as np
+
+from bench import common
+
+BACKENDS = ("xla_capacity", "xla_dropless", "pallas", "uniep")
+
+
+def _peak_mem_gib() -> float | None:
+  peaks = []
+  for d in jax.local_devices():
+    stats = d.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      peaks.append(stats["peak_bytes_in_use"])
+  return max(peaks) / 2**30 if peaks else None
+
+
+def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
+             steps: int, warmup: int, data, dense_tflops: float) -> dict:
+  """Times `steps` train steps after `warmup`; returns the row for the JSON."""
+  from models.config import get_config
+  from models.report import model_report
+  from train import loop
+  from train.config import TrainConfig
+  import models.config as model_configs
+
+  name = model
+  if layers is not None:   # a registered variant with fewer layers ("sized to fit")
+    base = get_config(model)
+    name = f"{model}-L{layers}"
+    model_configs.CONFIGS[name] = dataclasses.replace(
+        base, name=name, n_layers=layers,
+        first_dense=min(getattr(base, "first_dense", 0), max(0, layers - 1)))
+  cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
+                    steps=max(steps + warmup, 2), out="/tmp/train_throughput", progress=False,
+                    plot=False)
+  s = loop.make_setup(cfg)
+  params, rest, opt_state = loop.init_state(s)
+  step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, opt_state))
+  put = lambda a: jax.device_put(a, s.batch_sh)  # noqa: E731
+  batches = [tuple(map(put, data.batch(cfg.seed, i, batch, seq))) for i in range(steps + warmup)]
+  t0 = time.perf_counter()
+  params, rest, opt_state, m = step_fn(params, rest, opt_state, *batches[0])
+  jax.block_until_ready(m)
+  compile_s = time.perf_counter() - t0
+  for i in range(1, warmup):
+    params, rest, opt_state, m = step_fn(params, rest, opt_state, *batches[i])
+  jax.block_until_ready(m)
+  times, dropped = [], 0
+  for i in range(warmup, warmup + steps):
+    t0 = time.perf_counter()
+    params, rest, opt_state, m = step_fn(params, rest, opt_state, *batches[i])
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
+    dropped += int(m["dropped"])
+  step_s = statistics.median(times)
+  rep = model_report(s.model_cfg, seq)
+  flops_per_token = rep["train_flops_per_token"]             # fwd + bwd
+  tokens_per_s = batch * seq / step_s
+  n_gpu = len(s.mesh.devices.flat)
+  row = dict(model=name, mesh=mesh, backend=backend, batch=batch, seq=seq, steps=steps,
+             compile_s=compile_s, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
+             tokens_per_s=tokens_per_s, dropped=dropped, peak_mem_gib=_peak_mem_gib(),
+             total_params=rep.get("total_params"), active_params=rep.get("active_params"))
+  row["mfu"] = flops_per_token * tokens_per_s / (dense_tflops * 1e12 * n_gpu)
+  return row
+
+
+def determinism(model: str, mesh: str, *, layers, batch: int, seq: int, steps: int) -> dict:
+  """pallas vs uniep (bitwise losses and params) and uniep twice (checksums)."""
+  from train import loop
+  from train.config import TrainConfig
+
+  name = model if layers is None else f"{model}-L{layers}"
+  out = {}
+  for tag, backend in (("pallas", "pallas"), ("uniep", "uniep"), ("uniep_again", "uniep")):
+    cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
+                      steps=steps, eval_every=steps, eval_batches=1,
+                      out=f"/tmp/train_det_{tag}", progress=False, plot=False)
+    r = loop.train(cfg)
+    out[tag] = dict(losses=[float(r["losses"][k]) for k in sorted(r["losses"])],
+                    checksum=r["summary"]["sha256"], param_sum=r["summary"]["param_sum"])
+  same = lambda a, b: (out[a]["losses"] == out[b]["losses"]  # noqa: E731
+                       and out[a]["checksum"] == out[b]["checksum"])
+  return dict(model=name, mesh=mesh, steps=steps, pallas_equals_uniep=same("pallas", "uniep"),
+              uniep_repeatable=same("uniep", "uniep_again"), runs=out)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--models", default="mixtral-like,deepseek-like")
+  ap.add_argument("--layers", type=int, default=1, help="layers per model (0: the config's)")
+  ap.add_argument("--meshes", default="", help="default: data=1,expert=R;data=2,expert=R/2")
+  ap.add_argument("--backends", default=",".join(BACKENDS))
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--seq", type=int, default=2048)
+  ap.add_argument("--steps", type=int, default=8)
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--det-steps", type=int, default=50, help="0 skips the determinism runs")
+  ap.add_argument("--budget-s", type=float, default=500.0)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  from train.data import make_dataset
+
+  t_start = time.time()
+  r = len(jax.devices())
+  meshes = [m for m in args.meshes.split(";") if m] or (
+      [f"data=1,expert={r}"] + ([f"data=2,expert={r // 2}"] if r >= 2 and r % 2 == 0 else []))
+  layers = args.layers or None
+  meta = common.run_metadata()
+  print(meta, flush=True)
+  dense = common.dense_matmul_tflops()
+  print(f"dense bf16 matmul: {dense:.0f} TFLOP/s per device", flush=True)
+  data = make_dataset(None, max_bytes=4 << 20, heldout_fraction=0.05, seq=args.seq)
+  rows, skipped = [], []
+  for model in args.models.split(","):
+    for mesh in meshes:
+      for backend in args.backends.split(","):
+        if time.time() - t_start > args.budget_s:
+          skipped.append(dict(model=model, mesh=mesh, backend=backend, why="time budget"))
+          continue
+        try:
+          row = run_case(model, mesh, backend, layers=layers, batch=args.batch, seq=args.seq,
+                         steps=args.steps, warmup=args.warmup, data=data, dense_tflops=dense)
+        except Exception as e:  # noqa: BLE001
+          traceback.print_exc(limit=3)
+          row = dict(model=model, mesh=mesh, backend=backend, error=repr(e)[:500])
+        rows.append(row)
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+  det = []
+  if args.det_steps and {"pallas", "uniep"} <= set(args.backends.split(",")):
+    for model in args.models.split(","):
+      if time.time() - t_start > args.budget_s:
+        skipped.append(dict(model=model, what="determinism", why="time budget"))
+        continue
+      try:
+        det.append(determinism(model, meshes[0], layers=layers, batch=args.batch, seq=args.seq,
+                               steps=args.det_steps))
+      except Exception as e:  # noqa: BLE001
+        traceback.print_exc(limit=3)
+        det.append(dict(model=model, mesh=meshes[0], error=repr(e)[:500]))
+      print({k: v for k, v in det[-1].items() if k != "runs"}, flush=True)
+  payload = dict(meta, benchmark="train_throughput", dense_tflops=dense, results=rows,
+                 determinism=det, skipped=skipped,
+                 settings=dict(batch=args.batch, seq=args.seq, steps=args.steps, layers=layers))
+  out = common.out_dir(args.out)
+  kind = meta["device_kind"].replace(" ", "_")
+  common.write_json(os.path.join(out, f"train_throughput_{kind}_x{r}.json"), payload)
+  print(f"{'model':22s} {'mesh':18s} {'backend':14s} {'step_ms':>9s} {'tok/s':>10s} "
+        f"{'MFU':>6s} {'GiB':>6s} {'dropped':>8s}")
+  for row in rows:
+    if "error" in row:
+      print(f"{row['model']:22s} {row['mesh']:18s} {row['backend']:14s} ERROR {row['error'][:60]}")
+      continue
+    print(f"{row['model']:22s} {row['mesh']:18s} {row['backend']:14s} {row['step_ms']:9.1f} "
+          f"{row['tokens_per_s']:10.0f} {row.get('mfu', float('nan')):6.3f} "
+          f"{(row['peak_mem_gib'] or float('nan')):6.1f} {row['dropped']:8d}")
+  try:
+    _plot(rows, os.path.join(out, f"train_throughput_{kind}_x{r}.png"))
+  except Exception as e:  # noqa: BLE001
+    print("plot failed:", e)
+  return 0
+
+
+def _plot(rows, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [r for r in rows if "tokens_per_s" in r]
+  cases = sorted({(r["model"], r["mesh"]) for r in rows})
+  backends = sorted({r["backend"] for r in rows})
+  fig, ax = plt.subplots(figsize=(max(6, 2 * len(cases)), 4))
+  w = 0.8 / max(1, len(backends))
+  for i, b in enumerate(backends):
+    vals = [next((r["tokens_per_s"] for r in rows if r["backend"] == b
+                  and (r["model"], r["mesh"]) == c), 0) for c in cases]
+    ax.bar(np.arange(len(cases)) + i * w, vals, w, label=b)
+  ax.set_xticks(np.arange(len(cases)) + 0.4 - w / 2)
+  ax.set_xticklabels([f"{m}\n{me}" for m, me in cases], fontsize=8)
+  ax.set_ylabel("tokens / s")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
