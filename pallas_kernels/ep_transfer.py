@@ -51,6 +51,16 @@ sources write adjacent segments of one peer's buffer without overlap.
 
 Synchronisation contract
 ------------------------
+  Launch ordering (what makes writing into a peer's output safe at all):
+      `pl.get_global` semaphores are NOT persistent: Pallas allocates them as
+      GMEM scratch that XLA zero-fills right before each launch. A peer's
+      output buffer and semaphores exist only once the peer is inside this
+      launch. Mosaic GPU's cross-device barrier before every communicating
+      kernel (`CompilerParams.skip_device_barrier=False`, the default, which
+      this kernel keeps; tests/test_ep_transfer.py checks the default) makes
+      every rank enter the launch before any rank writes or signals. Without
+      it the first remote signal or store could hit memory a slower peer has
+      not yet zero-filled or still uses for something else.
   load_barrier[s]  (SMEM barrier, one per stage): producer the TMA load of
       step i into stage s = i % 2; consumer the same CTA's store of step i,
       after `barrier_wait`. Every load is waited exactly once (phase flips).
@@ -58,22 +68,22 @@ Synchronisation contract
       first load of the next peer offset, the CTA waits
       `wait_smem_to_gmem(0, wait_read_only=True)`: earlier stores have
       finished reading the stage.
-  ready_sem[c]  (global semaphore per CTA index, communicating mode only):
-      at entry CTA c signals ready_sem[c] on every rank of the expert axis
-      (itself included), then waits for R signals with decrement (so it is
-      0 again for the next launch). Invariant after the wait: every peer runs
-      this kernel, so its `out` buffer is allocated and no earlier op of the
-      peer still uses that memory.
-  done_sem[c]  (global semaphore per CTA index): after `wait_smem_to_gmem(0)`
-      (all of CTA c's stores complete), CTA c signals done_sem[c] on every
-      rank; then waits for R signals with decrement. A signal orders the NVLink
-      writes issued before it. Invariant when the kernel ends (all CTAs past
-      this wait): every peer's CTA c, for every c, has finished writing into
-      this rank's `out`, so the next XLA op may read it.
-  Both waits are done by exactly one CTA per semaphore (CTA c waits only on
-  index c), so no CTA can take another's count. All ranks launch the same
-  num_ctas, and num_ctas <= the SM count, so all CTAs are resident and the
-  barrier cannot deadlock.
+  ready_sem[c]  (per CTA index, communicating mode only): at entry CTA c
+      signals ready_sem[c] on every rank (itself included) and waits for R
+      with decrement. Given the device barrier this round is redundant; it is
+      kept as the in-kernel statement of the invariant "every peer runs this
+      launch" (cost: R signals per CTA).
+  done_sem[c]  (per CTA index): after `wait_smem_to_gmem(0)` (all of CTA c's
+      stores complete), CTA c signals done_sem[c] on every rank, then waits for
+      R signals with decrement. A signal orders the NVLink writes issued before
+      it. Invariant when the kernel ends (all CTAs past this wait): every
+      peer's CTA c, for every c, has finished writing into this rank's `out`,
+      so the next XLA op may read it.
+  Each semaphore has exactly one waiter (CTA c waits only on index c), so no
+  CTA can take another's count. All ranks launch the same num_ctas <= the SM
+  count. The waits need all CTAs of all ranks resident at once: kernels that
+  other streams run concurrently (NCCL, async collectives) must leave room,
+  hence the default of 64 CTAs (about half the SMs).
 The local (non-communicating) form has no semaphores and writes every peer
 offset's segments into this device's `out`: it runs in the CPU interpret mode,
 so the work lists, the pipelines and the store ladder are tested on the CPU.
@@ -211,7 +221,8 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
   """
   ns, hidden = src.shape
   num_peers = seg_len.shape[0]
-  col_tile = config.col_tile_for(hidden)
+  col_tile = config.col_tile_for(hidden, itemsize=jnp.dtype(src.dtype).itemsize,
+                                 smem_bytes=device_lib.smem_capacity())
   chunk = config.chunk_rows
   if ns < chunk:  # the load box must fit inside src
     src = jnp.pad(src, ((0, chunk - ns), (0, 0)))

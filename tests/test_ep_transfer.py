@@ -73,3 +73,16 @@ def test_config_errors():
     TransferConfig(chunk_rows=48)
   with pytest.raises(ValueError, match="col_tile"):
     TransferConfig(col_tile=512)
+
+
+def test_launch_contract_and_smem_fit():
+  # The transfer relies on Mosaic GPU's cross-device barrier before each launch
+  # (see the module docstring): its default must stay on.
+  assert plgpu.CompilerParams().skip_device_barrier is False
+  # float32 rows get a narrower column tile so that two stages fit in shared memory
+  cfg = TransferConfig()
+  assert cfg.col_tile_for(7168, itemsize=2, smem_bytes=227 * 1024) == 256
+  assert cfg.col_tile_for(7168, itemsize=4, smem_bytes=227 * 1024) == 224
+  assert 2 * cfg.chunk_rows * 224 * 4 <= 227 * 1024
+  with pytest.raises(ValueError, match="chunk_rows"):
+    TransferConfig(chunk_rows=4096).col_tile_for(7168, itemsize=4, smem_bytes=227 * 1024)

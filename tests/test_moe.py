@@ -195,17 +195,27 @@ def test_per_shard_form_inside_shard_map():
 
 @pytest.mark.parametrize("bound", [None, 1.0])
 def test_ragged_transport_traces_with_gradients(bound):
-  """ragged_all_to_all does not compile on the CPU, but its forward and backward
-  must trace and lower (the shard_map type check runs at trace time)."""
+  """ragged_all_to_all does not compile on the CPU (moe_ffn refuses it there), but
+  its forward and backward must trace and lower: the shard_map type check runs at
+  trace time. Uses the per-shard form, which leaves the transport to the caller."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = make_mesh(2, 4)
+  axes = ("data", "expert")
   kx, kp = jax.random.split(jax.random.key(51))
   p = make_params(kp, experts=E, hidden=H, ffn=F)
   x = make_x(kx, 64, H)
-  cfg = UniEPConfig(backend="xla_dropless", transport="ragged", receive_capacity_factor=bound)
+  cfg = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound)
+  specs = uniep_jax.param_specs(p)
 
-  def loss(x, p):
-    return jnp.sum(uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=cfg)[0] ** 2)
+  def body(xl, pl):
+    y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=2, config=cfg, token_axes=axes,
+                                   transport="ragged")
+    return y
 
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes), specs), out_specs=P(axes))
+  x = jax.device_put(x, NamedSharding(mesh, P(axes)))
+  p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
+  loss = lambda x, p: jnp.sum(fn(x, p) ** 2)  # noqa: E731
   text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, p).as_text()
   assert text.count("ragged_all_to_all") >= 4   # dispatch, combine and their transposes
 

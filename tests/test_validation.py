@@ -89,3 +89,34 @@ def test_uniep_backend_needs_gpus(setup):
   x, p, mesh = setup
   with pytest.raises(ValueError, match="needs GPUs"):
     _call(x, p, mesh, config=UniEPConfig(backend="uniep"))
+
+
+def test_more_bad_inputs(setup):
+  x, p, mesh = setup
+  import numpy as np
+  with pytest.raises(ValueError, match="x must be a floating-point"):
+    _call(x.astype(jnp.int32), p.replace(w_gate=p.w_gate.astype(jnp.int32),
+                                         w_up=p.w_up.astype(jnp.int32),
+                                         w_down=p.w_down.astype(jnp.int32)), mesh)
+  with pytest.raises(ValueError, match="expert_bias must be floating"):
+    _call(x, p.replace(expert_bias=jnp.zeros(E, jnp.int32)), mesh)
+  with pytest.raises(ValueError, match="top_k"):
+    _call(x, p, mesh, top_k=2.5)
+  y, _ = jax.jit(lambda x, p: _call(x, p, mesh, top_k=np.int64(2)))(x, p)   # numpy ints are fine
+  assert y.shape == x.shape
+  with pytest.raises(ValueError, match="transport='ragged'"):
+    _call(x, p, mesh, config=UniEPConfig(transport="ragged"))
+  with pytest.raises(ValueError, match="transport='nvlink'"):
+    _call(x, p, mesh, config=UniEPConfig(backend="xla_dropless", transport="nvlink"))
+  with pytest.raises(ValueError, match="block_k"):
+    _call(x, p, mesh, config=UniEPConfig(backend="uniep",
+                                         kernel=uniep_jax.KernelConfig(block_k=320)))
+  with pytest.raises(ValueError, match="col_tile"):
+    uniep_jax.TransferConfig(col_tile=12)
+
+
+def test_route_rejects_top_k_beyond_eligible_groups():
+  cfg = uniep_jax.RoutingConfig(n_groups=4, topk_groups=1)
+  x = jnp.ones((4, H))
+  with pytest.raises(ValueError, match="eligible groups"):
+    uniep_jax.route(x, jnp.ones((H, E)), 4, cfg)

@@ -95,22 +95,29 @@ class TransferConfig:
   def __post_init__(self):
     if self.chunk_rows < 1 or self.chunk_rows & (self.chunk_rows - 1):
       raise ValueError(f"chunk_rows={self.chunk_rows} must be a power of two")
-    if not 8 <= self.col_tile <= 256:
-      raise ValueError(f"col_tile={self.col_tile} must be in [8, 256] (the TMA box limit)")
+    if not 8 <= self.col_tile <= 256 or self.col_tile % 8:
+      raise ValueError(f"col_tile={self.col_tile} must be a multiple of 8 in [8, 256] "
+                       f"(the TMA box limit)")
     if self.num_ctas < 1:
       raise ValueError(f"num_ctas={self.num_ctas} must be >= 1")
 
   def smem_bytes(self, itemsize: int = 2) -> int:
     return 2 * self.chunk_rows * self.col_tile * itemsize
 
-  def col_tile_for(self, hidden: int) -> int:
-    """The widest column tile <= col_tile that divides `hidden` (multiple of 8)."""
+  def col_tile_for(self, hidden: int, itemsize: int = 2, smem_bytes: int | None = None) -> int:
+    """The widest column tile <= col_tile that divides `hidden`, is a multiple of
+    8 and, with 2 stages of chunk_rows rows, fits in `smem_bytes` of shared memory
+    (e.g. float32 rows get half the bf16 tile)."""
     t = self.col_tile
     while t >= 8:
-      if hidden % t == 0 and t % 8 == 0:
+      fits = smem_bytes is None or 2 * self.chunk_rows * t * itemsize <= smem_bytes
+      if hidden % t == 0 and fits:
         return t
       t -= 8
-    raise ValueError(f"hidden={hidden} has no column tile that is a multiple of 8 and <= 256")
+    raise ValueError(
+        f"no column tile fits: hidden={hidden} needs a divisor that is a multiple of 8 and "
+        f"<= col_tile={self.col_tile}, and 2 * chunk_rows={self.chunk_rows} * tile * "
+        f"{itemsize} B must fit in {smem_bytes} B of shared memory (lower chunk_rows)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ Transports (`transport=`):
   "nvlink"  Pallas kernels (`pallas_kernels/ep_transfer.py`) push each
             contiguous (peer, local expert) segment straight into the peer's
             buffer (GPU only). Padding rows are not written, except a window of
-            `_ZERO_WINDOW` rows after the live ones, which is zeroed (the grouped
+            `ZERO_WINDOW_ROWS` rows after the live ones, which is zeroed (the grouped
             GEMM's wgrad reads up to block_k rows past a group's end).
 All transports put exactly the same rows in the same places.
 """
@@ -93,7 +93,8 @@ def _take_rows(rows: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array
 
 def _put_rows(num_rows: int, values: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
   """zeros[num_rows].at[index].set(values) for valid rows; indices are unique."""
-  index = jnp.where(valid, index, num_rows)  # out of range: dropped
+  spill = num_rows + jnp.arange(index.shape[0], dtype=index.dtype)   # distinct, out of range
+  index = jnp.where(valid, index, spill)                             # dropped by mode="drop"
   out = jnp.zeros((num_rows,) + values.shape[1:], values.dtype)
   return out.at[index].set(values, mode="drop", unique_indices=True)
 
@@ -152,7 +153,7 @@ def _return_ragged(recv, plan: DispatchPlan, axis_name, num_local_experts):
       axis_name=axis_name)                                          # [n, H] sorted order
 
 
-_ZERO_WINDOW = 256
+ZERO_WINDOW_ROWS = 256
 
 
 def _zero_rows_from(buf, start, window: int):
@@ -174,7 +175,7 @@ def _send_nvlink(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts, 
   recv = transfer_segments(rows_sorted, seg.src_start, seg.dst_start, seg.rows,
                            out_rows=plan.recv_valid.shape[0], config=transfer,
                            axis_name=axis_name)
-  return _zero_rows_from(recv, plan.num_received, _ZERO_WINDOW)
+  return _zero_rows_from(recv, plan.num_received, ZERO_WINDOW_ROWS)
 
 
 def _return_nvlink(recv, plan: DispatchPlan, axis_name, num_local_experts, transfer):

@@ -77,7 +77,7 @@ class DispatchPlan:
   # The receive layout has recv_rows rows (R*T*K unless bounded):
   recv_source: jax.Array         # [recv_rows] int32: source rank of receive row p (0 if padding)
   recv_index_in_source: jax.Array  # [recv_rows] int32: index inside the source's block
-  recv_valid: jax.Array          # [R*T*K] bool: p < sum(recv_group_sizes)
+  recv_valid: jax.Array          # [recv_rows] bool: p < sum(recv_group_sizes)
   kept_counts: jax.Array         # [R, R, El] int32: rows (src, dst, le) that are sent;
                                  #   = C without a receive bound
   dropped: jax.Array             # int32: rows this rank did not receive (receive bound)

@@ -16,6 +16,7 @@ Per shard (one EP rank of one data replica):
 from __future__ import annotations
 
 import math
+import operator
 from typing import Sequence
 
 import jax
@@ -27,7 +28,7 @@ from uniep_jax.capacity import capacity_moe_shard
 from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
 from uniep_jax.config import TRANSPORTS
-from uniep_jax.dispatch import collect, default_transport, dispatch
+from uniep_jax.dispatch import ZERO_WINDOW_ROWS, collect, default_transport, dispatch
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import local_group_sizes, make_plan
 from uniep_jax.params import MoEParams
@@ -54,6 +55,8 @@ def validate_inputs(x, params: MoEParams, *, top_k, config: UniEPConfig,
     raise ValueError(f"params must be a uniep_jax.MoEParams, got {type(params).__name__}")
   if x.ndim != 2:
     raise ValueError(f"x must be rank 2 [tokens, hidden], got shape {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a floating-point array, got dtype {x.dtype}")
   if params.router.ndim != 2:
     raise ValueError(f"params.router must be [hidden, experts], got shape {params.router.shape}")
   hidden, num_experts = params.router.shape
@@ -77,8 +80,23 @@ def validate_inputs(x, params: MoEParams, *, top_k, config: UniEPConfig,
                      f"params.router [hidden={hidden}, experts={num_experts}]")
   if params.expert_bias is not None and params.expert_bias.shape != (num_experts,):
     raise ValueError(f"params.expert_bias must have shape ({num_experts},), got {params.expert_bias.shape}")
-  if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+  if params.expert_bias is not None and not jnp.issubdtype(params.expert_bias.dtype, jnp.floating):
+    raise ValueError(f"params.expert_bias must be floating point, got {params.expert_bias.dtype}")
+  try:
+    top_k = operator.index(top_k)
+  except TypeError:
+    raise ValueError(f"top_k={top_k!r} must be an integer") from None
+  if not 1 <= top_k <= num_experts:
     raise ValueError(f"top_k={top_k} must be an int in [1, num_experts={num_experts}]")
+  if config.transport == "nvlink" and config.backend not in ("pallas", "uniep"):
+    raise ValueError(f"config.transport='nvlink' leaves padding rows of the receive buffer "
+                     f"unwritten; only the Pallas experts (backend 'pallas' or 'uniep') are "
+                     f"written for that, not backend={config.backend!r}")
+  uses_nvlink = config.backend == "uniep" or config.transport == "nvlink"
+  if uses_nvlink and config.kernel is not None and config.kernel.block_k > ZERO_WINDOW_ROWS:
+    raise ValueError(f"config.kernel.block_k={config.kernel.block_k} exceeds the "
+                     f"{ZERO_WINDOW_ROWS} zeroed rows after the live ones that the NVLink "
+                     f"transport guarantees (the wgrad reads up to block_k - 1 rows past a group)")
   if config.routing.n_groups > 1:
     if num_experts % config.routing.n_groups:
       raise ValueError(f"config.routing.n_groups={config.routing.n_groups} must divide "
@@ -201,6 +219,15 @@ def _place(a, sharding: NamedSharding):
   return jax.lax.with_sharding_constraint(a, sharding)
 
 
+def _nvshmem_enabled() -> bool:
+  """XLA's NVSHMEM mode (cross-process peer memory for Mosaic GPU kernels), from XLA_FLAGS."""
+  import os
+  import re
+
+  m = re.findall(r"--xla_gpu_experimental_enable_nvshmem(?:=(\S+))?", os.environ.get("XLA_FLAGS", ""))
+  return bool(m) and m[-1].lower() in ("", "true", "1")
+
+
 def param_specs(params: MoEParams, expert_axis: str = "expert") -> MoEParams:
   """PartitionSpecs of `MoEParams`: experts over `expert_axis`, the rest replicated."""
   return MoEParams(router=P(), w_gate=P(expert_axis), w_up=P(expert_axis),
@@ -226,9 +253,18 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   validate_inputs(x, params, top_k=top_k, config=config, expert_axis=expert_axis, mesh=mesh)
   platform = mesh.devices.flat[0].platform
   if config.backend == "uniep" or config.transport == "nvlink":
+    # The kernels address peer GPUs' buffers directly; across processes that takes NVSHMEM.
+    if jax.process_count() > 1 and not _nvshmem_enabled():
+      raise ValueError(f"backend={config.backend!r} (in-kernel NVLink transfers) is unsupported in "
+                       f"multi-process runs ({jax.process_count()} processes) unless NVSHMEM is on "
+                       f"(XLA_FLAGS=--xla_gpu_experimental_enable_nvshmem=true); use backend "
+                       f"'pallas' or 'xla_dropless', whose transfers are XLA collectives")
     if platform != "gpu":
       raise ValueError(f"backend={config.backend!r} with in-kernel NVLink transfers needs GPUs; "
                        f"the mesh holds {platform} devices")
+  if config.transport == "ragged" and platform != "gpu":
+    raise ValueError(f"config.transport='ragged' (lax.ragged_all_to_all) does not compile on "
+                     f"{platform}; use 'padded' or None")
   token_axes = tuple(mesh.axis_names)
   transport = config.transport or default_transport(platform)
   x_spec = P(token_axes, None)

@@ -71,6 +71,10 @@ def route(
   if routing.n_groups > 1 and num_experts % routing.n_groups:
     raise ValueError(
         f"n_groups={routing.n_groups} must divide the number of experts {num_experts}")
+  eligible = num_experts // routing.n_groups * routing.topk_groups
+  if not 1 <= top_k <= eligible:
+    raise ValueError(f"top_k={top_k} must be in [1, {eligible}] (the experts of the "
+                     f"topk_groups={routing.topk_groups} eligible groups)")
   logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)             # [T, E]
   if routing.score_fn == "softmax":
