@@ -272,3 +272,66 @@ def test_receive_bound_drops_deterministically_and_counts(data, ep):
   # gradients flow through the kept assignments only, deterministically
   g = _loss("xla_dropless", data, ep, top_k, cfg)
   chex.assert_trees_all_equal(g(x, p), g(x, p))
+
+
+def _simulated_transfer(src, seg_src, seg_dst, seg_len, *, out_rows, config, axis_name,
+                        rank=0, interpret=None):
+  """What pallas_kernels.ep_transfer.transfer_segments does, in plain JAX: row p's
+  segments of `src` land in rank p's output; rows no segment covers hold garbage
+  (a large finite value: the real kernel leaves them unwritten)."""
+  r, el = seg_len.shape
+  ns, h = src.shape
+  i = jnp.arange(ns, dtype=jnp.int32)
+  ends = jnp.cumsum(seg_len, axis=1)                                  # [R, El]
+
+  def rows_for(p):
+    seg = jnp.searchsorted(ends[p], i, side="right")
+    valid = seg < el
+    seg = jnp.minimum(seg, el - 1)
+    within = i - (ends[p] - seg_len[p])[seg]
+    src_row = jnp.clip(seg_src[p][seg] + within, 0, ns - 1)
+    dst_row = jnp.where(valid, seg_dst[p][seg] + within, out_rows)   # out of range: dropped
+    return jnp.where(valid[:, None], src[src_row], 0), dst_row
+
+  bufs, dsts = jax.vmap(rows_for)(jnp.arange(r))                      # [R, ns, H], [R, ns]
+  got = jax.lax.all_to_all(bufs, axis_name, 0, 0, tiled=True).reshape(r * ns, h)
+  got_dst = jax.lax.all_to_all(dsts, axis_name, 0, 0, tiled=True).reshape(r * ns)
+  out = jnp.full((out_rows, h), 1e4, src.dtype)
+  return out.at[got_dst].set(got, mode="drop")
+
+
+@pytest.mark.parametrize("bound", [None, 1.0])
+def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
+  """The uniep transport's XLA side (segment tables, the zeroed window, the receive
+  bound, the custom VJP pair) with the kernel replaced by `_simulated_transfer`:
+  outputs and gradients equal the padded transport's bit for bit."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import pallas_kernels.ep_transfer as ep
+  monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
+  mesh = make_mesh(2, 4)
+  axes = ("data", "expert")
+  kx, kp = jax.random.split(jax.random.key(71))
+  bias = jnp.zeros(E).at[3].set(100.0)                 # a hot expert: overflows the bound
+  p = make_params(kp, experts=E, hidden=H, ffn=F, bias=bias)
+  x = make_x(kx, 128, H)
+  specs = uniep_jax.param_specs(p)
+  x = jax.device_put(x, NamedSharding(mesh, P(axes)))
+  p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
+  cfg = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound)
+
+  def run(transport):
+    def body(xl, pl):
+      y, aux = uniep_jax.moe_ffn_shard(xl, pl, top_k=2, config=cfg, token_axes=axes,
+                                       transport=transport)
+      return y, aux["dropped"]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes), specs), out_specs=(P(axes), P()),
+                       check_vma=False)
+    loss = lambda x, p: jnp.sum(jnp.sin(fn(x, p)[0]))  # noqa: E731
+    return jax.jit(fn)(x, p), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
+
+  (y_n, dropped_n), g_n = run("nvlink")
+  (y_p, dropped_p), g_p = run("padded")
+  assert int(dropped_n) == int(dropped_p) and (int(dropped_p) > 0) == (bound is not None)
+  chex.assert_trees_all_equal(y_n, y_p)
+  chex.assert_trees_all_equal(g_n, g_p)
