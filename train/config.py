@@ -45,6 +45,11 @@ class TrainConfig:
   out: str = "runs/default"
   progress: bool = True
   plot: bool = True
+  # multi-process runs (train/distributed.py); None: from the environment, else single-process
+  coordinator: Optional[str] = None  # HOST:PORT of process 0's jax.distributed coordinator
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None
+  local_devices: Optional[int] = None  # devices per process (default: mesh size / num_processes)
 
   def __post_init__(self):
     parse_mesh(self.mesh)
@@ -109,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
   a("--out", default=d.out, help="metrics.jsonl, loss.png and summary.json go here")
   a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
   a("--no-plot", dest="plot", action="store_false", help="no loss.png")
+  g = p.add_argument_group("multi-process (jax.distributed; `python -m train.launch` sets these)")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="process 0's coordinator address (default: $JAX_COORDINATOR_ADDRESS)")
+  g.add_argument("--num-processes", type=int, default=None,
+                 help="number of processes (default: $JAX_NUM_PROCESSES, else single-process)")
+  g.add_argument("--process-id", type=int, default=None, help="this process's id (default: $JAX_PROCESS_ID)")
+  g.add_argument("--local-devices", type=int, default=None,
+                 help="devices per process (default: $JAX_LOCAL_DEVICES, else mesh size / processes)")
   return p
 
 

@@ -83,18 +83,24 @@ class Dataset:
   def vocab_needed(self) -> int:
     return int(max(self.train.max(), self.heldout.max())) + 1
 
-  def batch(self, seed: int, step: int, batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
-    """Training batch of `step`: (inputs, targets), each [batch, seq] int32; pure in (seed, step)."""
+  def batch(self, seed: int, step: int, batch: int, seq: int,
+            rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+    """Training batch of `step`: (inputs, targets), each [batch, seq] int32; pure in (seed, step).
+
+    rows: only these rows of the global batch (a process's slice in multi-process runs);
+    the window starts of all rows are drawn either way, so a slice equals the full batch's rows.
+    """
     rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(self.train) - seq - 1, size=batch)  # [batch]
-    win = self.train[starts[:, None] + np.arange(seq + 1)]  # [batch, seq+1]
+    starts = rng.integers(0, len(self.train) - seq - 1, size=batch)[rows]  # [rows]
+    win = self.train[starts[:, None] + np.arange(seq + 1)]  # [rows, seq+1]
     return win[:, :-1], win[:, 1:]
 
-  def heldout_batches(self, n_batches: int, batch: int, seq: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Fixed held-out windows, evenly spaced over the held-out stream."""
+  def heldout_batches(self, n_batches: int, batch: int, seq: int,
+                      rows: slice = slice(None)) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Fixed held-out windows, evenly spaced over the held-out stream (`rows` of each batch)."""
     starts = np.linspace(0, len(self.heldout) - seq - 1, n_batches * batch).astype(np.int64)
-    win = self.heldout[starts[:, None] + np.arange(seq + 1)]  # [n_batches*batch, seq+1]
-    win = win.reshape(n_batches, batch, seq + 1)
+    starts = starts.reshape(n_batches, batch)[:, rows]  # [n_batches, rows]
+    win = self.heldout[starts[..., None] + np.arange(seq + 1)]  # [n_batches, rows, seq+1]
     return [(w[:, :-1], w[:, 1:]) for w in win]
 
 

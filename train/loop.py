@@ -6,6 +6,11 @@ and to hand to optax); `nnx.merge` rebuilds the model inside the jitted step.
   rest    the other variables (the `ExpertBias` of each MoE layer)
   opt     optax state (clip -> AdamW with warmup + cosine decay)
 Batches are split over every mesh axis; the experts over "expert".
+
+Multi-process runs (after `train.distributed.initialize`): the mesh spans every
+process's devices, each process builds only its own rows of every batch, all of them
+take part in checkpoints and in the checksum's gathers, and process 0 alone prints and
+writes metrics.jsonl, summary.json and loss.png.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from models.transformer import Transformer
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import Dataset, make_dataset, unigram_entropy
+from train.distributed import from_local_rows, host_value, is_main_process, local_rows
 from train.mesh import MESH_AXES, ConfigError, make_mesh, parse_mesh, validate_mesh
 
 LN2 = float(np.log(2.0))
@@ -184,7 +190,7 @@ def checksum(params: dict, rest: dict) -> dict:
   total = 0.0
   for name, tree in (("params", params), ("rest", rest)):
     for k in sorted(tree):
-      a = np.asarray(jax.device_get(tree[k]))
+      a = host_value(tree[k])  # a gather across processes when sharded over several
       if name == "params":
         total += float(a.astype(np.float64).sum())
       h.update(f"{name}/{k}:{a.dtype}{a.shape}".encode())
@@ -222,15 +228,18 @@ def plot_losses(records: list[dict], unigram_nats: float, path: pathlib.Path, ti
 # ----------------------------------------------------------------------------- the run
 
 def _log(msg: str) -> None:
-  print(msg, flush=True)
+  if is_main_process():
+    print(msg, flush=True)
 
 
 def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   """Run training; returns per-step losses, held-out losses, checksum and timings."""
   t_start = time.perf_counter()
   s = make_setup(cfg)
+  main = is_main_process()
   out = pathlib.Path(cfg.out)
-  out.mkdir(parents=True, exist_ok=True)
+  if main:
+    out.mkdir(parents=True, exist_ok=True)
   if data is None:
     data = make_dataset(cfg.data, max_bytes=cfg.data_bytes, heldout_fraction=cfg.heldout_fraction, seq=cfg.seq)
   if data.vocab_needed > s.model_cfg.vocab_size:
@@ -238,7 +247,8 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
                      f"beyond model {s.model_cfg.name!r}'s vocab_size={s.model_cfg.vocab_size}")
   h_uni = unigram_entropy(data.train)
   _log(format_report(model_report(s.model_cfg, cfg.seq)))
-  _log(f"mesh {dict(s.mesh.shape)} on {len(s.mesh.devices.flat)} {jax.devices()[0].platform} devices; "
+  procs = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
+  _log(f"mesh {dict(s.mesh.shape)} on {len(s.mesh.devices.flat)} {jax.devices()[0].platform} devices{procs}; "
        f"backend {cfg.backend}; batch {cfg.batch}x{cfg.seq} tokens; aux-free bias rate {s.bias_rate}")
   _log(f"data: {data.description}; train {len(data.train)} / held-out {len(data.heldout)} tokens; "
        f"unigram entropy {h_uni:.4f} nats/token = {h_uni / LN2:.4f} bits/token")
@@ -264,21 +274,26 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
 
   train_step = make_train_step(s, opt_sh)
   eval_step = make_eval_step(s)
-  put = lambda a: jax.device_put(a, s.batch_sh)
-  held_batches = [(put(x), put(y)) for x, y in data.heldout_batches(cfg.eval_batches, cfg.batch, cfg.seq)]
+  # this process builds only its rows of each global [batch, seq] batch (all rows in one process)
+  rows = local_rows(s.batch_sh, (cfg.batch, cfg.seq))
+  put = lambda a: from_local_rows(s.batch_sh, a, (cfg.batch, cfg.seq))
+  held_batches = [(put(x), put(y)) for x, y in data.heldout_batches(cfg.eval_batches, cfg.batch, cfg.seq, rows)]
 
   def heldout_loss() -> float:
     vals = [np.float32(eval_step(params, rest, x, y)) for x, y in held_batches]
     return float(np.mean(np.asarray(vals, np.float64)))
 
   metrics_path = out / "metrics.jsonl"
-  if not cfg.resume:
+  if main and not cfg.resume:
     metrics_path.write_text("")
-  mf = metrics_path.open("a")
+  mf = metrics_path.open("a") if main else None
+  records_here: list[dict] = []  # this run's records (every process)
 
   def emit(rec: dict) -> None:
-    mf.write(json.dumps(rec) + "\n")
-    mf.flush()
+    records_here.append(rec)
+    if mf is not None:
+      mf.write(json.dumps(rec) + "\n")
+      mf.flush()
 
   losses: dict[int, float] = {}
   heldout: dict[int, float] = {}
@@ -287,13 +302,13 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
     emit(dict(step=0, heldout_loss=heldout[0]))
 
   from tqdm.auto import tqdm
-  bar = tqdm(total=cfg.last_step, initial=start, disable=not cfg.progress, dynamic_ncols=True, desc="train")
+  bar = tqdm(total=cfg.last_step, initial=start, disable=not (cfg.progress and main), dynamic_ncols=True, desc="train")
   tokens_per_step = cfg.batch * cfg.seq
   t_loop = time.perf_counter()
   step_times = []
   for step in range(start, cfg.last_step):
     t0 = time.perf_counter()
-    x, y = data.batch(cfg.seed, step, cfg.batch, cfg.seq)
+    x, y = data.batch(cfg.seed, step, cfg.batch, cfg.seq, rows)
     params, rest, opt_state, m = train_step(params, rest, opt_state, put(x), put(y))
     m = {k: float(np.asarray(v)) for k, v in jax.device_get(m).items()}  # waits for the step
     dt = time.perf_counter() - t0
@@ -312,13 +327,15 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
     if ckpt and (done % cfg.ckpt_every == 0 or done == cfg.last_step):
       ckpt.save(done, dict(params=params, rest=rest, opt_state=opt_state))
   bar.close()
-  mf.close()
+  if mf is not None:
+    mf.close()
   if ckpt:
     ckpt.close()
   t_end = time.perf_counter()
 
   cs = checksum(params, rest)
-  records = _read_metrics(metrics_path)
+  # process 0 reads the whole file (a resumed run's too); the others have this run's records
+  records = _read_metrics(metrics_path) if main else records_here
   tail = [r["ce"] for r in records if "ce" in r][-20:]
   final_train = float(np.mean(tail))
   final_held = heldout[cfg.last_step]
@@ -331,8 +348,9 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
       final_train_loss_bits=final_train / LN2, final_heldout_loss_bits=final_held / LN2,
       tokens_per_s=tokens_per_step / float(np.mean(steady)), loop_s=t_end - t_loop,
       wall_s=t_end - t_start, **cs)
-  (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-  if cfg.plot:
+  if main:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  if cfg.plot and main:
     plot_losses(records, h_uni, out / "loss.png",
                 f"{cfg.config} / {cfg.backend} / mesh {cfg.mesh}")
   _log(f"unigram entropy of the training tokens: {h_uni:.4f} nats = {h_uni / LN2:.4f} bits per token")

@@ -1,0 +1,151 @@
+"""Multi-process runs on jax.distributed, on one machine: 2 processes x 4 virtual CPU
+devices (gloo collectives) against 1 process x 8 devices, mesh data=2,expert=4.
+
+Every run is a subprocess (each sizes its own device pool before importing jax); the
+multi-process ones go through `python -m train.launch`.
+
+What is bitwise and what is not, and why:
+  * Bitwise: y, dx, the expert-weight gradients, expert counts, dropped. Each token's
+    output is computed on one device by the same ops in both modes; the all_to_all
+    dispatch/combine is a pure permutation; the expert-weight gradients are psums over
+    the data axis, of 2 terms here, and a + b == b + a exactly in IEEE arithmetic;
+    integer psums are exact.
+  * Float tolerance: the scalar loss sum(y * c), the router gradient and the
+    load-balance / z losses. Each is a float psum over all 8 devices; in one process the
+    CPU client reduces the 8 partial values in its own order, across processes gloo
+    reduces each process's partial sums and then across processes, so the association
+    differs and the last bits can too (observed: up to ~2e-6 absolute on O(1) values).
+  * Training: the mean loss and the gradients of replicated parameters are float psums
+    over the 8 devices, so the same holds: even the step-0 held-out loss (identical
+    params) may differ in the last bit (seen on one corpus: 5.8538165 vs 5.8538156;
+    bitwise on another), and after a few steps the parameters differ in the last bits
+    (param sum rel. diff ~1e-9). Losses are compared to rtol 1e-5.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BITWISE = ("y", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down", "aux_expert_counts", "aux_dropped")
+REDUCED = ("loss", "grad_router", "aux_load_balance_loss", "aux_router_z_loss")
+
+
+def _env():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the scripts size their pools
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _run(*args, timeout=240):
+  r = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+                     timeout=timeout)
+  return r
+
+
+def _launch(processes, module, *args, timeout=240):
+  return _run("-m", "train.launch", "--processes", str(processes), "--module", module,
+              "--timeout", str(timeout - 20), "--", *args, timeout=timeout)
+
+
+def test_moe_ffn_two_processes_match_one(tmp_path):
+  single, multi = tmp_path / "single", tmp_path / "multi"
+  r = _run("-m", "train.multiprocess_check", "--out", str(single))
+  assert r.returncode == 0, r.stdout + r.stderr
+  r = _launch(2, "train.multiprocess_check", "--out", str(multi))
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert '"processes": 2' in r.stdout and '"devices": 8' in r.stdout
+  assert "[p1] {" not in r.stdout  # process 0 alone reports
+  for backend in ("xla_dropless", "xla_capacity"):
+    s, m = np.load(single / f"{backend}.npz"), np.load(multi / f"{backend}.npz")
+    assert sorted(s.files) == sorted(m.files) == sorted(BITWISE + REDUCED)
+    for k in BITWISE:
+      np.testing.assert_array_equal(m[k], s[k], err_msg=f"{backend} {k}")
+    for k in REDUCED:
+      np.testing.assert_allclose(m[k], s[k], rtol=1e-5, atol=1e-5, err_msg=f"{backend} {k}")
+    assert np.abs(s["y"]).max() > 0.1 and np.abs(s["grad_router"]).max() > 0.1  # not vacuous
+
+
+def test_uniep_backend_refused_across_processes(tmp_path):
+  r = _launch(2, "train.multiprocess_check", "--backends", "uniep", "--out", str(tmp_path), timeout=120)
+  assert r.returncode == 2, r.stdout + r.stderr
+  assert "unsupported in multi-process runs (2 processes) unless NVSHMEM is on" in r.stderr
+
+
+def _metrics(out):
+  return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_two_processes_match_one_with_resume(tmp_path):
+  """1 x 8 devices for 3 steps == 2 x 4 devices for 2 steps, checkpoint, resume, 1 more."""
+  text = tmp_path / "corpus.txt"
+  text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(3000)))
+  common = ["--steps", "3", "--warmup", "1", "--batch", "8", "--seq", "32", "--eval-every", "2",
+            "--eval-batches", "1", "--data", str(text), "--no-progress", "--no-plot"]
+  r = _run("-m", "train", *common, "--out", str(tmp_path / "single"))
+  assert r.returncode == 0, r.stdout + r.stderr
+  ckpt = str(tmp_path / "ckpt")
+  multi = tmp_path / "multi"
+  r = _launch(2, "train", *common, "--out", str(multi), "--ckpt-dir", ckpt, "--ckpt-every", "2",
+              "--stop-after", "2")
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "on 8 cpu devices of 2 processes" in r.stdout
+  assert "[p1] param checksum" not in r.stdout and "[p0] param checksum" in r.stdout
+  assert sorted(os.listdir(ckpt)) == ["2"]
+  r = _launch(2, "train", *common, "--out", str(multi), "--ckpt-dir", ckpt, "--resume")
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "[p0] resumed from" in r.stdout and "at step 2" in r.stdout
+
+  s, m = _metrics(tmp_path / "single"), _metrics(multi)
+  assert [x["step"] for x in m] == [x["step"] for x in s] == [0, 1, 2, 3]
+  # identical initial params, but the mean loss is itself a float psum over the 8 devices
+  np.testing.assert_allclose(m[0]["heldout_loss"], s[0]["heldout_loss"], rtol=1e-6)
+  for a, b in zip(m[1:], s[1:]):
+    for k in ("loss", "ce", "grad_norm", "load_balance_loss"):
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=f"step {a['step']} {k}")
+    assert a["dropped"] == b["dropped"] == 0
+  np.testing.assert_allclose(m[-1]["heldout_loss"], s[-1]["heldout_loss"], rtol=1e-5)
+  ss = json.loads((tmp_path / "single" / "summary.json").read_text())
+  ms = json.loads((multi / "summary.json").read_text())
+  np.testing.assert_allclose(ms["param_sum"], ss["param_sum"], rtol=1e-6)
+
+
+def test_launcher_stops_all_when_one_fails(tmp_path):
+  """A process that fails makes the launcher stop the rest and return its exit code."""
+  r = _launch(2, "train", "--mesh", "data=2,expert=3", "--batch", "6", "--out", str(tmp_path), timeout=120)
+  assert r.returncode == 2, r.stdout + r.stderr
+  assert "exited with 2" in r.stderr
+
+
+def test_distributed_spec_from_flags_and_env():
+  from train.distributed import resolve
+  from train.mesh import ConfigError
+
+  assert resolve(coordinator=None, num_processes=None, process_id=None, local_devices=None,
+                 mesh_devices=8, env={}) is None
+  spec = resolve(coordinator=None, num_processes=None, process_id=None, local_devices=None, mesh_devices=8,
+                 env={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2",
+                      "JAX_PROCESS_ID": "1"})
+  assert (spec.coordinator, spec.num_processes, spec.process_id, spec.local_devices) == ("10.0.0.1:1234", 2, 1, 4)
+  spec = resolve(coordinator="h:1", num_processes=4, process_id=3, local_devices=None, mesh_devices=8,
+                 env={"JAX_NUM_PROCESSES": "2"})  # flags win
+  assert (spec.num_processes, spec.process_id, spec.local_devices) == (4, 3, 2)
+  with pytest.raises(ConfigError, match="not divisible by num_processes=3"):
+    resolve(coordinator="h:1", num_processes=3, process_id=0, local_devices=None, mesh_devices=8, env={})
+  with pytest.raises(ConfigError, match="must be HOST:PORT"):
+    resolve(coordinator="nohost", num_processes=2, process_id=0, local_devices=None, mesh_devices=8, env={})
+  with pytest.raises(ConfigError, match=r"must be in \[0, num_processes=2\)"):
+    resolve(coordinator="h:1", num_processes=2, process_id=2, local_devices=None, mesh_devices=8, env={})
+
+
+def test_launcher_timeout_kills_all(tmp_path):
+  """Past --timeout the launcher kills every process it started and exits 124."""
+  r = _run("-m", "train.launch", "--processes", "2", "--timeout", "4", "--log-dir", str(tmp_path / "logs"),
+           "--", "--steps", "1000", "--out", str(tmp_path / "out"), "--no-progress", timeout=60)
+  assert r.returncode == 124, r.stdout + r.stderr
+  assert "timeout after 4.0 s; stopping all processes" in r.stderr
+  assert sorted(os.listdir(tmp_path / "logs")) == ["process_0.log", "process_1.log"]
