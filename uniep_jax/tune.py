@@ -64,16 +64,32 @@ otherwise uses `heuristic_config`. Explicit dataclasses (the defaults
 included) are used exactly as given. Cache entries are written only by this
 tuner, from measurements.
 
-Filling the shipped cache (on the GPU machines, from the repository root,
-PYTHONPATH=$PWD; run each line again with --resume until its report has no
-"time budget" skips, then commit uniep_jax/tuned_configs.json and the reports):
+Filling the shipped cache. The device machines take commands of at most 10
+minutes and return only what is written under $OUT, so one call tunes one shape
+and direction for ~450 s, and calls are repeated (continuing from the reports
+carried back into bench/results/tune/) until a report has no "time budget"
+skips. One call on the device, from the repository root (4 GPUs: --ep 4 on a
+4-GPU machine; 2 GPUs: --ep 2 on a 2-GPU machine):
 
-  # 4 GPUs (EP = 4), every target shape
+  mkdir -p $OUT && cp uniep_jax/tuned_configs.json $OUT/ && \
+  PYTHONPATH=$PWD python -m uniep_jax.tune --moe-config deepseek-like --ep 4 --direction bwd \
+      --budget-s 450 --cache $OUT/tuned_configs.json --out $OUT/tune --resume bench/results/tune
+
+then, back in the checkout: copy $OUT/tuned_configs.json over
+uniep_jax/tuned_configs.json and $OUT/tune/* into bench/results/tune/, and
+repeat for --direction fwd and for mixtral-like, qwen3-like, small-experts.
+On a machine without a time limit the same for everything at once:
+
   for s in deepseek-like mixtral-like qwen3-like small-experts; do
-    python -m uniep_jax.tune --moe-config $s --ep 4 --direction fwd,bwd --budget-s 500 \\
-        --cache uniep_jax/tuned_configs.json --out bench/results/tune --resume
+    python -m uniep_jax.tune --moe-config $s --ep 4 --direction fwd,bwd --budget-s 3600 \
+        --cache uniep_jax/tuned_configs.json --out bench/results/tune --resume bench/results/tune
   done
-  # 2 GPUs (EP = 2): the same with --ep 2
+
+Cost: each timed candidate is one compile of the layer (~16 s fwd, ~38 s
+fwd+bwd at the target shapes on H200, bench/results/moe_layer_*_run3.json) and
+each new KernelConfig one more for its "pallas" reference; stage 1 has 16 (fwd)
+or 20 (bwd) tilings at the target shapes, so a full staged search of one shape
+and direction takes about 3-4 ten-minute calls for "bwd".
 
 The report (`--out`): tune_<device>_<shape>_ep<R>_<direction>.json (every trial,
 rejections with reasons, top 5, best vs default spread, mismatches) and a PNG of
@@ -92,7 +108,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from uniep_jax.config import KernelConfig, TransferConfig, UniEPConfig
 
@@ -231,7 +247,9 @@ class SearchSpace:
   block_k: Sequence[int] = (64, 128)
   max_concurrent_steps: Sequence[int] = (2, 3, 4, 5, 6)
   chunk_rows: Sequence[int] = (32, 64, 128, 256)
-  num_ctas: Sequence[int] = (16, 32, 64, 96, 132)
+  # At most 96 of 132 SMs: the transfer's cross-rank wait needs all its CTAs
+  # resident while other streams' kernels (NCCL) run (ep_transfer.py).
+  num_ctas: Sequence[int] = (16, 32, 48, 64, 96)
   col_tile: Sequence[int] = (64, 128, 256)
 
   def points(self) -> Iterable[dict]:
@@ -338,6 +356,10 @@ def check_candidate(cand: Candidate, problem: TuneProblem, device: DeviceFacts,
   k = cand.kernel
   sig = (k.block_m, k.block_n, k.block_k, stages)
   if uses_transfer:
+    from uniep_jax.dispatch import ZERO_WINDOW_ROWS
+    if k.block_k > ZERO_WINDOW_ROWS:
+      raise InvalidCandidate(f"block_k={k.block_k} exceeds the {ZERO_WINDOW_ROWS} zeroed rows "
+                             "after the live ones that the NVLink transport guarantees")
     check_transfer(cand.transfer, problem, device)
     t = cand.transfer
     sig += (t.chunk_rows, t.num_ctas, t.col_tile)
@@ -414,9 +436,11 @@ class Runner(Protocol):
 def tree_checksum(tree) -> tuple:
   """Position-sensitive checksum of the bits of every leaf, computed on the device.
 
-  Per leaf, with u = the bits as uint32 and i = the flat index (uint32, wrapping):
-  (sum u * (2 i + 1), sum u * (2654435761 i | 1)) mod 2^32. Both multipliers are
-  odd, so any change of one element changes both sums."""
+  Per leaf, with u = the bits as uint32, i = the flat index (uint32, wrapping)
+  and f = MurmurHash3's fmix32 (a bijection of uint32 that spreads every bit):
+  (sum f(u ^ f(i)), sum f(u + 2654435769 i)) mod 2^32. For a fixed i both terms
+  are bijective in u, so any change of one element changes both sums; the mixing
+  keeps changes of several elements (e.g. sign bits) from cancelling."""
   import jax
   sums = _checksum_fn()(jax.tree.leaves(tree))
   return tuple(f"{int(s[0]):08x}{int(s[1]):08x}" for s in jax.device_get(sums))
@@ -440,9 +464,16 @@ def _checksum_fn():
     for d in reversed(range(u.ndim)):
       idx = idx + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(stride % 2**32)
       stride *= u.shape[d]
-    h1 = jnp.sum(u * (idx * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
-    h2 = jnp.sum(u * ((idx * jnp.uint32(2654435761)) | jnp.uint32(1)), dtype=jnp.uint32)
+    h1 = jnp.sum(fmix32(u ^ fmix32(idx)), dtype=jnp.uint32)
+    h2 = jnp.sum(fmix32(u + idx * jnp.uint32(2654435769)), dtype=jnp.uint32)
     return jnp.stack([h1, h2])
+
+  def fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
 
   return jax.jit(lambda leaves: [leaf(a) for a in leaves])
 
@@ -554,7 +585,7 @@ class LayerRunner:
 class Trial:
   candidate: Candidate
   stage: str
-  status: str                       # ok | mismatch | failed | reference_failed | skipped
+  status: str    # ok | mismatch | failed | reference_failed | skipped (| running: checkpoints)
   median_ms: Optional[float] = None
   compile_s: Optional[float] = None
   checksum: Optional[tuple] = None
@@ -615,6 +646,10 @@ class _Search:
                dynamic_ncols=True)
     for cand in bar:
       prev = self.previous.get(cand.label())
+      if prev is not None and prev.status == "running":
+        # The checkpoint was written before this candidate ran and never updated.
+        prev = Trial(cand, stage, "failed", error="did not finish in an earlier run (killed at "
+                     "the time limit or hung); not retried")
       if prev is not None and prev.status != "skipped":
         prev.stage = stage
         self.trials.append(prev)
@@ -622,6 +657,10 @@ class _Search:
       if self.clock() >= deadline:
         self.trials.append(Trial(cand, stage, "skipped", error="time budget"))
         continue
+      if self.on_trial is not None:   # checkpoint "running": a kill or hang is not retried
+        self.trials.append(Trial(cand, stage, "running"))
+        self.on_trial(self)
+        self.trials.pop()
       self.trials.append(self._one(cand, stage))
       if self.on_trial is not None:
         self.on_trial(self)
@@ -939,6 +978,22 @@ def update_cache(path, key: str, entry: dict) -> None:
   os.replace(tmp, path)
 
 
+def record(result: TuneResult, cache_path) -> str:
+  """Writes the best verified candidate into the cache file, unless the run saw
+  any bitwise mismatch (then nothing is written). Returns what happened:
+  "written", "mismatch" or "nothing" (no verified candidate)."""
+  key = cache_key(result.device.kind, result.problem)
+  if result.mismatches:
+    _loud(f"{len(result.mismatches)} bitwise mismatch(es) for {key}: no cache entry written")
+    return "mismatch"
+  if result.best is None:
+    print(f"no verified candidate for {key}: no cache entry written", file=sys.stderr)
+    return "nothing"
+  update_cache(cache_path, key, cache_entry(result))
+  print(f"cache {cache_path}: wrote {key}", flush=True)
+  return "written"
+
+
 # ---------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------
@@ -953,7 +1008,9 @@ def plot(result: TuneResult, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   knobs = KERNEL_KNOBS + TRANSFER_KNOBS
-  fig, axes = plt.subplots(1, len(knobs), figsize=(3.0 * len(knobs), 3.2), sharey=True)
+  fig, grid = plt.subplots(2, 4, figsize=(13, 6.4), sharey=True)
+  axes = list(grid.flat)
+  axes[-1].axis("off")
   ok = [t for t in result.trials if t.status == "ok"]
   bad = [t for t in result.trials if t.status == "mismatch"]
   best, dflt = result.best, result.default_trial()
@@ -1091,12 +1148,8 @@ def main(argv=None) -> int:
     paths = write_report(result, out, shape_name)
     print(summary(result), flush=True)
     print(f"wrote {paths}", flush=True)
-    if result.mismatches:
-      _loud(f"{len(result.mismatches)} bitwise mismatch(es): no cache entry written")
+    if record(result, cache) == "mismatch":
       rc = 2
-    elif result.best is not None:
-      update_cache(cache, cache_key(device.kind, problem), cache_entry(result))
-      print(f"cache {cache}: wrote {cache_key(device.kind, problem)}", flush=True)
     del runner
   return rc
 

@@ -1,0 +1,408 @@
+"""The autotuner (uniep_jax/tune.py) on the CPU: enumeration and pruning, the
+cache and "auto" resolution, the never-pick-a-mismatch rule, budget and skip
+accounting (injected runners and clocks), and one end-to-end run of the CLI on
+backend "pallas" in the Mosaic GPU interpret mode."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import uniep_jax
+from uniep_jax import KernelConfig, TransferConfig, UniEPConfig
+from uniep_jax import tune as T
+from conftest import make_mesh
+from moe_testlib import make_params, make_x
+
+HOPPER = T.DeviceFacts(kind="NVIDIA H200", smem_bytes=227 * 1024, num_sms=132)
+DEEPSEEK_BWD = T.TuneProblem(8192, 7168, 2048, 256, 8, 4, "bfloat16", "bwd")
+
+
+def _space(**kw):
+  base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(4,),
+              chunk_rows=(128,), num_ctas=(64,), col_tile=(256,))
+  base.update(kw)
+  return T.SearchSpace(**base)
+
+
+def _reasons(enum):
+  return [r["reason"] for r in enum.rejected]
+
+
+# ---------------------------------------------------------------------------
+# Enumeration and pruning
+# ---------------------------------------------------------------------------
+def test_default_tiling_stages_match_the_kernel_docstring():
+  # grouped_gemm.py: a 128/128/64 stage is 48 KiB ("plain", "swiglu") or 64 KiB
+  # ("sum2"), epilogue 2 x 16 KiB (bf16), 227 KiB per block: 4 stages fit the
+  # 48 KiB launches; sum2 and the float32-output da (64 KiB epilogue) clamp to 3.
+  stages = T.kernel_launch_stages(KernelConfig(), DEEPSEEK_BWD, HOPPER.smem_bytes)
+  assert stages == (4, 4, 3, 3, 4)   # swiglu, down, da (f32), dx (sum2), wgrad
+  fwd = T.kernel_launch_stages(KernelConfig(), T.TuneProblem(8192, 7168, 2048, 256, 8, 4,
+                                                             direction="fwd"), HOPPER.smem_bytes)
+  assert fwd == (4, 4)
+
+
+def test_pruning_rejects_with_reasons():
+  space = T.SearchSpace(block_m=(96, 128, 192, 256), block_n=(64, 128, 256), block_k=(64, 128),
+                        max_concurrent_steps=(4, 6), chunk_rows=(48, 128, 256),
+                        num_ctas=(64, 200), col_tile=(192, 256))
+  enum = T.enumerate_candidates(space, DEEPSEEK_BWD, HOPPER)
+  reasons = _reasons(enum)
+  assert enum.enumerated == space.size() == len(enum.candidates) + len(enum.rejected)
+
+  def some(fragment):
+    return any(fragment in r for r in reasons)
+
+  assert some("KernelConfig: block_m=96 must be a positive multiple of 64")
+  assert some("block_m=192 must be a power of two")
+  assert some("block_n=64 must be a multiple of 128")
+  assert some("TransferConfig: chunk_rows=48 must be a power of two")
+  assert some("shared memory: fwd gate/up (swiglu) with block_m=256 block_n=256 block_k=128")
+  assert some("shared memory: transfer stages 2 x 256 x 256")
+  assert some("H=7168 is not divisible by col_tile=192")
+  assert some("num_ctas=200 exceeds the 132 SMs")
+  assert some("duplicate of m128_n128_k64_s4|c128_x64_t256")   # 6 stages clamp to 4
+  # the default comes first and represents its clamped duplicates
+  assert enum.candidates[0] == T.DEFAULT_CANDIDATE
+  for c in enum.candidates:
+    T.check_candidate(c, DEEPSEEK_BWD, HOPPER)          # every survivor passes
+    assert c.kernel.block_m & (c.kernel.block_m - 1) == 0
+    assert DEEPSEEK_BWD.hidden % c.transfer.col_tile == 0
+
+
+def test_check_candidate_raises_clear_errors():
+  too_big = T.Candidate(KernelConfig(256, 256, 128), TransferConfig())
+  with pytest.raises(T.InvalidCandidate, match="shared memory.*over the device's 232448 B"):
+    T.check_candidate(too_big, DEEPSEEK_BWD, HOPPER)
+  with pytest.raises(T.InvalidCandidate, match="not divisible by col_tile=256"):
+    T.check_candidate(T.DEFAULT_CANDIDATE, T.TuneProblem(64, 64, 128, 4, 2, 1), HOPPER)
+  # without the NVLink transport the transfer knobs are not checked
+  T.check_candidate(T.DEFAULT_CANDIDATE, T.TuneProblem(64, 64, 128, 4, 2, 1), HOPPER,
+                    uses_transfer=False)
+  with pytest.raises(ValueError, match="direction"):
+    T.TuneProblem(64, 64, 128, 4, 2, 1, direction="sideways")
+  with pytest.raises(ValueError, match="divisible by ep"):
+    T.TuneProblem(64, 64, 128, 6, 2, 4)
+
+
+def test_transfer_points_collapse_without_the_nvlink_transport():
+  space = _space(chunk_rows=(64, 128), num_ctas=(32, 64))
+  enum = T.enumerate_candidates(space, DEEPSEEK_BWD, HOPPER, uses_transfer=False)
+  assert enum.candidates == [T.DEFAULT_CANDIDATE]
+  assert sum("unused by this backend" in r for r in _reasons(enum)) == 3
+
+
+# ---------------------------------------------------------------------------
+# The search loop with injected runners
+# ---------------------------------------------------------------------------
+class FakeClock:
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
+
+
+class FakeRunner:
+  """Times from a table; checksums equal to the reference unless told otherwise.
+
+  Every reference or measurement advances the fake clock by `cost_s`."""
+
+  backend, uses_transfer = "uniep", True
+
+  def __init__(self, clock, times, *, bad=(), fail=(), bad_reference=(), cost_s=1.0):
+    self.clock, self.times, self.cost_s = clock, times, cost_s
+    self.bad, self.fail, self.bad_reference = set(bad), set(fail), set(bad_reference)
+    self.measured, self.referenced = [], []
+
+  def reference(self, kernel):
+    self.clock.t += self.cost_s
+    self.referenced.append(T.kernel_label(kernel))
+    if T.kernel_label(kernel) in self.bad_reference:
+      raise RuntimeError("reference compile failed")
+    return ("ref-" + T.kernel_label(kernel),)
+
+  def measure(self, cand):
+    self.clock.t += self.cost_s
+    label = cand.label()
+    self.measured.append(label)
+    if label in self.fail:
+      raise RuntimeError("Mosaic GPU compile failed (fake)")
+    checksum = ("WRONG",) if label in self.bad else ("ref-" + T.kernel_label(cand.kernel),)
+    return T.Measurement(median_ms=self.times(cand), compile_s=0.5, checksum=checksum)
+
+
+def _time_table(cand):
+  # default 10 ms; block_m=64: 8 ms; with chunk_rows=128 and num_ctas=32: 7 ms
+  t = 10.0
+  if cand.kernel.block_m == 64:
+    t -= 2.0
+  if cand.transfer.num_ctas == 32 and cand.transfer.chunk_rows == 128:
+    t -= 1.0
+  return t
+
+
+SPACE = _space(block_m=(64, 128), chunk_rows=(64, 128), num_ctas=(32, 64))
+
+
+def test_staged_search_picks_fastest_verified():
+  clock = FakeClock()
+  runner = FakeRunner(clock, _time_table)
+  res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9, progress=False,
+               clock=clock)
+  assert res.best.candidate.label() == "m64_n128_k64_s4|c128_x32_t256"
+  assert res.best.median_ms == 7.0
+  assert [t.stage for t in res.trials].count("kernel") == 2
+  assert res.spread()["default_over_best"] == pytest.approx(10.0 / 7.0)
+  assert [t.median_ms for t in res.top(5)] == sorted(t.median_ms for t in res.top(5))
+  js = res.to_json()
+  assert js["transfer_consistent"] and js["mismatches"] == []
+  assert js["counts"]["ok"] == len(res.trials) == 2 + 3   # 2 tilings, then 3 more transfers
+  assert js["counts"]["valid"] == 8
+  # one reference per KernelConfig, shared by its transfer variants
+  assert sorted(runner.referenced) == ["m128_n128_k64_s4", "m64_n128_k64_s4"]
+
+
+def test_never_picks_a_mismatching_candidate(tmp_path, capsys):
+  fastest = "m64_n128_k64_s4|c128_x32_t256"
+  clock = FakeClock()
+  runner = FakeRunner(clock, _time_table, bad={fastest})
+  res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9, progress=False,
+               clock=clock)
+  assert fastest in runner.measured
+  assert res.best.candidate.label() != fastest
+  assert res.best.median_ms == 8.0
+  assert [t.candidate.label() for t in res.mismatches] == [fastest]
+  err = capsys.readouterr().err
+  assert "BITWISE MISMATCH" in err and fastest in err
+  assert "TRANSFER INCONSISTENCY" in err          # same KernelConfig, other transfers agree
+  js = res.to_json()
+  assert [m["label"] for m in js["mismatches"]] == [fastest]
+  assert js["mismatches"][0]["bitwise_equal_to_reference"] is False
+  assert not js["transfer_consistent"]
+  assert fastest not in [t["label"] for t in js["top5"]]
+  # a run with a mismatch writes no cache entry
+  cache = tmp_path / "cache.json"
+  assert T.record(res, cache) == "mismatch"
+  assert not cache.exists()
+
+
+def test_budget_failures_and_skips_are_counted():
+  clock = FakeClock()
+  runner = FakeRunner(clock, _time_table, fail={"m64_n128_k64_s4|c128_x64_t256"}, cost_s=10.0)
+  space = _space(block_m=(64, 128, 256), chunk_rows=(64, 128), num_ctas=(32, 64))
+  # Stage 1 ends at 0.6 * 45 = 27 s: the default (reference + measure: t = 20 s),
+  # then m64 (started at 20 < 27: reference + failed measure: t = 40 s); m256 is
+  # skipped. Stage 2 (the default tiling's 3 other transfers) ends at 45 s: one
+  # runs (t = 50 s), two are skipped.
+  res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=45.0, progress=False,
+               clock=clock)
+  counts = res.counts()
+  assert (counts["ok"], counts["failed"], counts["skipped"]) == (2, 1, 3)
+  assert len(res.trials) == 6 and counts["valid"] == 12
+  assert res.elapsed_s == 50.0
+  failed = [t for t in res.trials if t.status == "failed"][0]
+  assert "compile failed" in failed.error
+  assert all(t.error == "time budget" for t in res.trials if t.status == "skipped")
+  assert res.best.candidate == T.DEFAULT_CANDIDATE
+  # reference failures: the candidate is not timed and never picked
+  clock2 = FakeClock()
+  runner2 = FakeRunner(clock2, _time_table, bad_reference={"m64_n128_k64_s4"})
+  res2 = T.tune(DEEPSEEK_BWD, runner2, device=HOPPER, space=SPACE, budget_s=1e9,
+                progress=False, clock=clock2)
+  assert res2.counts()["reference_failed"] == 1
+  assert all(t.candidate.kernel.block_m == 128 for t in res2.trials if t.status == "ok")
+
+
+def test_resume_reuses_timed_trials():
+  clock = FakeClock()
+  first = T.tune(DEEPSEEK_BWD, FakeRunner(clock, _time_table), device=HOPPER, space=SPACE,
+                 budget_s=2.0, progress=False, clock=clock)   # the default only
+  assert first.counts()["ok"] == 1
+  report = json.loads(json.dumps(first.to_json()))
+  clock2 = FakeClock()
+  runner = FakeRunner(clock2, _time_table)
+  second = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9,
+                  progress=False, clock=clock2, resume=report)
+  assert T.DEFAULT_CANDIDATE.label() not in runner.measured
+  assert "m128_n128_k64_s4" not in runner.referenced
+  assert second.counts()["ok"] == len(second.trials) == 5
+  with pytest.raises(ValueError, match="resume report key"):
+    T.tune(dataclasses_replace(DEEPSEEK_BWD, direction="fwd"), runner, device=HOPPER,
+           space=SPACE, progress=False, resume=report)
+
+
+def test_a_candidate_that_never_finished_is_not_retried():
+  clock = FakeClock()
+  checkpoints = []
+  T.tune(DEEPSEEK_BWD, FakeRunner(clock, _time_table), device=HOPPER, space=SPACE, budget_s=1e9,
+         progress=False, clock=clock, on_trial=lambda r: checkpoints.append(r.to_json()))
+  # the checkpoint written just before the second candidate ran: as if the process died there
+  killed = json.loads(json.dumps(checkpoints[2]))
+  assert [t["status"] for t in killed["trials"]] == ["ok", "running"]
+  runner = FakeRunner(FakeClock(), _time_table)
+  res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9, progress=False,
+               clock=runner.clock, resume=killed)
+  label = killed["trials"][1]["label"]
+  assert label not in runner.measured
+  t = [t for t in res.trials if t.candidate.label() == label][0]
+  assert t.status == "failed" and "did not finish" in t.error
+
+
+def dataclasses_replace(obj, **kw):
+  import dataclasses
+  return dataclasses.replace(obj, **kw)
+
+
+def test_tree_checksum_is_bit_and_position_sensitive():
+  a = jnp.arange(12, dtype=jnp.float32).reshape(3, 4).astype(jnp.bfloat16)
+  base = T.tree_checksum({"a": a, "b": jnp.ones((5,), jnp.float32)})
+  assert base == T.tree_checksum({"a": a, "b": jnp.ones((5,), jnp.float32)})
+  assert base != T.tree_checksum({"a": a.at[1, 2].set(-a[1, 2]), "b": jnp.ones((5,))})
+  assert base != T.tree_checksum({"a": a[::-1], "b": jnp.ones((5,), jnp.float32)})
+  zero, neg_zero = jnp.zeros((2,), jnp.float32), -jnp.zeros((2,), jnp.float32)
+  assert T.tree_checksum(zero) != T.tree_checksum(neg_zero)   # bits, not values
+
+
+# ---------------------------------------------------------------------------
+# Cache, lookup, heuristic, "auto" in moe_ffn
+# ---------------------------------------------------------------------------
+def _entry(kernel, transfer):
+  k = dict(block_m=kernel.block_m, block_n=kernel.block_n, block_k=kernel.block_k,
+           max_concurrent_steps=kernel.max_concurrent_steps)
+  return dict(kernel=k, transfer=dict(chunk_rows=transfer.chunk_rows, col_tile=transfer.col_tile,
+                                      num_ctas=transfer.num_ctas), median_ms=1.0)
+
+
+def test_shipped_cache_is_valid_and_has_no_unmeasured_entries():
+  data = json.load(open(T.SHIPPED_CACHE))
+  assert data["format"] == T.CACHE_FORMAT
+  for key, e in data["entries"].items():
+    assert isinstance(e["median_ms"], float) and e["git_commit"] and e["date"]
+    T._entry_candidate(e)
+
+
+def test_cache_key_lookup_user_overrides_shipped(tmp_path, monkeypatch):
+  shipped, user = tmp_path / "shipped.json", tmp_path / "user.json"
+  monkeypatch.setattr(T, "SHIPPED_CACHE", shipped)
+  monkeypatch.delenv(T.CACHE_ENV, raising=False)
+  p = DEEPSEEK_BWD
+  key = T.cache_key("NVIDIA H200", p)
+  assert key == "NVIDIA H200|T=8192|H=7168|F=2048|E=256|K=8|bfloat16|ep=4|bwd"
+  assert T.lookup(p, "NVIDIA H200") is None
+  a = T.Candidate(KernelConfig(64, 128, 64, 3), TransferConfig(64, 256, 32))
+  b = T.Candidate(KernelConfig(128, 256, 64, 2), TransferConfig(128, 128, 96))
+  T.update_cache(shipped, key, _entry(a.kernel, a.transfer))
+  assert T.lookup(p, "NVIDIA H200") == (a, os.fspath(shipped))
+  assert T.lookup(p, "NVIDIA H100 80GB HBM3") is None               # other device kind
+  assert T.lookup(dataclasses_replace(p, ep=2, experts=256), "NVIDIA H200") is None
+  T.update_cache(user, key, _entry(b.kernel, b.transfer))
+  monkeypatch.setenv(T.CACHE_ENV, os.fspath(user))
+  assert T.lookup(p, "NVIDIA H200") == (b, os.fspath(user))        # user file wins
+  assert T.lookup(p, "NVIDIA H200", cache_path=tmp_path / "none.json")[0] == a
+  # a rewritten file is read again (mtime/size-keyed reader)
+  T.update_cache(user, key, _entry(a.kernel, b.transfer))
+  assert T.lookup(p, "NVIDIA H200")[0] == T.Candidate(a.kernel, b.transfer)
+
+
+def test_resolve_config_auto_vs_explicit(tmp_path, monkeypatch):
+  monkeypatch.setattr(T, "SHIPPED_CACHE", tmp_path / "shipped.json")
+  monkeypatch.delenv(T.CACHE_ENV, raising=False)
+  dev = jax.devices()[0]
+  shape = dict(tokens=8192, hidden=7168, ffn=2048, experts=256, top_k=8, ep=4,
+               dtype=jnp.bfloat16)
+  auto = UniEPConfig(backend="uniep", kernel=None, transfer=None)
+  # no entry: the heuristic (the defaults on the target shapes)
+  r = T.resolve_config(auto, device=dev, **shape)
+  assert (r.kernel, r.transfer) == (KernelConfig(), TransferConfig(128, 256, 64))
+  fwd_key = T.cache_key(dev.device_kind, dataclasses_replace(DEEPSEEK_BWD, direction="fwd"))
+  bwd_key = T.cache_key(dev.device_kind, DEEPSEEK_BWD)
+  fwd_c = T.Candidate(KernelConfig(64, 128, 64, 2), TransferConfig(32, 128, 16))
+  bwd_c = T.Candidate(KernelConfig(128, 256, 64, 2), TransferConfig(64, 256, 96))
+  user = tmp_path / "user.json"
+  T.update_cache(user, fwd_key, _entry(fwd_c.kernel, fwd_c.transfer))
+  r = T.resolve_config(auto, device=dev, cache_path=user, **shape)
+  assert (r.kernel, r.transfer) == (fwd_c.kernel, fwd_c.transfer)
+  T.update_cache(user, bwd_key, _entry(bwd_c.kernel, bwd_c.transfer))
+  r = T.resolve_config(auto, device=dev, cache_path=user, **shape)   # "bwd" first
+  assert (r.kernel, r.transfer) == (bwd_c.kernel, bwd_c.transfer)
+  # explicit fields are kept; only the None ones are filled
+  mine = KernelConfig(64, 256, 128, 3)
+  r = T.resolve_config(UniEPConfig(backend="uniep", kernel=mine, transfer=None), device=dev,
+                       cache_path=user, **shape)
+  assert r.kernel is mine and r.transfer == bwd_c.transfer
+  explicit = UniEPConfig(backend="uniep")
+  assert T.resolve_config(explicit, device=dev, cache_path=user, **shape) is explicit
+  with pytest.raises(ValueError, match="KernelConfig or None"):
+    UniEPConfig(kernel=dict(block_m=64))
+
+
+def test_heuristic_rules():
+  tiny = T.TuneProblem(64, 64, 128, 4, 2, 1)
+  h = T.heuristic_config(tiny, HOPPER)
+  assert h.transfer == TransferConfig(chunk_rows=32, col_tile=64, num_ctas=64)
+  assert T.heuristic_config(tiny, dataclasses_replace(HOPPER, num_sms=16)).transfer.num_ctas == 8
+  # a device with too little shared memory for the default tiling gets a tiling that fits
+  small = dataclasses_replace(HOPPER, smem_bytes=100 * 1024)   # da (f32 out) needs 113 KiB
+  h = T.heuristic_config(DEEPSEEK_BWD, small)
+  assert h.kernel != KernelConfig()
+  T.kernel_launch_stages(h.kernel, DEEPSEEK_BWD, small.smem_bytes)
+
+
+def test_moe_ffn_auto_uses_the_cache(tmp_path, monkeypatch):
+  """kernel=None inside moe_ffn resolves from the user cache (EP = 1, CPU); the
+  grouped GEMM is replaced by ragged_dot to keep the test fast."""
+  from uniep_jax import moe as moe_lib
+  seen = []
+
+  def fake_swiglu(x, w_gate, w_up, w_down, group_sizes, *, kernel_config):
+    seen.append(kernel_config)
+    return moe_lib.swiglu_ragged_dot(x, w_gate, w_up, w_down, group_sizes)
+
+  monkeypatch.setattr(moe_lib, "swiglu_pallas", fake_swiglu)
+  monkeypatch.setattr(T, "SHIPPED_CACHE", tmp_path / "shipped.json")
+  mesh = make_mesh(1, 1)
+  p = make_params(jax.random.key(0), experts=4, hidden=64, ffn=128, dtype=jnp.bfloat16)
+  x = make_x(jax.random.key(1), 32, 64, jnp.bfloat16)
+  problem = T.TuneProblem(32, 64, 128, 4, 2, 1, "bfloat16", "bwd")
+  tuned = KernelConfig(64, 256, 128, 2)
+  user = tmp_path / "user.json"
+  T.update_cache(user, T.cache_key(jax.devices()[0].device_kind, problem),
+                 _entry(tuned, TransferConfig(32, 64, 8)))
+  monkeypatch.setenv(T.CACHE_ENV, os.fspath(user))
+  auto = UniEPConfig(backend="pallas", kernel=None, transfer=None)
+  uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=auto)
+  assert seen[-1] == tuned
+  explicit = UniEPConfig(backend="pallas", kernel=KernelConfig(num_sms=4))
+  uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=explicit)
+  assert seen[-1] == KernelConfig(num_sms=4)
+
+
+# ---------------------------------------------------------------------------
+# End to end: the CLI on backend "pallas" (Mosaic GPU interpret mode), tiny shape
+# ---------------------------------------------------------------------------
+def test_cli_end_to_end_interpret(tmp_path, monkeypatch):
+  monkeypatch.delenv(T.CACHE_ENV, raising=False)
+  out, cache = tmp_path / "out", tmp_path / "cache.json"
+  rc = T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
+               "--backend", "pallas", "--num-sms", "2", "--trials", "1", "--max-candidates", "1",
+               "--budget-s", "300", "--out", os.fspath(out), "--cache", os.fspath(cache),
+               "--no-progress"])
+  assert rc == 0
+  kind = jax.devices()[0].device_kind
+  stem = out / (T.report_stem(kind, "64x64x128x4x2", 1, "fwd"))
+  report = json.load(open(f"{stem}.json"))
+  assert os.path.getsize(f"{stem}.png") > 0
+  assert report["counts"]["ok"] == 1 and report["counts"]["mismatch"] == 0
+  best = report["best"]
+  assert best["bitwise_equal_to_reference"] is True and best["median_ms"] > 0
+  assert best["label"] == T.DEFAULT_CANDIDATE.label()
+  assert report["counts"]["skipped"] == 0
+  problem = T.TuneProblem(64, 64, 128, 4, 2, 1, "bfloat16", "fwd")
+  found = T.lookup(problem, kind, cache_path=cache)
+  assert found is not None and found[0].kernel == KernelConfig()
+  entry = json.load(open(cache))["entries"][T.cache_key(kind, problem)]
+  assert entry["median_ms"] == best["median_ms"]
