@@ -127,3 +127,26 @@ def dense_matmul_tflops(n: int = 0, dtype="bfloat16") -> float:
   f = jax.jit(lambda a, b: a @ b)
   t = time_ms(f, a, b, trials=5, min_batch_s=0.2)
   return 2.0 * n ** 3 / (t["median_ms"] * 1e-3) / 1e12
+
+
+def grouped_bars(path: str, cases: list, series: dict, *, ylabel: str, log: bool = False,
+                 labels: list | None = None) -> None:
+  """A PNG of grouped bars: one group per case, one bar per series (name -> values)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cases)), 4.5))
+  width = 0.8 / max(1, len(series))
+  for i, (name, vals) in enumerate(series.items()):
+    kw = dict(color="k") if name == "floor" else {}
+    ax.bar([j + i * width for j in range(len(cases))], vals, width, label=name, **kw)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+  ax.set_xticklabels(labels or ["\n".join(map(str, c)) for c in cases], fontsize=7)
+  ax.set_ylabel(ylabel)
+  if log:
+    ax.set_yscale("log")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {path}")

@@ -211,30 +211,15 @@ def print_table(results):
 
 
 def plot(results, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   rows = [r for r in results if "median_ms" in r]
   cases = sorted({(r["shape"], r["routing"], r["direction"]) for r in rows})
-  backends = sorted({r["backend"] for r in rows})
-  fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(cases)), 5))
-  width = 0.8 / max(1, len(backends) + 1)
-  for i, b in enumerate(backends):
-    vals = [next((r["median_ms"] for r in rows if r["backend"] == b
-                  and (r["shape"], r["routing"], r["direction"]) == c), 0) for c in cases]
-    ax.bar([j + i * width for j in range(len(cases))], vals, width, label=b)
-  floors = [max(next(r for r in rows if (r["shape"], r["routing"], r["direction"]) == c)[k] or 0
-                for k in ("compute_floor_ms", "comm_floor_ms")) for c in cases]
-  ax.bar([j + len(backends) * width for j in range(len(cases))], floors, width, label="floor", color="k")
-  ax.set_xticks([j + 0.4 for j in range(len(cases))])
-  ax.set_xticklabels(["\n".join(c) for c in cases], fontsize=7)
-  ax.set_ylabel("ms per call (median)")
-  ax.set_yscale("log")
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"wrote {path}")
-
+  key = lambda r: (r["shape"], r["routing"], r["direction"])  # noqa: E731
+  series = {b: [next((r["median_ms"] for r in rows if r["backend"] == b and key(r) == c), 0)
+                for c in cases]
+            for b in sorted({r["backend"] for r in rows})}
+  series["floor"] = [max(next(r for r in rows if key(r) == c)[k] or 0
+                         for k in ("compute_floor_ms", "comm_floor_ms")) for c in cases]
+  common.grouped_bars(path, cases, series, ylabel="ms per call (median)", log=True)
 
 if __name__ == "__main__":
   sys.exit(main())

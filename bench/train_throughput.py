@@ -198,26 +198,12 @@ def main(argv=None):
 
 
 def _plot(rows, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   rows = [r for r in rows if "tokens_per_s" in r]
   cases = sorted({(r["model"], r["mesh"]) for r in rows})
-  backends = sorted({r["backend"] for r in rows})
-  fig, ax = plt.subplots(figsize=(max(6, 2 * len(cases)), 4))
-  w = 0.8 / max(1, len(backends))
-  for i, b in enumerate(backends):
-    vals = [next((r["tokens_per_s"] for r in rows if r["backend"] == b
-                  and (r["model"], r["mesh"]) == c), 0) for c in cases]
-    ax.bar(np.arange(len(cases)) + i * w, vals, w, label=b)
-  ax.set_xticks(np.arange(len(cases)) + 0.4 - w / 2)
-  ax.set_xticklabels([f"{m}\n{me}" for m, me in cases], fontsize=8)
-  ax.set_ylabel("tokens / s")
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"wrote {path}")
-
+  series = {b: [next((r["tokens_per_s"] for r in rows if r["backend"] == b
+                      and (r["model"], r["mesh"]) == c), 0) for c in cases]
+            for b in sorted({r["backend"] for r in rows})}
+  common.grouped_bars(path, cases, series, ylabel="tokens / s")
 
 if __name__ == "__main__":
   sys.exit(main())
