@@ -1,0 +1,135 @@
+"""The UniEP guarantee on the GPU: every point of the parameter space gives the same bits.
+
+For one MoE shape over all local GPUs (mesh data=1, expert=R; bf16; skewed
+routing so that some experts are empty and one is hot), it computes the
+forward output and the gradients of x and every parameter with:
+  * the sequential reference: backend "pallas" (XLA collectives + our grouped GEMM),
+  * backend "uniep" at every point of a sweep over the transfer knobs
+    (chunk_rows, num_ctas, col_tile) for each grouped-GEMM tiling swept,
+  * each "uniep" point three times,
+and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`).
+Points with the same KernelConfig must all agree with "pallas" of that
+KernelConfig (the transfer only moves rows). Across different block_k the
+accumulation order over K differs, so only equality within a tiling is required;
+the sweep also reports which tilings agree with each other.
+
+  python -m bench.determinism_sweep [--shape tiny-gpu|qwen3-like|...] [--ep R] [--out DIR]
+
+Writes determinism_sweep_<device>_ep<R>.json; exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import uniep_jax
+from bench import common
+from uniep_jax.tune import tree_checksum
+
+# A shape that compiles fast and still has many experts per rank and ragged groups.
+SWEEP_SHAPES = {"tiny-gpu": common.MoEShape("tiny-gpu", 2048, 1024, 512, 32, 4)}
+
+TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/64, 4 stages
+           uniep_jax.KernelConfig(block_k=128, max_concurrent_steps=3),
+           uniep_jax.KernelConfig(block_m=64)]
+TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
+             for c, n, t in itertools.product((32, 128), (16, 64), (128, 256))]
+
+
+def _inputs(shape, mesh):
+  e, h, f = shape.experts, shape.hidden, shape.ffn
+  r = mesh.size
+  k = jax.random.split(jax.random.key(3), 5)
+  bf = jnp.bfloat16
+  bias = jnp.zeros((e,), jnp.float32).at[1].set(1e3).at[e - 1].set(-1e3)  # hot and empty experts
+  p = uniep_jax.MoEParams(
+      router=jax.random.normal(k[0], (h, e), jnp.float32) * h ** -0.5,
+      w_gate=(jax.random.normal(k[1], (e, h, f)) * h ** -0.5).astype(bf),
+      w_up=(jax.random.normal(k[2], (e, h, f)) * h ** -0.5).astype(bf),
+      w_down=(jax.random.normal(k[3], (e, f, h)) * f ** -0.5).astype(bf),
+      expert_bias=bias)
+  x = jax.random.normal(k[4], (r * shape.tokens, h)).astype(bf)
+  specs = uniep_jax.param_specs(p)
+  x = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+  p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
+  return x, p
+
+
+def _run(mesh, shape, cfg, x, p):
+  def loss(x, p):
+    y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=shape.top_k, config=cfg)
+    w = jnp.cos(jnp.arange(y.shape[-1], dtype=jnp.float32))
+    return jnp.sum(y.astype(jnp.float32) * w) + aux["load_balance_loss"], y
+
+  (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, p)
+  return tree_checksum(y), tree_checksum(g)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--shape", default="tiny-gpu")
+  ap.add_argument("--ep", type=int, default=0)
+  ap.add_argument("--budget-s", type=float, default=480)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  t0 = time.time()
+  shape = {**common.SHAPES, **SWEEP_SHAPES}[args.shape]
+  ep = args.ep or len(jax.devices())
+  mesh = jax.make_mesh((1, ep), ("data", "expert"), devices=jax.devices()[:ep])
+  meta = common.run_metadata()
+  print(meta, flush=True)
+  x, p = _inputs(shape, mesh)
+  points, mismatches, skipped = [], [], []
+  reference = {}
+  for kc in TILINGS:
+    tag = f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"
+    try:
+      reference[tag] = _run(mesh, shape, uniep_jax.UniEPConfig(backend="pallas", kernel=kc), x, p)
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc(limit=2)
+      points.append(dict(kernel=tag, backend="pallas", error=repr(e)[:300]))
+      continue
+    for tc in TRANSFERS:
+      if time.time() - t0 > args.budget_s:
+        skipped.append(dict(kernel=tag, transfer=str(tc), why="time budget"))
+        continue
+      cfg = uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc)
+      row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile)
+      try:
+        runs = [_run(mesh, shape, cfg, x, p) for _ in range(3)]
+        row.update(checksums=runs[0], repeatable=all(r == runs[0] for r in runs),
+                   equals_pallas=runs[0] == reference[tag])
+        if not (row["repeatable"] and row["equals_pallas"]):
+          mismatches.append(row)
+          print("MISMATCH", row, file=sys.stderr, flush=True)
+      except Exception as e:  # noqa: BLE001
+        traceback.print_exc(limit=2)
+        row["error"] = repr(e)[:300]
+      points.append(row)
+      print(row, flush=True)
+  tilings_agree = len({v for v in reference.values()}) == 1
+  payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,
+                 pallas_reference=reference, points=points, mismatches=mismatches,
+                 skipped=skipped, all_tilings_agree=tilings_agree,
+                 swept=sum("checksums" in r for r in points))
+  kind = meta["device_kind"].replace(" ", "_")
+  common.write_json(os.path.join(common.out_dir(args.out),
+                                 f"determinism_sweep_{kind}_ep{ep}.json"), payload)
+  errors = sum("error" in r for r in points)
+  print(f"{payload['swept']} points swept, {len(mismatches)} mismatches, {errors} errors, "
+        f"{len(skipped)} skipped; tilings agree with each other: {tilings_agree}")
+  return 1 if mismatches or errors else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
