@@ -111,7 +111,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax import lax
@@ -286,7 +286,20 @@ def _silu_mul(h, u):
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, block_k: int,
-                      wg_n: int, stages: int, in_dtype):
+                      wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
+                      num_ctas: Optional[int] = None,
+                      before_tile: Optional[Callable[[Any], None]] = None):
+  """The row-tiled body. Hooks for kernels that embed it (all default off, and
+  then the traced program is exactly that of the standalone kernel):
+    cta_offset, num_ctas  walk the tiles on CTAs [cta_offset, cta_offset +
+        num_ctas) of the "sm" grid axis only (same interleaved order as
+        `plgpu.nd_loop`: local CTA i takes tiles i, i + num_ctas, ...); the
+        caller must run this body only on those CTAs. None: every CTA.
+    before_tile(load_row)  called by all three warpgroups before the pipeline of
+        every COMPUTE tile, i.e. before the first TMA load of its block_m rows
+        [load_row, load_row + block_m) of the lhs operands. When it returns, the
+        caller guarantees those rows are readable (e.g. a semaphore wait).
+  """
   num_a = 2 if mode == "sum2" else 1
   num_b = 1 if mode == "plain" else 2
   a_gmems = refs[:num_a]
@@ -352,9 +365,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epi_smem):
-    @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
-    def _tile_loop(loop_info):
-      (lin,) = loop_info.index
+    def tile(lin):
       t = lin // n_tiles
       nt = lin % n_tiles
       group = plan_gmem[t]
@@ -365,6 +376,11 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
 
       @pl.when(kind != _NONE)
       def _live_tile():
+        if before_tile is not None:
+          @pl.when(kind == _COMPUTE)
+          def _wait_rows():
+            before_tile(load_row)
+
         k_steps = jnp.where(kind == _COMPUTE, k_iters, 0)
 
         def compute_context(eval_pipeline):
@@ -383,19 +399,37 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         a_views, b_views = operand_views(group, load_row, nt)
         make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
 
+    if num_ctas is None:
+      @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
+      def _tile_loop(loop_info):
+        (lin,) = loop_info.index
+        tile(lin)
+    else:
+      _cta_subset_loop(num_tiles * n_tiles, cta_offset, num_ctas, tile)
+
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool,
-                    out_dtype, save_hu: bool, config: KernelConfig, interpret):
-  """Launch the row-tiled kernel on operands already padded to the tile grid.
+def _cta_subset_loop(total: int, cta_offset: int, num_ctas: int, body):
+  """`body(lin)` for lin = i, i + num_ctas, ... < total, where i = this CTA's
+  index on the "sm" axis minus cta_offset (nd_loop's order on a CTA subset)."""
+  local = lax.axis_index("sm") - cta_offset
+  steps = jnp.maximum(total - local + num_ctas - 1, 0) // num_ctas
 
-  a_list: [M, K] each; b_list: [G, K, N] (or [G, N, K] with transpose_b).
-  Returns a tuple of [M, N] outputs.
-  """
-  m, k = a_list[0].shape
-  g = b_list[0].shape[0]
-  n = b_list[0].shape[1] if transpose_b else b_list[0].shape[2]
+  def step(i, carry):
+    body(local + i * num_ctas)
+    return carry
+
+  lax.fori_loop(0, steps, step, 0)
+
+
+def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: bool,
+                     out_dtype, in_dtype, save_hu: bool, config: KernelConfig,
+                     smem: int = device_lib.HOPPER_SMEM_BYTES) -> dict:
+  """Validates one row-tiled launch on operands padded to the tile grid and
+  returns the static keyword arguments of `_row_tiled_kernel` (one source of
+  truth for the standalone launch and for kernels that embed the body).
+  Raises ValueError if the tile does not fit in `smem` bytes."""
   wg_n = config.block_n if mode == "plain" else config.block_n // 2
   if wg_n % _EPI_N:
     raise ValueError(f"per-warpgroup tile width {wg_n=} must be a multiple of {_EPI_N}")
@@ -409,23 +443,35 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
     raise ValueError(f"{n=} must be divisible by the CTA tile width {cta_n}")
   if m % block_m:
     raise ValueError(f"{m=} must be divisible by {block_m=}")
-  in_dtype = a_list[0].dtype
-  for x in (*a_list, *b_list):
-    if x.dtype != in_dtype:
-      raise ValueError(f"all operands must share one dtype, got {x.dtype} and {in_dtype}")
   num_a = 2 if mode == "sum2" else 1
   num_b = 1 if mode == "plain" else 2
   launch = _Launch(block_m, block_k, wg_n, num_a, num_b, cta_n, block_k,
                    jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize)
-  stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m,
-                         device_lib.HOPPER_SMEM_BYTES)
-  num_tiles = num_row_tiles(m, g, block_m)
-  plan = _row_tile_plan(group_sizes, m, block_m)
+  stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
+  return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, m=m, k=k, n=n,
+              num_tiles=num_row_tiles(m, g, block_m), block_m=block_m, block_k=block_k,
+              wg_n=wg_n, stages=stages, in_dtype=in_dtype)
+
+
+def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool,
+                    out_dtype, save_hu: bool, config: KernelConfig, interpret):
+  """Launch the row-tiled kernel on operands already padded to the tile grid.
+
+  a_list: [M, K] each; b_list: [G, K, N] (or [G, N, K] with transpose_b).
+  Returns a tuple of [M, N] outputs.
+  """
+  m, k = a_list[0].shape
+  g = b_list[0].shape[0]
+  n = b_list[0].shape[1] if transpose_b else b_list[0].shape[2]
+  in_dtype = a_list[0].dtype
+  for x in (*a_list, *b_list):
+    if x.dtype != in_dtype:
+      raise ValueError(f"all operands must share one dtype, got {x.dtype} and {in_dtype}")
+  params = row_tiled_params(m, k, n, g, mode=mode, transpose_b=transpose_b, out_dtype=out_dtype,
+                            in_dtype=in_dtype, save_hu=save_hu, config=config)
+  plan = _row_tile_plan(group_sizes, m, config.block_m)
   num_out = 3 if (mode == "swiglu" and save_hu) else 1
-  body = functools.partial(
-      _row_tiled_kernel, mode=mode, transpose_b=transpose_b, save_hu=save_hu, m=m, k=k, n=n,
-      num_tiles=num_tiles, block_m=block_m, block_k=block_k, wg_n=wg_n, stages=stages,
-      in_dtype=in_dtype)
+  body = functools.partial(_row_tiled_kernel, **params)
   kernel = plgpu.kernel(
       body,
       out_type=tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for _ in range(num_out)),

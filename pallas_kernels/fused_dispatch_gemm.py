@@ -1,0 +1,482 @@
+"""EXPERIMENTAL (v2 "Kernel A"): NVLink dispatch fused with the SwiGLU gate/up GEMM.
+
+Not wired into `moe_ffn`. Design and synchronisation: SYNC.md, "Kernel A".
+Bring-up on GPUs: `bench/check_fused_gpu.py` (bitwise against v1).
+
+Algorithm
+---------
+One `plgpu.kernel` launch per EP rank (inside `shard_map` over the expert axis,
+collective metadata mode), grid = num_sms CTAs ("sm"), 3 warpgroups each ("wg").
+It does in one launch what v1 does in two:
+
+  v1:  recv = ep_transfer.transfer_segments(rows_sorted -> owners)   (launch 1)
+       a, h, u = grouped_gemm swiglu(recv, w_gate, w_up)             (launch 2)
+  v2:  one launch; GEMM tiles of receive-layout chunk k start as soon as every
+       rank has pushed its rows of chunk k, while later chunks are in flight.
+
+  h = x @ w_gate[g], u = x @ w_up[g] (f32 accumulators), a = silu(h) * u, each
+  stored in the input dtype: exactly the "swiglu" mode of `grouped_gemm.py`,
+  because the GEMM role IS that body (`grouped_gemm._row_tiled_kernel`, hooked,
+  not copied): same tile plan, same block_k, same reduction order. Only WHEN a
+  tile runs changes, so (a, h, u) are bitwise equal to v1's.
+
+Roles (by CTA index c on "sm")
+------------------------------
+  c <  n_comm   transfer CTAs: warpgroup 0 pushes this rank's sorted rows into
+                the owners' receive layouts (the v1 transfer pipeline); the
+                other two warpgroups idle.
+  c >= n_comm   GEMM CTAs: the grouped-GEMM body walks the row tiles x column
+                tiles on CTAs [n_comm, num_sms) (local CTA i takes tiles i,
+                i + (num_sms - n_comm), ...: nd_loop's order on a subset).
+
+Chunks and work lists
+---------------------
+The receive layout [M_p, H] (M_p = R*T*K rounded up to block_m) is cut into
+C = cdiv(M_p, B) chunks of B rows (B = `FusedConfig.recv_chunk_rows`, a multiple
+of block_m, so every GEMM row tile lies inside one chunk: k = load_row // B).
+Before the launch, plain JAX (`chunk_work_lists`) turns the dispatch segments
+[R, El] (peer, local expert) into, per peer offset j (peer (me + j) mod R):
+
+  segment --cut at the DESTINATION's chunk boundaries--> pieces
+  piece   --cut into item_rows (= TransferConfig.chunk_rows) rows--> items
+  items stably sorted by chunk; chunk_start[k] = first item of chunk k
+
+  row j of the table: src_row[W] | dst_row[W] | rows[W] | chunk_start[C + 1]
+  W = cdiv(Ns, item_rows) + El + C (pieces <= El + C - 1: one peer's segments
+  are disjoint in the destination, so at most C - 1 interior boundaries cut them).
+
+Transfer CTA loop (warpgroup 0 of CTA c < n_comm):
+
+  for k in range(C):                         # dynamic
+    for j in 1, ..., R-1, 0:                 # STATIC (TMA peer id must be host-computable)
+      items chunk_start[k] + c, + n_comm, ... of offset j:
+        per column tile: GMEM src --TMA load--> SMEM stage --TMA store ladder--> peer recv
+    wait_smem_to_gmem(0)                     # all of this CTA's stores landed
+    signal chunk_sem[k] on every rank (itself included)
+  for k in c, c + n_comm, ... < C: wait chunk_sem[k] >= R * n_comm (no decrement)
+
+GEMM CTA: before the pipeline of each COMPUTE tile (all three warpgroups, via
+the `before_tile` hook): wait chunk_sem[load_row // B] >= R * n_comm, no decrement.
+
+Buffers
+-------
+  recv  [M_p, H]    kernel output; PEERS write into it (remote TMA stores): the
+                    receive layout. Rows no segment covers are undefined; the
+                    wrapper zeroes a window after the live rows as v1 does.
+  a, h, u [M_p, F_p] kernel outputs, this rank only (dead rows zero, as v1).
+  SMEM, transfer role: 2 stages [item_rows, col_tile] (128 KiB for 128 x 256
+    bf16) + 2 barriers; GEMM role: the grouped GEMM's stages + epilogue. The two
+    roles' `run_scoped` allocations are siblings (one per branch) and share the
+    same SMEM; each must fit alone (checked before launch).
+  chunk_sem [C]     `pl.get_global` REGULAR semaphores (GMEM scratch).
+
+Synchronisation contract (invariants; copied from SYNC.md)
+----------------------------------------------------------
+  Launch ordering: `pl.get_global` semaphores are zero-filled by XLA right
+      before every launch; they do not persist. Mosaic GPU's cross-device
+      barrier before every communicating kernel (skip_device_barrier=False, the
+      default, kept here) is what makes the first remote store or signal safe:
+      every peer has entered this launch, so its recv output and zero-filled
+      chunk_sem exist. No signal of launch L+1 can reach a rank before it has
+      entered launch L+1, so counts never mix across launches. Reset: none.
+  load_barrier[s] (transfer role, one per stage): producer the TMA load of
+      step i into stage i % 2, consumer the same warpgroup's store of step i.
+      Each load is waited exactly once (phases flip), so restarting at stage 0
+      for every (k, j) keeps phases aligned. Stage reuse: before a load into a
+      stage, `wait_smem_to_gmem(0, wait_read_only=True)`.
+  chunk_sem[k]: producers every transfer CTA of every rank, once per launch
+      each, after `wait_smem_to_gmem(0)` of all its stores of chunk k, empty or
+      not (a signal orders the NVLink writes issued before it):
+          expected(chunk_sem[k]) = R * n_comm.
+      Consumers: GEMM CTAs of this rank (before a tile of chunk k) and the
+      transfer CTAs' final sweep, all with decrement=False (many waiters on one
+      semaphore; a decrementing wait would take the whole count and deadlock
+      the others). Invariant when a wait returns: every row of chunk k of this
+      rank's recv has landed.
+  Kernel end: the final sweep waits every chunk, so when all CTAs are done
+      every peer's writes into this rank's recv have landed (the next XLA op
+      may read recv, as after v1's done_sem).
+  Deadlock freedom: transfer CTAs never wait on GEMM CTAs (only on chunks,
+      after signalling all of theirs); GEMM CTAs wait only on chunks that
+      transfer CTAs of all ranks complete unconditionally; all num_sms CTAs
+      must be resident at once (1 CTA per SM; other streams must leave room).
+  v1's `ready_sem` round (redundant given the device barrier) is not repeated.
+  Open point for the bring-up: the GEMM reads chunk k with TMA loads (async
+  proxy) after an acquire in the generic proxy (`fence.acquire.sys` in the
+  semaphore wait). The bitwise check of `bench/check_fused_gpu.py` is what
+  tests that this ordering suffices on H100/H200.
+
+CPU coverage: the work lists (numpy), the transfer role in its local form
+(`transfer_chunks_local`, interpret mode, no semaphores), the hooked GEMM body
+(tests/test_grouped_gemm.py + tests/test_fused_dispatch_gemm.py, interpret
+mode) and the LOWERING of the whole communicating kernel for the CUDA platform
+(remote refs and semaphores do not run in interpret mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import device as device_lib
+from pallas_kernels import grouped_gemm as gg
+from pallas_kernels.tma import ladder_store
+from uniep_jax.config import KernelConfig, TransferConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+  """Resource split and chunking of the fused dispatch + gate/up kernel.
+
+  n_comm: CTAs (SMs) that move rows; the other num_sms - n_comm run the GEMM.
+  recv_chunk_rows: B, rows per chunk of the receive layout (the unit of
+    overlap); a multiple of KernelConfig.block_m (checked at launch). Each
+    transfer CTA sends R signals per chunk: fewer, larger chunks signal less,
+    smaller chunks start the GEMM earlier.
+  """
+
+  n_comm: int = 32
+  recv_chunk_rows: int = 2048
+
+  def __post_init__(self):
+    if self.n_comm < 1:
+      raise ValueError(f"n_comm={self.n_comm} must be >= 1")
+    if self.recv_chunk_rows < 1:
+      raise ValueError(f"recv_chunk_rows={self.recv_chunk_rows} must be >= 1")
+
+
+# ----------------------------------------------------------------------------
+# Work lists (plain JAX, before the launch)
+# ----------------------------------------------------------------------------
+
+
+def num_items(src_rows: int, num_local_experts: int, num_chunks: int, item_rows: int) -> int:
+  """W: static bound on the items of one peer offset (see the module doc)."""
+  return -(-src_rows // item_rows) + num_local_experts + num_chunks
+
+
+def chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, item_rows: int,
+                     recv_chunk_rows: int, num_chunks: int):
+  """Per peer offset j (row j: peer (rank + j) mod R), the items in chunk order.
+
+  seg_*: [R, El] int32 indexed by (peer, local expert); segment e of peer p
+  copies src[seg_src : + seg_len] to peer p's recv[seg_dst : + seg_len]. Returns
+  int32 [R, 3 * W + C + 1]: src_row[W], dst_row[W], rows[W], chunk_start[C + 1]
+  (items of destination chunk k are [chunk_start[k], chunk_start[k + 1]); no
+  item crosses a chunk boundary; chunk_start[C] = live item count).
+  """
+  _, el = seg_len.shape
+  b = recv_chunk_rows
+  w = num_items(src_rows, el, num_chunks, item_rows)
+  num_pieces = el + num_chunks
+  rot = lambda a: jnp.roll(a.astype(jnp.int32), -rank, axis=0)  # noqa: E731  row j: peer rank+j
+  seg_src, seg_dst, seg_len = rot(seg_src), rot(seg_dst), rot(seg_len)
+
+  def one(src, dst, length):                                        # [El] each
+    # segments -> pieces cut at destination chunk boundaries
+    first = dst // b
+    last = (dst + length - 1) // b
+    pieces = jnp.where(length > 0, last - first + 1, 0)             # [El]
+    p_end = jnp.cumsum(pieces)
+    p_start = p_end - pieces
+    i = jnp.arange(num_pieces, dtype=jnp.int32)
+    seg = jnp.searchsorted(p_end, i, side="right").astype(jnp.int32)
+    p_valid = seg < el
+    seg = jnp.minimum(seg, el - 1)
+    p_chunk = first[seg] + i - p_start[seg]                         # [P]
+    d_lo = jnp.maximum(dst[seg], p_chunk * b)
+    d_hi = jnp.minimum(dst[seg] + length[seg], (p_chunk + 1) * b)
+    p_len = jnp.where(p_valid, d_hi - d_lo, 0)
+    s_lo = src[seg] + (d_lo - dst[seg])
+    # pieces -> items of at most item_rows rows
+    items = (p_len + item_rows - 1) // item_rows                    # [P]
+    i_end = jnp.cumsum(items)
+    i_start = i_end - items
+    q = jnp.arange(w, dtype=jnp.int32)
+    pc = jnp.searchsorted(i_end, q, side="right").astype(jnp.int32)
+    i_valid = pc < num_pieces
+    pc = jnp.minimum(pc, num_pieces - 1)
+    jj = q - i_start[pc]
+    z = lambda a: jnp.where(i_valid, a, 0).astype(jnp.int32)  # noqa: E731
+    rows = z(jnp.minimum(item_rows, p_len[pc] - jj * item_rows))
+    i_src = z(s_lo[pc] + jj * item_rows)
+    i_dst = z(d_lo[pc] + jj * item_rows)
+    i_chunk = jnp.where(i_valid, p_chunk[pc], num_chunks).astype(jnp.int32)
+    order = jnp.argsort(i_chunk, stable=True)                       # chunk k before k + 1
+    i_chunk = i_chunk[order]
+    chunk_start = jnp.searchsorted(i_chunk, jnp.arange(num_chunks + 1, dtype=jnp.int32),
+                                   side="left").astype(jnp.int32)   # [C + 1]
+    return jnp.concatenate([i_src[order], i_dst[order], rows[order], chunk_start])
+
+  return jax.vmap(one)(seg_src, seg_dst, seg_len)
+
+
+# ----------------------------------------------------------------------------
+# Transfer role
+# ----------------------------------------------------------------------------
+
+
+def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chunk_sem, *,
+                   w: int, num_chunks: int, item_rows: int, col_tile: int, n_comm: int,
+                   axis_name, num_peers: int):
+  """Warpgroup 0 of transfer CTA c: every chunk's items, then the final sweep.
+  axis_name=None: the local form (every offset lands in this device's recv, no
+  semaphores; runs in the CPU interpret mode)."""
+  ns, hidden = src_gmem.shape
+  n_col = hidden // col_tile
+  c = lax.axis_index("sm")
+  stride = 3 * w + num_chunks + 1
+  if axis_name is not None:
+    me = lax.axis_index(axis_name)
+
+  def load_row(at):
+    # The load box never leaves src: near the end it starts earlier and the
+    # item's rows sit further down the stage buffer (as v1).
+    return jnp.minimum(work_gmem[at], ns - item_rows)
+
+  def chunk_body(kc, carry):
+    for j in list(range(1, num_peers)) + [0]:   # static: remote peers first, own rows last
+      base = j * stride
+      if axis_name is None or j == 0:
+        dst_gmem = recv_gmem
+      else:
+        dst_gmem = plgpu.remote_ref(recv_gmem, {axis_name: lax.rem(me + j, num_peers)})
+      first_item = work_gmem[base + 3 * w + kc]
+      count = work_gmem[base + 3 * w + kc + 1] - first_item
+      steps = (jnp.maximum(count - c + n_comm - 1, 0) // n_comm) * n_col
+
+      def item_col(s, base=base, first_item=first_item):
+        it = first_item + c + (s // n_col) * n_comm
+        return base + it, (s % n_col) * col_tile
+
+      def load(s, stage, item_col=item_col):
+        at, col = item_col(s)
+        plgpu.copy_gmem_to_smem(
+            src_gmem.at[pl.ds(load_row(at), item_rows), pl.ds(col, col_tile)],
+            stage_smem.at[stage], load_barrier.at[stage])
+
+      @pl.when(steps > 0)
+      def _(load=load):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
+        load(0, 0)
+
+      def step(s, carry, load=load, item_col=item_col, steps=steps, dst_gmem=dst_gmem):
+        stage = lax.rem(s, 2)
+        plgpu.barrier_wait(load_barrier.at[stage])
+
+        @pl.when(s + 1 < steps)
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
+          load(s + 1, 1 - stage)
+
+        at, col = item_col(s)
+        ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
+                     work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
+                     item_rows)
+        return carry
+
+      lax.fori_loop(0, steps, step, 0)
+
+    plgpu.wait_smem_to_gmem(0)                  # this CTA's stores of chunk kc landed
+    if axis_name is not None:
+      for p in range(num_peers):
+        pl.semaphore_signal(chunk_sem.at[kc], device_id={axis_name: p})
+    return carry
+
+  lax.fori_loop(0, num_chunks, chunk_body, 0)
+
+  if axis_name is not None:
+    # Final sweep: when every CTA is past it, every chunk of this rank's recv has
+    # landed (kernel end => recv complete). Chunks c, c + n_comm, ...
+    def sweep(i, carry):
+      plgpu.semaphore_wait(chunk_sem.at[c + i * n_comm], num_peers * n_comm, decrement=False)
+      return carry
+    lax.fori_loop(0, (num_chunks - c + n_comm - 1) // n_comm, sweep, 0)
+
+
+def _transfer_scope(work_gmem, src_gmem, recv_gmem, chunk_sem, *, item_rows, col_tile, **kw):
+  """SMEM of the transfer role (collective over "wg"); warpgroup 0 works."""
+  @functools.partial(pl.run_scoped,
+                     stage_smem=plgpu.SMEM((2, item_rows, col_tile), src_gmem.dtype),
+                     load_barrier=plgpu.Barrier(num_barriers=2),
+                     collective_axes="wg")
+  def _(stage_smem, load_barrier):
+    @pl.when(lax.axis_index("wg") == 0)
+    def _():
+      _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chunk_sem,
+                     item_rows=item_rows, col_tile=col_tile, **kw)
+
+
+# ----------------------------------------------------------------------------
+# The fused kernel
+# ----------------------------------------------------------------------------
+
+
+def _fused_kernel(work_gmem, plan_gmem, rows_gmem, w_gate_gmem, w_up_gmem,
+                  recv_gmem, a_gmem, h_gmem, u_gmem, *, transfer_kw: dict, gemm_kw: dict,
+                  n_comm: int, num_sms: int, num_chunks: int, recv_chunk_rows: int,
+                  axis_name, num_peers: int):
+  c = lax.axis_index("sm")
+  chunk_sem = pl.get_global(plgpu.SemaphoreType.REGULAR((num_chunks,)))
+  expected = num_peers * n_comm
+
+  @pl.when(c < n_comm)
+  def _transfer():
+    _transfer_scope(work_gmem, rows_gmem, recv_gmem, chunk_sem, num_chunks=num_chunks,
+                    n_comm=n_comm, axis_name=axis_name, num_peers=num_peers, **transfer_kw)
+
+  @pl.when(c >= n_comm)
+  def _gemm():
+    def wait_rows(load_row):   # invariant on return: rows of chunk load_row // B landed
+      plgpu.semaphore_wait(chunk_sem.at[load_row // recv_chunk_rows], expected,
+                           decrement=False)
+
+    gg._row_tiled_kernel(plan_gmem, recv_gmem, w_gate_gmem, w_up_gmem, a_gmem, h_gmem, u_gmem,
+                         cta_offset=n_comm, num_ctas=num_sms - n_comm, before_tile=wait_rows,
+                         **gemm_kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Validated static shape of one fused launch."""
+
+  m_p: int            # receive-layout rows, padded to block_m
+  f_p: int            # F padded as grouped_gemm pads it
+  num_sms: int
+  num_chunks: int
+  col_tile: int
+  gemm_kw: dict
+
+
+def validate(*, out_rows: int, hidden: int, ffn: int, num_local_experts: int, dtype,
+             kernel: KernelConfig, transfer: TransferConfig, fused: FusedConfig,
+             smem: int | None = None) -> _Static:
+  """All static checks of a fused launch, with the derived sizes. Raises
+  ValueError before anything is traced (B vs block_m, n_comm vs num_sms, the
+  SMEM of each role, H vs block_k)."""
+  smem = device_lib.smem_capacity() if smem is None else smem
+  num_sms = device_lib.num_sms(kernel.num_sms)
+  b = fused.recv_chunk_rows
+  if b % kernel.block_m:
+    raise ValueError(f"recv_chunk_rows={b} must be a multiple of block_m={kernel.block_m} "
+                     f"(a GEMM row tile must lie in one chunk)")
+  if not fused.n_comm < num_sms:
+    raise ValueError(f"n_comm={fused.n_comm} must be < num_sms={num_sms} "
+                     f"(at least one GEMM CTA)")
+  if hidden % kernel.block_k:
+    raise ValueError(f"{hidden=} must be divisible by block_k={kernel.block_k} (the fused "
+                     f"kernel does not pad the receive layout's columns)")
+  itemsize = jnp.dtype(dtype).itemsize
+  # transfer role SMEM: 2 stages of [chunk_rows, col_tile] (raises if none fits)
+  col_tile = transfer.col_tile_for(hidden, itemsize=itemsize, smem_bytes=smem - gg._SMEM_RESERVE)
+  # GEMM role SMEM: the grouped GEMM's own check (raises if one stage does not fit)
+  m_p = gg._round_up(out_rows, kernel.block_m)
+  f_p = gg._round_up(ffn, _f_multiple(kernel))
+  gemm_kw = gg.row_tiled_params(m_p, hidden, f_p, num_local_experts, mode="swiglu",
+                                transpose_b=False, out_dtype=dtype, in_dtype=dtype,
+                                save_hu=True, config=kernel, smem=smem)
+  return _Static(m_p=m_p, f_p=f_p, num_sms=num_sms, num_chunks=-(-m_p // b),
+                 col_tile=col_tile, gemm_kw=gemm_kw)
+
+
+def _f_multiple(kernel: KernelConfig) -> int:
+  """The multiple F is padded to: that of `grouped_gemm._swiglu_padded_weights`."""
+  import math
+  return math.lcm(2 * kernel.block_n, 2 * kernel.block_m, kernel.block_k)
+
+
+def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, w_gate, w_up, *,
+                           out_rows: int, axis_name: str,
+                           kernel: KernelConfig = KernelConfig(),
+                           transfer: TransferConfig = TransferConfig(),
+                           fused: FusedConfig = FusedConfig()):
+  """Dispatch + gate/up in one launch. Inside `shard_map` over `axis_name` (size R).
+
+  rows_sorted [Ns, H]: this rank's sorted rows; seg_*: [R, El] dispatch segments
+  (`layout.dispatch_segments`); group_sizes [El]: rows per local expert of THIS
+  rank's receive layout (`plan.recv_group_sizes`); w_gate, w_up [El, H, F].
+  Returns (recv [M_p, H], a, h, u [M_p, F_p]), M_p = out_rows rounded up to
+  block_m, F_p as `grouped_gemm` pads F. recv rows that no segment covers are
+  undefined (callers zero what they need, as `dispatch._send_nvlink`); dead rows
+  of a, h, u are zero. GPU only (remote refs and semaphores).
+  """
+  ns, hidden = rows_sorted.shape
+  el, _, ffn = w_gate.shape
+  num_peers = seg_len.shape[0]
+  dtype = rows_sorted.dtype
+  for x in (w_gate, w_up):
+    if x.dtype != dtype:
+      raise ValueError(f"all operands must share one dtype, got {x.dtype} and {dtype}")
+  st = validate(out_rows=out_rows, hidden=hidden, ffn=ffn, num_local_experts=el, dtype=dtype,
+                kernel=kernel, transfer=transfer, fused=fused)
+  item_rows = transfer.chunk_rows
+  if ns < item_rows:   # the transfer's load box must fit inside src (as v1)
+    rows_sorted = jnp.pad(rows_sorted, ((0, item_rows - ns), (0, 0)))
+  w_gate = gg._pad_axis(w_gate, 2, st.f_p)
+  w_up = gg._pad_axis(w_up, 2, st.f_p)
+  rank = lax.axis_index(axis_name)
+  work = chunk_work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=ns,
+                          item_rows=item_rows, recv_chunk_rows=fused.recv_chunk_rows,
+                          num_chunks=st.num_chunks)
+  w = num_items(ns, seg_len.shape[1], st.num_chunks, item_rows)
+  plan = gg._row_tile_plan(group_sizes, st.m_p, kernel.block_m)
+  body = functools.partial(
+      _fused_kernel,
+      transfer_kw=dict(w=w, item_rows=item_rows, col_tile=st.col_tile),
+      gemm_kw=st.gemm_kw, n_comm=fused.n_comm, num_sms=st.num_sms, num_chunks=st.num_chunks,
+      recv_chunk_rows=fused.recv_chunk_rows, axis_name=axis_name, num_peers=num_peers)
+  kernel_fn = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((st.m_p, hidden), dtype),)
+      + tuple(jax.ShapeDtypeStruct((st.m_p, st.f_p), dtype) for _ in range(3)),
+      grid=(st.num_sms,),
+      grid_names=("sm",),
+      num_threads=gg._NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  return kernel_fn(work.reshape(-1), plan, rows_sorted, w_gate, w_up)
+
+
+def transfer_chunks_local(src, seg_src, seg_dst, seg_len, *, out_rows: int, rank: int = 0,
+                          transfer: TransferConfig = TransferConfig(),
+                          recv_chunk_rows: int = 256, n_comm: int = 2, interpret=None):
+  """The transfer role alone, local form: every peer offset's items land in this
+  device's [out_rows, H] output, chunk by chunk, in the fused kernel's launch
+  shape (3 warpgroups, Warpgroup semantics, grid n_comm). No semaphores, so it
+  runs in the CPU interpret mode (the test of the chunked work lists in a kernel).
+  Rows that no segment covers are undefined."""
+  ns, hidden = src.shape
+  item_rows = transfer.chunk_rows
+  col_tile = transfer.col_tile_for(hidden, itemsize=jnp.dtype(src.dtype).itemsize,
+                                   smem_bytes=device_lib.smem_capacity())
+  if ns < item_rows:
+    src = jnp.pad(src, ((0, item_rows - ns), (0, 0)))
+  num_chunks = -(-out_rows // recv_chunk_rows)
+  work = chunk_work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=ns,
+                          item_rows=item_rows, recv_chunk_rows=recv_chunk_rows,
+                          num_chunks=num_chunks)
+  w = num_items(ns, seg_len.shape[1], num_chunks, item_rows)
+
+  def body(work_gmem, src_gmem, out_gmem):
+    _transfer_scope(work_gmem, src_gmem, out_gmem, None, item_rows=item_rows, col_tile=col_tile,
+                    w=w, num_chunks=num_chunks, n_comm=n_comm, axis_name=None,
+                    num_peers=seg_len.shape[0])
+
+  kernel_fn = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((out_rows, hidden), src.dtype),
+      grid=(n_comm,),
+      grid_names=("sm",),
+      num_threads=gg._NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=gg.resolve_interpret(interpret),
+  )
+  return kernel_fn(work.reshape(-1), src)

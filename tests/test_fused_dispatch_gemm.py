@@ -1,0 +1,227 @@
+"""CPU tests of the EXPERIMENTAL fused dispatch + gate/up kernel
+(pallas_kernels/fused_dispatch_gemm.py).
+
+What runs here: the chunked work lists (numpy-checked), the transfer role in its
+local form and the hooked grouped-GEMM body on a CTA subset (Mosaic GPU
+interpret mode, race detector on), the static validation, and the LOWERING of
+the whole communicating kernel for the CUDA platform (remote refs and
+semaphores do not run in interpret mode; executing it needs GPUs:
+`bench/check_fused_gpu.py`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+from pallas_kernels import fused_dispatch_gemm as fdg
+from pallas_kernels import grouped_gemm as gg
+from uniep_jax import layout
+from uniep_jax.config import KernelConfig, TransferConfig
+
+ON_GPU = any(d.platform == "gpu" for d in jax.devices())
+INTERPRET = False if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpret_state():
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+  yield
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def _assert_no_races():
+  if not ON_GPU:
+    assert not gpu_callbacks.get_races().races_found, "race detector reported a race"
+
+
+def _dispatch_segments(rng, r, el, t, k, skew):
+  """Real dispatch segments of every rank from random (skewed) routing."""
+  e = r * el
+  p = np.full(e, 1.0)
+  p[0] += skew
+  p /= p.sum()
+  topk = [jnp.asarray(rng.choice(e, size=(t, k), p=p), jnp.int32) for _ in range(r)]
+  cm = jnp.stack([layout.local_group_sizes(x, e) for x in topk])
+  out = []
+  for rank in range(r):
+    plan = layout.make_plan(topk[rank], cm, rank)
+    seg = layout.dispatch_segments(plan, rank)
+    out.append((seg, plan))
+  return out
+
+
+def _check_work(work, seg_src, seg_dst, seg_len, *, rank, src_rows, item_rows, b, num_chunks):
+  """Every segment row covered exactly once; items inside one chunk; chunk order."""
+  r, el = seg_len.shape
+  w = fdg.num_items(src_rows, el, num_chunks, item_rows)
+  work = np.asarray(work)
+  assert work.shape == (r, 3 * w + num_chunks + 1)
+  for j in range(r):
+    peer = (rank + j) % r
+    src, dst, rows = work[j, :w], work[j, w:2 * w], work[j, 2 * w:3 * w]
+    cs = work[j, 3 * w:]
+    live = cs[-1]
+    assert cs[0] == 0 and np.all(np.diff(cs) >= 0) and live <= w
+    assert np.all(rows[:live] >= 1) and np.all(rows[:live] <= item_rows)
+    assert np.all(rows[live:] == 0)
+    for kc in range(num_chunks):           # items of chunk kc lie in chunk kc
+      for it in range(cs[kc], cs[kc + 1]):
+        assert kc * b <= dst[it] and dst[it] + rows[it] <= (kc + 1) * b, (j, kc, it)
+    got = {}
+    for it in range(live):
+      for q in range(rows[it]):
+        assert dst[it] + q not in got, "destination row written twice"
+        got[dst[it] + q] = src[it] + q
+    want = {}
+    for s, d, n in zip(np.asarray(seg_src[peer]), np.asarray(seg_dst[peer]),
+                       np.asarray(seg_len[peer])):
+      for q in range(n):
+        want[d + q] = s + q
+    assert got == want
+
+
+@pytest.mark.parametrize("r,el,t,k,item_rows,b,skew", [
+    (4, 3, 64, 2, 16, 64, 0.0), (2, 4, 96, 4, 32, 128, 5.0), (3, 1, 40, 3, 8, 16, 2.0)])
+def test_chunk_work_lists_cover_every_row_once(r, el, t, k, item_rows, b, skew):
+  rng = np.random.default_rng(r * 100 + el)
+  for rank, (seg, plan) in enumerate(_dispatch_segments(rng, r, el, t, k, skew)):
+    src_rows = t * k
+    out_rows = plan.recv_valid.shape[0]
+    num_chunks = -(-out_rows // b)
+    work = fdg.chunk_work_lists(seg.src_start, seg.dst_start, seg.rows, rank=rank,
+                                src_rows=src_rows, item_rows=item_rows, recv_chunk_rows=b,
+                                num_chunks=num_chunks)
+    _check_work(work, seg.src_start, seg.dst_start, seg.rows, rank=rank, src_rows=src_rows,
+                item_rows=item_rows, b=b, num_chunks=num_chunks)
+
+
+def test_chunk_work_lists_generic_segments():
+  # unordered, empty and chunk-straddling segments (not from a plan)
+  seg_src = jnp.array([[30, 0, 10], [50, 45, 70]], jnp.int32)
+  seg_dst = jnp.array([[5, 60, 40], [0, 90, 33]], jnp.int32)
+  seg_len = jnp.array([[15, 0, 20], [30, 5, 40]], jnp.int32)
+  work = fdg.chunk_work_lists(seg_src, seg_dst, seg_len, rank=1, src_rows=110, item_rows=8,
+                              recv_chunk_rows=16, num_chunks=7)
+  _check_work(work, seg_src, seg_dst, seg_len, rank=1, src_rows=110, item_rows=8, b=16,
+              num_chunks=7)
+
+
+def test_transfer_role_local_form_matches_numpy():
+  """The chunked transfer role in a kernel (local form, interpret mode)."""
+  rng = np.random.default_rng(7)
+  r, el, t, k, h = 3, 2, 24, 2, 128
+  (seg, plan), *_ = _dispatch_segments(rng, r, el, t, k, 1.0)
+  # The local form lands every peer's rows in ONE buffer: give peer p its own
+  # window [p * rows_per_peer, ...) of it (the real layouts of two peers overlap).
+  rows_per_peer = plan.recv_valid.shape[0]
+  out_rows = r * rows_per_peer
+  seg = layout.Segments(src_start=seg.src_start, rows=seg.rows,
+                        dst_start=seg.dst_start + rows_per_peer * jnp.arange(r)[:, None])
+  x = jax.random.normal(jax.random.key(0), (t * k, h), jnp.float32).astype(jnp.bfloat16)
+  cfg = TransferConfig(chunk_rows=8, col_tile=64)
+  out = fdg.transfer_chunks_local(x, seg.src_start, seg.dst_start, seg.rows, out_rows=out_rows,
+                                  rank=0, transfer=cfg, recv_chunk_rows=32, n_comm=2,
+                                  interpret=INTERPRET)
+  _assert_no_races()
+  out, xs = np.asarray(out.astype(jnp.float32)), np.asarray(x.astype(jnp.float32))
+  covered = np.zeros(out_rows, bool)
+  for s, d, n in zip(*(np.asarray(a).ravel() for a in (seg.src_start, seg.dst_start, seg.rows))):
+    np.testing.assert_array_equal(out[d:d + n], xs[s:s + n])
+    covered[d:d + n] = True
+  assert covered.any()
+  if not ON_GPU:   # interpret mode fills unwritten output with NaN
+    assert np.isnan(out[~covered]).all()
+
+
+def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
+  """The hooks the fused kernel uses (CTA subset walk + before_tile) change no bit."""
+  m, kdim, n, g = 384, 128, 128, 3
+  ks = jax.random.split(jax.random.key(3), 3)
+  gs = jnp.array([100, 0, 170], jnp.int32)                 # empty group, dead rows
+  x = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
+  w_gate = (jax.random.normal(ks[1], (g, kdim, n)) * kdim**-0.5).astype(jnp.bfloat16)
+  w_up = (jax.random.normal(ks[2], (g, kdim, n)) * kdim**-0.5).astype(jnp.bfloat16)
+  cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
+  ref = gg._row_tiled_call([x], [w_gate, w_up], gs, mode="swiglu", transpose_b=False,
+                           out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET)
+  params = gg.row_tiled_params(m, kdim, n, g, mode="swiglu", transpose_b=False,
+                               out_dtype=jnp.bfloat16, in_dtype=jnp.bfloat16, save_hu=True,
+                               config=cfg)
+  offset, count = 1, 2          # CTA 0 idles (stands for a transfer CTA)
+
+  def body(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem):
+    @jax.experimental.pallas.when(jax.lax.axis_index("sm") >= offset)
+    def _():
+      gg._row_tiled_kernel(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem,
+                           cta_offset=offset, num_ctas=count,
+                           before_tile=lambda load_row: plgpu.commit_smem(), **params)
+
+  kernel = plgpu.kernel(
+      body, out_type=tuple(jax.ShapeDtypeStruct((m, n), jnp.bfloat16) for _ in range(3)),
+      grid=(offset + count,), grid_names=("sm",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=gg.resolve_interpret(INTERPRET))
+  got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), x, w_gate, w_up)
+  _assert_no_races()
+  for a, b in zip(got, ref):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def _lower_fused(mesh, r, kernel, transfer, fused, ns=256, h=256, f=192, el=2):
+  def body(x, s, d, l, gs, wg, wu):
+    return fdg.fused_dispatch_gate_up(x, s[0], d[0], l[0], gs[0], wg, wu, out_rows=r * ns,
+                                      axis_name="expert", kernel=kernel, transfer=transfer,
+                                      fused=fused)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 7, out_specs=P("expert"),
+                     check_vma=False)
+  sh = NamedSharding(mesh, P("expert"))
+  s = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+  args = (s((r * ns, h), jnp.bfloat16), s((r, r, el)), s((r, r, el)), s((r, r, el)),
+          s((r, el)), s((r * el, h, f), jnp.bfloat16), s((r * el, h, f), jnp.bfloat16))
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_fused_kernel_lowers_for_cuda(mesh_factory):
+  """The communicating kernel (remote refs, semaphores, both roles) lowers to a
+  Mosaic GPU custom call for CUDA on a CPU-only machine (runs: GPU script)."""
+  r = 4
+  mesh = mesh_factory(1, r)
+  lowered = _lower_fused(mesh, r, KernelConfig(num_sms=8, max_concurrent_steps=2),
+                         TransferConfig(chunk_rows=64), fdg.FusedConfig(n_comm=3,
+                                                                        recv_chunk_rows=256))
+  assert "mosaic_gpu" in lowered.as_text()
+  # the fused kernel keeps Mosaic GPU's pre-launch cross-device barrier (SYNC.md)
+  assert plgpu.CompilerParams().skip_device_barrier is False
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(fused=fdg.FusedConfig(recv_chunk_rows=200)), "multiple of block_m"),
+    (dict(fused=fdg.FusedConfig(n_comm=8)), "n_comm=8 must be < num_sms=8"),
+    (dict(kernel=KernelConfig(num_sms=8, block_m=256, block_n=256, block_k=256)),
+     "does not fit in"),
+    (dict(transfer=TransferConfig(chunk_rows=8192)), "no column tile fits"),
+    (dict(hidden=200), "divisible by block_k"),
+])
+def test_static_validation_errors(kw, match):
+  args = dict(out_rows=1024, hidden=256, ffn=192, num_local_experts=2, dtype=jnp.bfloat16,
+              kernel=KernelConfig(num_sms=8), transfer=TransferConfig(),
+              fused=fdg.FusedConfig(n_comm=3, recv_chunk_rows=256), smem=227 * 1024)
+  args.update(kw)
+  with pytest.raises(ValueError, match=match):
+    fdg.validate(**args)
+
+
+def test_valid_point_sizes():
+  st = fdg.validate(out_rows=1000, hidden=256, ffn=192, num_local_experts=2, dtype=jnp.bfloat16,
+                    kernel=KernelConfig(num_sms=8), transfer=TransferConfig(),
+                    fused=fdg.FusedConfig(n_comm=3, recv_chunk_rows=256), smem=227 * 1024)
+  assert (st.m_p, st.f_p, st.num_chunks, st.num_sms, st.col_tile) == (1024, 256, 4, 8, 256)
+  with pytest.raises(ValueError, match="n_comm"):
+    fdg.FusedConfig(n_comm=0)
