@@ -132,6 +132,55 @@ def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: in
   return jax.vmap(one)(seg_src, seg_dst, seg_len)
 
 
+def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base, first_item,
+               count, w: int, cta, num_ctas: int, item_rows: int, col_tile: int):
+  """One CTA's share of `count` items of a work list: items first_item + cta,
+  first_item + cta + num_ctas, ... of the list at work_gmem[base:] (layout of
+  `work_lists`: src_row at [base + i], dst_row at [base + w + i], rows at
+  [base + 2w + i]), each moved column tile by column tile through the two SMEM
+  stages into `dst_gmem` (local or a peer's `remote_ref`) with the store ladder.
+  Shared by this kernel and the fused dispatch + GEMM kernel."""
+  ns, hidden = src_gmem.shape
+  n_col = hidden // col_tile
+  steps = (jnp.maximum(count - cta + num_ctas - 1, 0) // num_ctas) * n_col
+
+  def item_col(s):
+    it = first_item + cta + (s // n_col) * num_ctas
+    return base + it, (s % n_col) * col_tile
+
+  def load_row(at):
+    # The load box never leaves src: near the end it starts earlier and the
+    # item's rows sit further down the stage buffer.
+    return jnp.minimum(work_gmem[at], ns - item_rows)
+
+  def load(s, stage):
+    at, col = item_col(s)
+    plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(load_row(at), item_rows), pl.ds(col, col_tile)],
+                            stage_smem.at[stage], load_barrier.at[stage])
+
+  @pl.when(steps > 0)
+  def _():
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
+    load(0, 0)
+
+  def step(s, carry):
+    stage = lax.rem(s, 2)
+    plgpu.barrier_wait(load_barrier.at[stage])
+
+    @pl.when(s + 1 < steps)
+    def _():
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
+      load(s + 1, 1 - stage)
+
+    at, col = item_col(s)
+    ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
+                 work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
+                 item_rows)
+    return carry
+
+  lax.fori_loop(0, steps, step, 0)
+
+
 def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
                    w: int, chunk_rows: int, col_tile: int, num_ctas: int,
                    axis_name, num_peers: int):
@@ -157,47 +206,9 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
     else:
       peer = lax.rem(me + j, num_peers)
       dst_gmem = plgpu.remote_ref(out_gmem, {axis_name: peer})
-    live = work_gmem[base + 3 * w]
-    my_items = jnp.maximum(live - c + num_ctas - 1, 0) // num_ctas
-    steps = my_items * n_col
-
-    def item_col(s, base=base):
-      it = c + (s // n_col) * num_ctas
-      return base + it, (s % n_col) * col_tile
-
-    def load_row(at):
-      # The load box never leaves src: near the end it starts earlier and the
-      # item's rows sit further down the stage buffer.
-      return jnp.minimum(work_gmem[at], ns - chunk_rows)
-
-    def load(s, stage, item_col=item_col):
-      at, col = item_col(s)
-      plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(load_row(at), chunk_rows), pl.ds(col, col_tile)],
-                              stage_smem.at[stage], load_barrier.at[stage])
-
-    @pl.when(steps > 0)
-    def _(load=load):
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
-      load(0, 0)
-
-    def step(s, carry, load=load, item_col=item_col, steps=steps, dst_gmem=dst_gmem):
-      stage = lax.rem(s, 2)
-      plgpu.barrier_wait(load_barrier.at[stage])
-
-      @pl.when(s + 1 < steps)
-      def _():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
-        load(s + 1, 1 - stage)
-
-      at, col = item_col(s)
-      smem_row = work_gmem[at] - load_row(at)
-      dst_row = work_gmem[at + w]
-      rows = work_gmem[at + 2 * w]
-      ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
-                    smem_row, dst_row, rows, chunk_rows)
-      return carry
-
-    lax.fori_loop(0, steps, step, 0)
+    move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
+               first_item=0, count=work_gmem[base + 3 * w], w=w, cta=c, num_ctas=num_ctas,
+               item_rows=chunk_rows, col_tile=col_tile)
 
   plgpu.wait_smem_to_gmem(0)
 

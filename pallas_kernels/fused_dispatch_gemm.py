@@ -126,7 +126,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
-from pallas_kernels.tma import ladder_store
+from pallas_kernels.ep_transfer import move_items
 from uniep_jax.config import KernelConfig, TransferConfig
 
 
@@ -228,17 +228,10 @@ def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chu
   """Warpgroup 0 of transfer CTA c: every chunk's items, then the final sweep.
   axis_name=None: the local form (every offset lands in this device's recv, no
   semaphores; runs in the CPU interpret mode)."""
-  ns, hidden = src_gmem.shape
-  n_col = hidden // col_tile
   c = lax.axis_index("sm")
   stride = 3 * w + num_chunks + 1
   if axis_name is not None:
     me = lax.axis_index(axis_name)
-
-  def load_row(at):
-    # The load box never leaves src: near the end it starts earlier and the
-    # item's rows sit further down the stage buffer (as v1).
-    return jnp.minimum(work_gmem[at], ns - item_rows)
 
   def chunk_body(kc, carry):
     for j in list(range(1, num_peers)) + [0]:   # static: remote peers first, own rows last
@@ -248,40 +241,9 @@ def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chu
       else:
         dst_gmem = plgpu.remote_ref(recv_gmem, {axis_name: lax.rem(me + j, num_peers)})
       first_item = work_gmem[base + 3 * w + kc]
-      count = work_gmem[base + 3 * w + kc + 1] - first_item
-      steps = (jnp.maximum(count - c + n_comm - 1, 0) // n_comm) * n_col
-
-      def item_col(s, base=base, first_item=first_item):
-        it = first_item + c + (s // n_col) * n_comm
-        return base + it, (s % n_col) * col_tile
-
-      def load(s, stage, item_col=item_col):
-        at, col = item_col(s)
-        plgpu.copy_gmem_to_smem(
-            src_gmem.at[pl.ds(load_row(at), item_rows), pl.ds(col, col_tile)],
-            stage_smem.at[stage], load_barrier.at[stage])
-
-      @pl.when(steps > 0)
-      def _(load=load):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
-        load(0, 0)
-
-      def step(s, carry, load=load, item_col=item_col, steps=steps, dst_gmem=dst_gmem):
-        stage = lax.rem(s, 2)
-        plgpu.barrier_wait(load_barrier.at[stage])
-
-        @pl.when(s + 1 < steps)
-        def _():
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
-          load(s + 1, 1 - stage)
-
-        at, col = item_col(s)
-        ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
-                     work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
-                     item_rows)
-        return carry
-
-      lax.fori_loop(0, steps, step, 0)
+      move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
+                 first_item=first_item, count=work_gmem[base + 3 * w + kc + 1] - first_item,
+                 w=w, cta=c, num_ctas=n_comm, item_rows=item_rows, col_tile=col_tile)
 
     plgpu.wait_smem_to_gmem(0)                  # this CTA's stores of chunk kc landed
     if axis_name is not None:

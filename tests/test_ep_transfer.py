@@ -86,3 +86,26 @@ def test_launch_contract_and_smem_fit():
   assert 2 * cfg.chunk_rows * 224 * 4 <= 227 * 1024
   with pytest.raises(ValueError, match="chunk_rows"):
     TransferConfig(chunk_rows=4096).col_tile_for(7168, itemsize=4, smem_bytes=227 * 1024)
+
+
+def test_communicating_transfer_lowers_for_cuda(mesh_factory):
+  """The NVLink form (remote TMA stores, semaphores, static peer loop) lowers to a
+  Mosaic GPU custom call for CUDA on this CPU-only machine; it runs in
+  bench/check_moe_gpu.py on GPUs."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  r, el, ns, h = 4, 2, 256, 512
+  mesh = mesh_factory(1, r)
+
+  def body(x, s, d, n):
+    return ep_transfer.transfer_segments(x, s[0], d[0], n[0], out_rows=r * ns,
+                                         config=TransferConfig(num_ctas=8),
+                                         axis_name="expert", interpret=False)
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 4, out_specs=P("expert"),
+                     check_vma=False)
+  sh = NamedSharding(mesh, P("expert"))
+  spec = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+  lowered = jax.jit(fn).trace(spec((r * ns, h), jnp.bfloat16), spec((r, r, el)),
+                              spec((r, r, el)), spec((r, r, el))).lower(
+                                  lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
