@@ -9,6 +9,8 @@ have no `core_count`; callers then pass the SM count explicitly or get
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Optional
 
@@ -76,3 +78,28 @@ def device_name(device: Optional[jax.Device] = None) -> str:
   """`device_kind` as a file-name-safe string, e.g. "NVIDIA_H100_80GB_HBM3"."""
   device = device or jax.devices()[0]
   return "".join(c if c.isalnum() else "_" for c in device.device_kind).strip("_")
+
+
+_LOWER_FOR_GPU = contextvars.ContextVar("uniep_lower_for_gpu", default=False)
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+  """Inside this context, kernels called with interpret=None compile for the GPU
+  even where JAX's default backend is the CPU: for lowering GPU programs on a
+  CPU-only machine (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`),
+  which checks everything up to the Mosaic GPU custom call without a GPU."""
+  token = _LOWER_FOR_GPU.set(True)
+  try:
+    yield
+  finally:
+    _LOWER_FOR_GPU.reset(token)
+
+
+def default_interpret():
+  """What interpret=None means: the CPU interpret mode on a CPU backend (unless
+  inside `lowering_for_gpu()`), else False (compile for the GPU)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  if jax.default_backend() == "cpu" and not _LOWER_FOR_GPU.get():
+    return plgpu.InterpretGPUParams()
+  return False

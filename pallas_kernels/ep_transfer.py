@@ -245,7 +245,7 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
   body = functools.partial(_transfer_body, w=w, chunk_rows=chunk, col_tile=col_tile,
                            num_ctas=num_ctas, axis_name=axis_name, num_peers=num_peers)
   if interpret is None:
-    interpret = plgpu.InterpretGPUParams() if jax.default_backend() == "cpu" else False
+    interpret = device_lib.default_interpret()
   if axis_name is not None and interpret:
     raise ValueError("the communicating transfer needs a GPU (remote refs and semaphores "
                      "do not run in the interpret mode); use axis_name=None on the CPU")

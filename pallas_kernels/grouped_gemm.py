@@ -137,9 +137,10 @@ _PLAN_FIELDS = 5
 
 
 def resolve_interpret(interpret):
-  """`None` -> interpret params on a CPU backend, else compile for the GPU."""
+  """`None` -> interpret params on a CPU backend, else compile for the GPU
+  (`device_lib.default_interpret`)."""
   if interpret is None:
-    return plgpu.InterpretGPUParams() if jax.default_backend() == "cpu" else False
+    return device_lib.default_interpret()
   return interpret
 
 

@@ -335,3 +335,35 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
   assert int(dropped_n) == int(dropped_p) and (int(dropped_p) > 0) == (bound is not None)
   chex.assert_trees_all_equal(y_n, y_p)
   chex.assert_trees_all_equal(g_n, g_p)
+
+
+@pytest.mark.parametrize("bound", [None, 1.5])
+def test_uniep_layer_lowers_for_cuda(bound):
+  """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
+  grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
+  kernel gets as far as the Mosaic GPU custom call (it runs on GPUs in
+  bench/check_moe_gpu.py)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from pallas_kernels import device as device_lib
+  mesh = make_mesh(2, 4)
+  axes = ("data", "expert")
+  p = make_params(jax.random.key(0), experts=E, hidden=128, ffn=192, dtype=jnp.bfloat16)
+  specs = uniep_jax.param_specs(p)
+  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound)
+
+  def body(xl, pl):
+    y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=2, config=cfg, token_axes=axes)
+    return y
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes), specs), out_specs=P(axes),
+                     check_vma=False)
+  loss = lambda x, p: jnp.sum(fn(x, p).astype(jnp.float32) ** 2)  # noqa: E731
+  sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
+  x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes)))
+  ps = jax.tree.map(sds, p, specs)
+  with device_lib.lowering_for_gpu():
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ps).lower(
+        lowering_platforms=("cuda",)).as_text()
+  # 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
+  # (11 Mosaic GPU custom calls when written)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") >= 8
