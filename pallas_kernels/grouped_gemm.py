@@ -289,7 +289,8 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                       m: int, k: int, n: int, num_tiles: int, block_m: int, block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
                       num_ctas: Optional[int] = None,
-                      before_tile: Optional[Callable[[Any], None]] = None):
+                      before_tile: Optional[Callable[[Any], None]] = None,
+                      walk: Optional[Callable[[Callable[..., None]], None]] = None):
   """The row-tiled body. Hooks for kernels that embed it (all default off, and
   then the traced program is exactly that of the standalone kernel):
     cta_offset, num_ctas  walk the tiles on CTAs [cta_offset, cta_offset +
@@ -300,6 +301,13 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         every COMPUTE tile, i.e. before the first TMA load of its block_m rows
         [load_row, load_row + block_m) of the lhs operands. When it returns, the
         caller guarantees those rows are readable (e.g. a semaphore wait).
+    walk(tile)  replaces the tile loop (cta_offset/num_ctas are then ignored):
+        called once by all three warpgroups inside the SMEM scope, it must call
+        `tile(lin, out_gmems=None, gmem_row=None)` for the linear tile indices
+        lin = t * n_tiles + nt this CTA runs, identically on every warpgroup.
+        out_gmems replaces the outputs the epilogue stores into (e.g. a peer's
+        `remote_ref`), gmem_row the first output row of the tile's rows
+        [lo, hi) (default lo). Used by `fused_gemm_return.py`.
   """
   num_a = 2 if mode == "sum2" else 1
   num_b = 1 if mode == "plain" else 2
@@ -366,7 +374,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epi_smem):
-    def tile(lin):
+    def tile(lin, out_gmems_=None, gmem_row=None):
       t = lin // n_tiles
       nt = lin % n_tiles
       group = plan_gmem[t]
@@ -393,14 +401,17 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
             else:
               outs = vals
             col0 = nt * cta_n + lax.axis_index("wg") * wg_n
-            _store_epilogue(outs, out_gmems, epi_smem, smem_row=lo - load_row, gmem_row=lo,
+            _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
+                            smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
                             count=hi - lo, rows=block_m, col0=col0, ragged=True)
           pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
 
         a_views, b_views = operand_views(group, load_row, nt)
         make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
 
-    if num_ctas is None:
+    if walk is not None:
+      walk(lambda lin, out_gmems=None, gmem_row=None: tile(lin, out_gmems, gmem_row))
+    elif num_ctas is None:
       @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
       def _tile_loop(loop_info):
         (lin,) = loop_info.index
@@ -411,9 +422,10 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _cta_subset_loop(total: int, cta_offset: int, num_ctas: int, body):
+def _cta_subset_loop(total, cta_offset: int, num_ctas: int, body):
   """`body(lin)` for lin = i, i + num_ctas, ... < total, where i = this CTA's
-  index on the "sm" axis minus cta_offset (nd_loop's order on a CTA subset)."""
+  index on the "sm" axis minus cta_offset (nd_loop's order on a CTA subset).
+  total may be traced (a run-time tile count)."""
   local = lax.axis_index("sm") - cta_offset
   steps = jnp.maximum(total - local + num_ctas - 1, 0) // num_ctas
 

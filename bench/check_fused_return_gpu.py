@@ -1,0 +1,144 @@
+"""GPU bring-up of the EXPERIMENTAL fused down GEMM + return kernel (v2 Kernel B).
+
+  PYTHONPATH=$PWD timeout 500 python3 -m bench.check_fused_return_gpu [--out DIR] [--cases small]
+
+On all local GPUs (mesh data=1, expert=R), per case (shape x config):
+  v1     y = grouped_gemm plain(a, w_down)          (launch 1), same KernelConfig
+         y_sorted = dispatch._return_nvlink(y)      (ep_transfer, launch 2)
+  fused  y_sorted = fused_gemm_return.fused_gemm_return(a, w_down, ...)  (one launch)
+a is a random receive-layout activation [R*T*K (padded to block_m), F] per rank
+(dead rows random too: both paths load the same blocks). Checks y_sorted
+bitwise over all T*K sorted rows (no receive bound: every row is returned),
+a second fused launch bitwise (no stale semaphore counts), then times both
+(median ms, bench.common). Writes check_fused_return_gpu_<device>.json to --out
+(default $OUT) after EVERY case, so a hang (run it under `timeout`) keeps the
+cases before it. Exits 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # no NVLink multicast, ever
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from bench import common  # noqa: E402
+from pallas_kernels import device as device_lib  # noqa: E402
+from pallas_kernels import fused_gemm_return as fgr  # noqa: E402
+from pallas_kernels import grouped_gemm as gg  # noqa: E402
+from uniep_jax import layout  # noqa: E402
+from uniep_jax.config import KernelConfig, TransferConfig  # noqa: E402
+from uniep_jax.dispatch import _return_nvlink  # noqa: E402
+
+# name: (tokens T, top_k K, local experts El, hidden H, ffn F, skew of expert 0)
+CASES = {
+    "small": (512, 4, 4, 512, 384, 0.0),
+    "small-skew": (512, 4, 4, 512, 384, 8.0),
+    "mid": (4096, 8, 8, 2048, 1024, 0.0),
+    "mid-skew": (4096, 8, 8, 2048, 1024, 4.0),
+}
+
+
+def _fns(mesh, r, t, k, el, kernel, transfer):
+  e = r * el
+
+  def plan_of(topk):
+    cm = jax.lax.all_gather(layout.local_group_sizes(topk, e), "expert")   # [R, E]
+    rank = jax.lax.axis_index("expert")
+    return layout.make_plan(topk, cm, rank), rank
+
+  def v1(a, topk, w_down):
+    plan, _ = plan_of(topk)
+    (y,) = gg._row_tiled_call([a], [w_down], plan.recv_group_sizes, mode="plain",
+                              transpose_b=False, out_dtype=a.dtype, save_hu=False, config=kernel,
+                              interpret=False)                             # [M_p, H]
+    return _return_nvlink(y, plan, "expert", el, transfer), plan.num_received[None]
+
+  def fused_fn(a, topk, w_down):
+    plan, rank = plan_of(topk)
+    seg = layout.return_segments(plan, rank)
+    y = fgr.fused_gemm_return(a, w_down, seg.src_start, seg.dst_start, seg.rows,
+                              out_rows=t * k, axis_name="expert", kernel=kernel)
+    return y, plan.num_received[None]
+
+  wrap = lambda f: jax.jit(jax.shard_map(  # noqa: E731
+      f, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert"), check_vma=False))
+  return wrap(v1), wrap(fused_fn)
+
+
+def _inputs(mesh, r, t, k, el, h, f, skew, kernel, seed=0):
+  e = r * el
+  m_p = gg._round_up(r * t * k, kernel.block_m)
+  rng = np.random.default_rng(seed)
+  p = np.full(e, 1.0)
+  p[0] += skew
+  topk = rng.choice(e, size=(r * t, k), p=p / p.sum()).astype(np.int32)
+  ks = jax.random.split(jax.random.key(seed), 2)
+  a = jax.random.normal(ks[0], (r * m_p, f)).astype(jnp.bfloat16)        # receive layout per rank
+  w_down = (jax.random.normal(ks[1], (e, f, h)) * f**-0.5).astype(jnp.bfloat16)
+  sh = NamedSharding(mesh, P("expert"))
+  return [jax.device_put(x, sh) for x in (a, jnp.asarray(topk), w_down)]
+
+
+def _same_bits(a, b) -> bool:
+  a, b = np.asarray(a), np.asarray(b)
+  return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
+      a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT"))
+  ap.add_argument("--cases", default=",".join(CASES))
+  ap.add_argument("--no-time", action="store_true")
+  args = ap.parse_args(argv)
+  out = common.out_dir(args.out)
+  meta = common.run_metadata()
+  print(meta, flush=True)
+  r = len(jax.devices())
+  mesh = jax.make_mesh((1, r), ("data", "expert"))
+  kernel, transfer = KernelConfig(), TransferConfig()
+  path = os.path.join(out, f"check_fused_return_gpu_{device_lib.device_name()}.json")
+  results = []
+  for name in args.cases.split(","):
+    t, k, el, h, f, skew = CASES[name]
+    res = dict(case=name, R=r, T=t, K=k, El=el, H=h, F=f, skew=skew, kernel=str(kernel),
+               transfer=str(transfer))
+    try:
+      v1, fused_fn = _fns(mesh, r, t, k, el, kernel, transfer)
+      xs = _inputs(mesh, r, t, k, el, h, f, skew, kernel)
+      ya = jax.block_until_ready(v1(*xs))
+      print(f"{name}: v1 ran", flush=True)
+      yb = jax.block_until_ready(fused_fn(*xs))
+      print(f"{name}: fused ran", flush=True)
+      yc = jax.block_until_ready(fused_fn(*xs))                   # second launch: no stale counts
+      res["num_received"] = [int(v) for v in np.asarray(ya[1])]
+      res["y_bitwise"] = _same_bits(ya[0], yb[0])
+      res["fused_repeat_bitwise"] = _same_bits(yb[0], yc[0])
+      if not res["y_bitwise"]:
+        x, y = np.asarray(ya[0]).view(np.uint16), np.asarray(yb[0]).view(np.uint16)
+        res["y_bad_rows"] = int(np.sum(np.any(x != y, axis=1)))
+      res["ok"] = res["y_bitwise"] and res["fused_repeat_bitwise"]
+      if not args.no_time:
+        res["v1_ms"] = common.time_ms(v1, *xs)
+        res["fused_ms"] = common.time_ms(fused_fn, *xs)
+    except Exception as ex:  # noqa: BLE001
+      traceback.print_exc(limit=4)
+      res.update(ok=False, error=repr(ex)[:600])
+    print(("PASS " if res["ok"] else "FAIL ") + str(res), flush=True)
+    results.append(res)
+    common.write_json(path, dict(meta=meta, results=results))
+  print("wrote", path)
+  return 0 if all(x["ok"] for x in results) else 1
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
