@@ -95,12 +95,6 @@ def _inputs(mesh, r, t, k, el, h, f, skew, seed=0):
   return [jax.device_put(x, sh) for x in (rows, jnp.asarray(topk), w_gate, w_up)]
 
 
-def _same_bits(a, b) -> bool:
-  a, b = np.asarray(a), np.asarray(b)
-  return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
-      a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
-
-
 def _recv_defined_equal(ra, rb, num_received, r) -> tuple[bool, int]:
   """recv rows v1 defines (live + zero window), per rank. Returns (ok, bad rows)."""
   ra = np.asarray(ra).reshape(r, -1, ra.shape[-1])
@@ -141,9 +135,9 @@ def main(argv=None):
       print(f"{name}: fused ran", flush=True)
       yc = jax.block_until_ready(fused_fn(*xs))                   # second launch: no stale counts
       res["num_received"] = [int(v) for v in np.asarray(ya[4])]
-      res["a_h_u_bitwise"] = all(_same_bits(p, q) for p, q in zip(ya[1:4], yb[1:4]))
+      res["a_h_u_bitwise"] = all(common.same_bits(p, q) for p, q in zip(ya[1:4], yb[1:4]))
       res["recv_bitwise"], res["recv_bad_rows"] = _recv_defined_equal(ya[0], yb[0], ya[4], r)
-      res["fused_repeat_bitwise"] = all(_same_bits(p, q) for p, q in zip(yb[1:4], yc[1:4]))
+      res["fused_repeat_bitwise"] = all(common.same_bits(p, q) for p, q in zip(yb[1:4], yc[1:4]))
       if not res["a_h_u_bitwise"]:
         res["a_h_u_bad_rows"] = [int(np.sum(np.any(np.asarray(p) != np.asarray(q), axis=1)))
                                  for p, q in zip(ya[1:4], yb[1:4])]

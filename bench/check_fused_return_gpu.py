@@ -88,12 +88,6 @@ def _inputs(mesh, r, t, k, el, h, f, skew, kernel, seed=0):
   return [jax.device_put(x, sh) for x in (a, jnp.asarray(topk), w_down)]
 
 
-def _same_bits(a, b) -> bool:
-  a, b = np.asarray(a), np.asarray(b)
-  return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
-      a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -121,8 +115,8 @@ def main(argv=None):
       print(f"{name}: fused ran", flush=True)
       yc = jax.block_until_ready(fused_fn(*xs))                   # second launch: no stale counts
       res["num_received"] = [int(v) for v in np.asarray(ya[1])]
-      res["y_bitwise"] = _same_bits(ya[0], yb[0])
-      res["fused_repeat_bitwise"] = _same_bits(yb[0], yc[0])
+      res["y_bitwise"] = common.same_bits(ya[0], yb[0])
+      res["fused_repeat_bitwise"] = common.same_bits(yb[0], yc[0])
       if not res["y_bitwise"]:
         x, y = np.asarray(ya[0]).view(np.uint16), np.asarray(yb[0]).view(np.uint16)
         res["y_bad_rows"] = int(np.sum(np.any(x != y, axis=1)))

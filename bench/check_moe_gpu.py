@@ -54,13 +54,6 @@ def _fns(mesh, top_k, cfg):
   return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
-def _bitwise_equal(a, b) -> bool:
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  return len(la) == len(lb) and all(
-      x.dtype == y.dtype and np.array_equal(np.asarray(x).reshape(-1).view(np.uint8), np.asarray(y).reshape(-1).view(np.uint8))
-      for x, y in zip(la, lb))
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=None)
@@ -116,20 +109,20 @@ def main(argv=None):
             record(f"counts {tag}", np.array_equal(np.asarray(aux["expert_counts"]),
                                                    np.asarray(aux_ref["expert_counts"])))
             record(f"deterministic_3_runs {tag}",
-                   _bitwise_equal(runs[0], runs[1]) and _bitwise_equal(runs[0], runs[2]))
+                   common.same_bits(runs[0], runs[1]) and common.same_bits(runs[0], runs[2]))
             outs[tr] = runs[0]
           except Exception as ex:  # noqa: BLE001
             traceback.print_exc(limit=3)
             record(f"runs {tag}", False, error=repr(ex)[:400])
         if len(outs) == 2:
           record(f"ragged_equals_padded_bitwise {backend}/{jnp.dtype(dtype).name}/data={data},ep={ep}",
-                 _bitwise_equal(outs["ragged"], outs["padded"]))
+                 common.same_bits(outs["ragged"], outs["padded"]))
         if outs:
           by_backend[backend] = next(iter(outs.values()))
       if "uniep" in by_backend and "pallas" in by_backend:
         # The UniEP guarantee: the NVLink transport changes no bit.
         record(f"uniep_equals_pallas_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
-               _bitwise_equal(by_backend["uniep"], by_backend["pallas"]))
+               common.same_bits(by_backend["uniep"], by_backend["pallas"]))
 
   # pallas vs xla_dropless at a mid size, bf16, all GPUs on the expert axis
   if "pallas" in args.backends:

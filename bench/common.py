@@ -46,6 +46,17 @@ SHAPES = {
 SMOKE_SHAPES = {"tiny": MoEShape("tiny", 256, 64, 96, 8, 2)}
 
 
+def same_bits(a, b) -> bool:
+  """Bitwise equality of two arrays or pytrees of arrays (dtype, shape and bytes)."""
+  import numpy as np
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(
+      np.asarray(x).dtype == np.asarray(y).dtype and np.asarray(x).shape == np.asarray(y).shape
+      and np.array_equal(np.asarray(x).reshape(-1).view(np.uint8),
+                         np.asarray(y).reshape(-1).view(np.uint8))
+      for x, y in zip(la, lb))
+
+
 def block(tree):
   return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
 

@@ -24,21 +24,8 @@ from pallas_kernels import fused_dispatch_gemm as fdg
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax import layout
 from uniep_jax.config import KernelConfig, TransferConfig
+from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
 
-ON_GPU = any(d.platform == "gpu" for d in jax.devices())
-INTERPRET = False if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_interpret_state():
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-  yield
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-
-
-def _assert_no_races():
-  if not ON_GPU:
-    assert not gpu_callbacks.get_races().races_found, "race detector reported a race"
 
 
 def _dispatch_segments(rng, r, el, t, k, skew):
@@ -129,7 +116,7 @@ def test_transfer_role_local_form_matches_numpy():
   out = fdg.transfer_chunks_local(x, seg.src_start, seg.dst_start, seg.rows, out_rows=out_rows,
                                   rank=0, transfer=cfg, recv_chunk_rows=32, n_comm=2,
                                   interpret=INTERPRET)
-  _assert_no_races()
+  assert_no_races()
   out, xs = np.asarray(out.astype(jnp.float32)), np.asarray(x.astype(jnp.float32))
   covered = np.zeros(out_rows, bool)
   for s, d, n in zip(*(np.asarray(a).ravel() for a in (seg.src_start, seg.dst_start, seg.rows))):
@@ -169,7 +156,7 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=gg.resolve_interpret(INTERPRET))
   got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), x, w_gate, w_up)
-  _assert_no_races()
+  assert_no_races()
   for a, b in zip(got, ref):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 

@@ -22,21 +22,8 @@ from pallas_kernels import fused_gemm_return as fgr
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax import layout
 from uniep_jax.config import KernelConfig
+from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
 
-ON_GPU = any(d.platform == "gpu" for d in jax.devices())
-INTERPRET = False if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_interpret_state():
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-  yield
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-
-
-def _assert_no_races():
-  if not ON_GPU:
-    assert not gpu_callbacks.get_races().races_found, "race detector reported a race"
 
 
 def _plans(rng, r, el, t, k, skew, recv_rows=None):
@@ -124,7 +111,7 @@ def test_local_form_is_bitwise_grouped_gemm_plus_return():
   got = fgr.gemm_return_local(a, w_down, seg.src_start,
                               seg.dst_start + window * jnp.arange(r)[:, None], seg.rows,
                               out_rows=out_rows, rank=rank, kernel=cfg, interpret=INTERPRET)
-  _assert_no_races()
+  assert_no_races()
   (y,) = gg._row_tiled_call([a], [w_down], plan.recv_group_sizes, mode="plain",
                             transpose_b=False, out_dtype=jnp.bfloat16, save_hu=False,
                             config=cfg, interpret=INTERPRET)

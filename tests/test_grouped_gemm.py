@@ -20,30 +20,13 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax.config import KernelConfig
+from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
 
-ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 # Two simulated SMs: every CTA walks several tiles (exercises the persistent loop,
 # barrier phase reuse across tiles and the epilogue slot reuse); two stages.
 CONFIG = KernelConfig(num_sms=2, max_concurrent_steps=2)
-INTERPRET = False if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)
 BF16 = jnp.bfloat16
 BF16_RTOL = 2.0**-8  # one bf16 rounding of the output
-
-
-@pytest.fixture(autouse=True)
-def _fresh_interpret_state():
-  """Interpret mode keeps global state; a failed kernel leaves it dirty."""
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-  yield
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-
-
-def assert_no_races():
-  """The race detector of the last interpreted kernel found nothing."""
-  if ON_GPU:
-    return
-  assert gpu_callbacks._races is not None, "no interpreted kernel ran"
-  assert not gpu_callbacks.get_races().races_found, "race detector reported a race"
 
 
 def rand(key, shape, scale=1.0):
