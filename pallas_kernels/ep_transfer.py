@@ -102,6 +102,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels.tma import ladder_store
 from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
+from uniep_jax.ragged import enumerate_runs
 
 
 def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: int):
@@ -117,17 +118,11 @@ def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: in
 
   def one(src, dst, length):
     chunks = (length + chunk_rows - 1) // chunk_rows                # [El]
-    ends = jnp.cumsum(chunks)
-    starts = ends - chunks
-    i = jnp.arange(w, dtype=jnp.int32)
-    seg = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
-    valid = seg < el
-    seg = jnp.minimum(seg, el - 1)
-    j = i - starts[seg]
+    seg, j, valid = enumerate_runs(chunks, w)
     z = lambda a: jnp.where(valid, a, 0).astype(jnp.int32)  # noqa: E731
     rows = z(jnp.minimum(chunk_rows, length[seg] - j * chunk_rows))
     return jnp.concatenate([z(src[seg] + j * chunk_rows), z(dst[seg] + j * chunk_rows), rows,
-                            ends[-1:].astype(jnp.int32)])
+                            jnp.sum(chunks, keepdims=True).astype(jnp.int32)])
 
   return jax.vmap(one)(seg_src, seg_dst, seg_len)
 

@@ -128,6 +128,7 @@ from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.ep_transfer import move_items
 from uniep_jax.config import KernelConfig, TransferConfig
+from uniep_jax.ragged import block_pieces, enumerate_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,29 +181,16 @@ def chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, item_row
 
   def one(src, dst, length):                                        # [El] each
     # segments -> pieces cut at destination chunk boundaries
-    first = dst // b
-    last = (dst + length - 1) // b
-    pieces = jnp.where(length > 0, last - first + 1, 0)             # [El]
-    p_end = jnp.cumsum(pieces)
-    p_start = p_end - pieces
-    i = jnp.arange(num_pieces, dtype=jnp.int32)
-    seg = jnp.searchsorted(p_end, i, side="right").astype(jnp.int32)
-    p_valid = seg < el
-    seg = jnp.minimum(seg, el - 1)
-    p_chunk = first[seg] + i - p_start[seg]                         # [P]
+    first, pieces = block_pieces(dst, length, b)                    # [El]
+    seg, piece, p_valid = enumerate_runs(pieces, num_pieces)
+    p_chunk = first[seg] + piece                                    # [P]
     d_lo = jnp.maximum(dst[seg], p_chunk * b)
     d_hi = jnp.minimum(dst[seg] + length[seg], (p_chunk + 1) * b)
     p_len = jnp.where(p_valid, d_hi - d_lo, 0)
     s_lo = src[seg] + (d_lo - dst[seg])
     # pieces -> items of at most item_rows rows
     items = (p_len + item_rows - 1) // item_rows                    # [P]
-    i_end = jnp.cumsum(items)
-    i_start = i_end - items
-    q = jnp.arange(w, dtype=jnp.int32)
-    pc = jnp.searchsorted(i_end, q, side="right").astype(jnp.int32)
-    i_valid = pc < num_pieces
-    pc = jnp.minimum(pc, num_pieces - 1)
-    jj = q - i_start[pc]
+    pc, jj, i_valid = enumerate_runs(items, w)
     z = lambda a: jnp.where(i_valid, a, 0).astype(jnp.int32)  # noqa: E731
     rows = z(jnp.minimum(item_rows, p_len[pc] - jj * item_rows))
     i_src = z(s_lo[pc] + jj * item_rows)

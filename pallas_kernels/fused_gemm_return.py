@@ -112,6 +112,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax.config import KernelConfig
+from uniep_jax.ragged import block_pieces, enumerate_runs
 
 _FIELDS = 6  # group, load_row, lo, hi, kind, dst_row
 
@@ -142,19 +143,13 @@ def return_tile_plan(seg_src, seg_dst, seg_len, *, rank, recv_rows: int, block_m
   src = rot(seg_src).reshape(-1)                                    # [R * El], index j * El + le
   dst = rot(seg_dst).reshape(-1)
   length = jnp.maximum(rot(seg_len).reshape(-1), 0)
-  first = src // block_m
-  last = (src + length - 1) // block_m
-  pieces = jnp.where(length > 0, last - first + 1, 0)               # tiles per segment
-  p_end = jnp.cumsum(pieces)
-  p_start = p_end - pieces
-  t = jnp.arange(t_max, dtype=jnp.int32)
-  seg = jnp.searchsorted(p_end, t, side="right").astype(jnp.int32)
-  valid = t < p_end[-1]
-  seg = jnp.minimum(seg, r * el - 1)
-  row0 = (first[seg] + t - p_start[seg]) * block_m
+  first, pieces = block_pieces(src, length, block_m)                # tiles per segment
+  seg, piece, valid = enumerate_runs(pieces, t_max)
+  row0 = (first[seg] + piece) * block_m
   lo = jnp.maximum(src[seg], row0)
   hi = jnp.minimum(src[seg] + length[seg], row0 + block_m)
   z = lambda x: jnp.where(valid, x, 0).astype(jnp.int32)  # noqa: E731
+  p_end = jnp.cumsum(pieces)
   peer_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), p_end[el - 1::el]])  # [R + 1]
   return jnp.concatenate([z(seg % el), z(row0), z(lo), z(hi),
                           jnp.where(valid, gg._COMPUTE, gg._NONE).astype(jnp.int32),

@@ -122,6 +122,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels.tma import ladder_store
 from uniep_jax.config import KernelConfig
+from uniep_jax.ragged import block_pieces, enumerate_runs
 
 _NONE, _COMPUTE, _ZERO = 0, 1, 2
 _EPI_N = 64  # epilogue chunk width (columns)
@@ -231,17 +232,9 @@ def _row_tile_plan(group_sizes, m: int, block_m: int):
   starts_x = jnp.concatenate([starts, total[None]])  # [G + 1]; G = dead rows
   ends_x = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
   sizes = ends_x - starts_x
-  first = starts_x // block_m
-  last = (ends_x - 1) // block_m
-  count = jnp.where(sizes > 0, last - first + 1, 0)
-  cum = jnp.cumsum(count)
-  off = cum - count
-  t_max = num_row_tiles(m, g, block_m)
-  t = jnp.arange(t_max, dtype=jnp.int32)
-  gi = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)
-  valid = t < cum[-1]
-  gi = jnp.minimum(gi, g)
-  row0 = (first[gi] + t - off[gi]) * block_m
+  first, count = block_pieces(starts_x, sizes, block_m)
+  gi, piece, valid = enumerate_runs(count, num_row_tiles(m, g, block_m))   # gi in [0, G]
+  row0 = (first[gi] + piece) * block_m
   lo = jnp.maximum(starts_x[gi], row0)
   hi = jnp.minimum(ends_x[gi], row0 + block_m)
   load_row = row0  # m is a multiple of block_m (the wrapper pads), so loads stay inside

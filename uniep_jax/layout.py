@@ -54,6 +54,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from uniep_jax.ragged import enumerate_runs
+
 
 @flax.struct.dataclass
 class DispatchPlan:
@@ -173,14 +175,9 @@ def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank,
   p = jnp.arange(cap, dtype=jnp.int32)
   # Block (le, s) sizes in (le, s) order, flattened; their starts in the layout.
   block_sizes = mine.T.reshape(-1)                                  # [El*R], index le*R + s
-  block_ends = jnp.cumsum(block_sizes)
-  block_starts = block_ends - block_sizes
-  block = jnp.searchsorted(block_ends, p, side="right").astype(jnp.int32)  # [cap]
-  valid = block < el * r
-  block = jnp.minimum(block, el * r - 1)
+  block, within, valid = enumerate_runs(block_sizes, cap)           # within: index inside (le, s)
   le = block // r
   src = block % r
-  within = p - block_starts[block]                                  # index inside (le, s)
   # Inside src's block the rows are ordered (le, t, k): add rows of src for le' < le.
   src_le_start = _exclusive_cumsum(mine, axis=1)                    # [src, le]
   index_in_source = src_le_start[src, le] + within
