@@ -83,10 +83,7 @@ def _fns(mesh, r, t, k, el, kernel, transfer, fused):
 
 def _inputs(mesh, r, t, k, el, h, f, skew, seed=0):
   e = r * el
-  rng = np.random.default_rng(seed)
-  p = np.full(e, 1.0)
-  p[0] += skew
-  topk = rng.choice(e, size=(r * t, k), p=p / p.sum()).astype(np.int32)
+  topk = common.skewed_topk(np.random.default_rng(seed), e, r * t, k, skew)
   ks = jax.random.split(jax.random.key(seed), 3)
   rows = jax.random.normal(ks[0], (r * t * k, h)).astype(jnp.bfloat16)   # sorted rows per rank
   w_gate = (jax.random.normal(ks[1], (e, h, f)) * h**-0.5).astype(jnp.bfloat16)

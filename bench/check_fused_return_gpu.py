@@ -77,10 +77,7 @@ def _fns(mesh, r, t, k, el, kernel, transfer):
 def _inputs(mesh, r, t, k, el, h, f, skew, kernel, seed=0):
   e = r * el
   m_p = gg._round_up(r * t * k, kernel.block_m)
-  rng = np.random.default_rng(seed)
-  p = np.full(e, 1.0)
-  p[0] += skew
-  topk = rng.choice(e, size=(r * t, k), p=p / p.sum()).astype(np.int32)
+  topk = common.skewed_topk(np.random.default_rng(seed), e, r * t, k, skew)
   ks = jax.random.split(jax.random.key(seed), 2)
   a = jax.random.normal(ks[0], (r * m_p, f)).astype(jnp.bfloat16)        # receive layout per rank
   w_down = (jax.random.normal(ks[1], (e, f, h)) * f**-0.5).astype(jnp.bfloat16)

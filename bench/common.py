@@ -57,6 +57,15 @@ def same_bits(a, b) -> bool:
       for x, y in zip(la, lb))
 
 
+def skewed_topk(rng, experts: int, tokens: int, top_k: int, skew: float):
+  """[tokens, top_k] int32 random routing (numpy `rng`), expert 0 (1 + skew) times
+  likelier than each other expert; slots draw independently."""
+  import numpy as np
+  p = np.full(experts, 1.0)
+  p[0] += skew
+  return rng.choice(experts, size=(tokens, top_k), p=p / p.sum()).astype(np.int32)
+
+
 def block(tree):
   return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
 

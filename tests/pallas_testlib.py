@@ -1,6 +1,8 @@
 """Shared by the Pallas kernel tests: interpret-mode settings and the race check."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
@@ -25,3 +27,16 @@ def assert_no_races():
     return
   assert gpu_callbacks._races is not None, "no interpreted kernel ran"
   assert not gpu_callbacks.get_races().races_found, "race detector reported a race"
+
+
+def skewed_plans(rng, r, el, t, k, skew, recv_rows=None):
+  """Dispatch plans of all R ranks from random routing over E = R*El experts,
+  expert 0 `skew` times likelier than the others (t tokens, k slots per rank)."""
+  from uniep_jax import layout
+  e = r * el
+  p = np.full(e, 1.0)
+  p[0] += skew
+  p /= p.sum()
+  topk = [jnp.asarray(rng.choice(e, size=(t, k), p=p), jnp.int32) for _ in range(r)]
+  cm = jnp.stack([layout.local_group_sizes(x, e) for x in topk])
+  return [layout.make_plan(topk[q], cm, q, recv_rows=recv_rows) for q in range(r)]

@@ -25,23 +25,14 @@ from pallas_kernels import grouped_gemm as gg
 from uniep_jax import layout
 from uniep_jax.config import KernelConfig, TransferConfig
 from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
+from pallas_testlib import skewed_plans
 
 
 
 def _dispatch_segments(rng, r, el, t, k, skew):
   """Real dispatch segments of every rank from random (skewed) routing."""
-  e = r * el
-  p = np.full(e, 1.0)
-  p[0] += skew
-  p /= p.sum()
-  topk = [jnp.asarray(rng.choice(e, size=(t, k), p=p), jnp.int32) for _ in range(r)]
-  cm = jnp.stack([layout.local_group_sizes(x, e) for x in topk])
-  out = []
-  for rank in range(r):
-    plan = layout.make_plan(topk[rank], cm, rank)
-    seg = layout.dispatch_segments(plan, rank)
-    out.append((seg, plan))
-  return out
+  return [(layout.dispatch_segments(plan, rank), plan)
+          for rank, plan in enumerate(skewed_plans(rng, r, el, t, k, skew))]
 
 
 def _check_work(work, seg_src, seg_dst, seg_len, *, rank, src_rows, item_rows, b, num_chunks):

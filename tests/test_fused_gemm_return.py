@@ -23,18 +23,8 @@ from pallas_kernels import grouped_gemm as gg
 from uniep_jax import layout
 from uniep_jax.config import KernelConfig
 from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
+from pallas_testlib import skewed_plans
 
-
-
-def _plans(rng, r, el, t, k, skew, recv_rows=None):
-  """Plans of every rank from random (skewed) routing."""
-  e = r * el
-  p = np.full(e, 1.0)
-  p[0] += skew
-  p /= p.sum()
-  topk = [jnp.asarray(rng.choice(e, size=(t, k), p=p), jnp.int32) for _ in range(r)]
-  cm = jnp.stack([layout.local_group_sizes(x, e) for x in topk])
-  return [layout.make_plan(topk[q], cm, q, recv_rows=recv_rows) for q in range(r)]
 
 
 def _check_plan(plan_flat, seg, *, rank, recv_rows, block_m):
@@ -73,7 +63,7 @@ def _check_plan(plan_flat, seg, *, rank, recv_rows, block_m):
     (4, 2, 48, 2, 32, 6.0, 200)])
 def test_return_tile_plan_matches_return_segments(r, el, t, k, block_m, skew, bound):
   rng = np.random.default_rng(r * 10 + el)
-  for rank, plan in enumerate(_plans(rng, r, el, t, k, skew, recv_rows=bound)):
+  for rank, plan in enumerate(skewed_plans(rng, r, el, t, k, skew, recv_rows=bound)):
     seg = layout.return_segments(plan, rank)
     recv_rows = gg._round_up(plan.recv_valid.shape[0], block_m)
     flat = fgr.return_tile_plan(seg.src_start, seg.dst_start, seg.rows, rank=rank,
@@ -83,7 +73,7 @@ def test_return_tile_plan_matches_return_segments(r, el, t, k, block_m, skew, bo
 
 def test_return_tile_plan_traced_rank():
   rng = np.random.default_rng(1)
-  plans = _plans(rng, 3, 2, 32, 2, 1.0)
+  plans = skewed_plans(rng, 3, 2, 32, 2, 1.0)
   seg = layout.return_segments(plans[2], 2)
   f = jax.jit(lambda rk: fgr.return_tile_plan(seg.src_start, seg.dst_start, seg.rows, rank=rk,
                                               recv_rows=192, block_m=64))
@@ -98,7 +88,7 @@ def test_local_form_is_bitwise_grouped_gemm_plus_return():
   rng = np.random.default_rng(5)
   r, el, t, k, f, h = 3, 2, 24, 2, 128, 256
   rank = 1
-  plan = _plans(rng, r, el, t, k, 1.5)[rank]
+  plan = skewed_plans(rng, r, el, t, k, 1.5)[rank]
   seg = layout.return_segments(plan, rank)
   cfg = KernelConfig(num_sms=2, max_concurrent_steps=2, block_m=64)
   m_p = gg._round_up(plan.recv_valid.shape[0], cfg.block_m)
