@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.dispatch import _take_rows, replicate_slots
+from uniep_jax.dispatch import gather_rows, permute_rows, replicate_slots
 from uniep_jax.experts import swiglu_batched
 from uniep_jax.layout import sort_assignments
 
@@ -37,19 +37,20 @@ def capacity_moe_shard(x, topk_experts, params, *, top_k, capacity_factor, axis_
   keep = pos_in_group < cap                                         # [T*K] sorted order
 
   rows = replicate_slots(x, top_k)                                  # [T*K, H]
-  rows_sorted = jnp.take(rows, sort_order, axis=0)
+  rows_sorted = permute_rows(rows, sort_order, sorted_position)
   c = jnp.arange(cap, dtype=jnp.int32)
-  src = group_start[:, None] + c[None, :]                           # [E, cap]
-  valid = c[None, :] < group_sizes[:, None]
-  buf = _take_rows(rows_sorted, src.reshape(-1), valid.reshape(-1)).reshape(r, el, cap, h)
+  src = (group_start[:, None] + c[None, :]).reshape(-1)             # [E*cap]
+  valid = (c[None, :] < group_sizes[:, None]).reshape(-1)
+  flat = sorted_experts * cap + jnp.minimum(pos_in_group, cap - 1)  # [T*K]: its buffer slot
+  # sorted rows -> [E, cap] buffers and back are each other's transpose.
+  buf = gather_rows(rows_sorted, src, valid, flat, keep).reshape(r, el, cap, h)
   recv = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)       # [R(src), El, cap, H]
   recv = recv.transpose(1, 0, 2, 3).reshape(el, r * cap, h)         # [El, R*cap, H]
   y = swiglu_batched(recv, params.w_gate, params.w_up, params.w_down)
   y = y.reshape(el, r, cap, h).transpose(1, 0, 2, 3)                # [R(src), El, cap, H]
   back = jax.lax.all_to_all(y, axis_name, 0, 0, tiled=True)         # [R(dst), El, cap, H]
   back = back.reshape(e * cap, h)
-  flat = sorted_experts * cap + jnp.minimum(pos_in_group, cap - 1)
-  y_sorted = _take_rows(back, flat, keep)                           # [T*K, H]
-  y_assign = jnp.take(y_sorted, sorted_position, axis=0).reshape(t, top_k, h)
+  y_sorted = gather_rows(back, flat, keep, src, valid)              # [T*K, H]
+  y_assign = permute_rows(y_sorted, sorted_position, sort_order).reshape(t, top_k, h)
   dropped = jnp.sum(~keep).astype(jnp.int32)
   return y_assign, dropped

@@ -91,6 +91,45 @@ def _take_rows(rows: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array
   return jnp.where(valid[:, None], out, jnp.zeros((), rows.dtype))
 
 
+def _int_zero_cotangent(a: jax.Array):
+  return jnp.zeros(a.shape, jax.dtypes.float0)
+
+
+@jax.custom_vjp
+def gather_rows(rows: jax.Array, index: jax.Array, valid: jax.Array, index_t: jax.Array,
+                valid_t: jax.Array) -> jax.Array:
+  """out[i] = rows[index[i]] if valid[i] else 0, differentiable without a scatter.
+
+  The map i -> index[i] must be one-to-one on the valid rows, and (index_t,
+  valid_t) must be its transpose: source row j is read by output row
+  index_t[j] when valid_t[j], and by none otherwise. The backward pass is then
+  the gather d_rows[j] = d_out[index_t[j]] (or 0): no scatter-add, which XLA
+  would otherwise emit for the transpose of a gather (atomics on the GPU, and
+  slow: it dominated the backward pass of the capacity path).
+  """
+  return _take_rows(rows, index, valid)
+
+
+def _gather_rows_fwd(rows, index, valid, index_t, valid_t):
+  return _take_rows(rows, index, valid), (index, valid, index_t, valid_t)
+
+
+def _gather_rows_bwd(res, ct):
+  index, valid, index_t, valid_t = res
+  return (_take_rows(ct, index_t, valid_t), _int_zero_cotangent(index),
+          _int_zero_cotangent(valid), _int_zero_cotangent(index_t), _int_zero_cotangent(valid_t))
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def permute_rows(rows: jax.Array, perm: jax.Array, inverse_perm: jax.Array) -> jax.Array:
+  """rows[perm] for a permutation `perm` whose inverse is `inverse_perm`; its
+  backward pass is the gather by the inverse (see `gather_rows`)."""
+  every = jnp.ones(perm.shape, bool)
+  return gather_rows(rows, perm, every, inverse_perm, every)
+
+
 def _put_rows(num_rows: int, values: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
   """zeros[num_rows].at[index].set(values) for valid rows; indices are unique."""
   spill = num_rows + jnp.arange(index.shape[0], dtype=index.dtype)   # distinct, out of range
@@ -258,7 +297,7 @@ def dispatch(x, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, tran
              transfer=TransferConfig()):
   """x [T, H] -> receive layout [recv_rows, H] (padding rows zero, see "nvlink")."""
   rows = replicate_slots(x, top_k)                                  # [T*K, H]
-  rows_sorted = jnp.take(rows, plan.sort_order, axis=0)             # [T*K, H]
+  rows_sorted = permute_rows(rows, plan.sort_order, plan.sorted_position)   # [T*K, H]
   return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport, transfer)
 
 
@@ -267,5 +306,5 @@ def collect(recv, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, tr
   """Receive layout [recv_rows, H] -> [T, K, H]: each assignment's expert output at
   home (zero for assignments dropped by a receive bound)."""
   rows_sorted = return_rows(recv, plan, axis_name, num_local_experts, transport, transfer)
-  rows = jnp.take(rows_sorted, plan.sorted_position, axis=0)        # [T*K, H]
+  rows = permute_rows(rows_sorted, plan.sorted_position, plan.sort_order)  # [T*K, H]
   return rows.reshape(-1, top_k, recv.shape[-1])

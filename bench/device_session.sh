@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Several GPU phases in one device call, each under its own time limit, with
+# everything they write packed into $OUT/results.tgz (the device tool brings back
+# at most 8 files from $OUT). Unpack here with: tar xzf results.tgz -C <dir>
+#   bash bench/device_session.sh PHASE:SECONDS [PHASE:SECONDS ...]
+# Phases:
+#   fused_a  v2 Kernel A bring-up (bench/check_fused_gpu.py, small cases, no timing)
+#   fused_b  v2 Kernel B bring-up (bench/check_fused_return_gpu.py, same)
+#   layer    MoE layer bench, fwd+bwd, balanced (bench/gpu_suite.sh; $SHAPES, $BACKENDS,
+#            $ROUTINGS, $DIRECTIONS override)
+#   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py)
+#   train    end-to-end training throughput + determinism (bench/train_throughput.py; $MODELS)
+#   mp       multi-process runs (bench/multiprocess_gpu.sh)
+# Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
+set -u
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+FINAL="${OUT:-bench/results/session}"
+WORK="$(mktemp -d /tmp/device_session.XXXX)"
+LOG="$FINAL/session.log"
+mkdir -p "$FINAL"
+nvidia-smi -L | tee "$LOG"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1 | tee -a "$LOG"
+
+run_phase() {  # name seconds
+  local name="$1" secs="$2" dir="$WORK/$1" t0=$SECONDS rc
+  mkdir -p "$dir"
+  echo "== $name (limit ${secs}s)" | tee -a "$LOG"
+  case "$name" in
+    fused_a) timeout "$secs" python3 -m bench.check_fused_gpu --cases small,small-skew --no-time \
+               --out "$dir" > "$dir/log" 2>&1 ;;
+    fused_b) timeout "$secs" python3 -m bench.check_fused_return_gpu --cases small,small-skew \
+               --no-time --out "$dir" > "$dir/log" 2>&1 ;;
+    layer)   OUT="$dir" CHECK_S=0 BENCH_S="$secs" FORCE_UNIEP=1 \
+               BACKENDS="${BACKENDS:-xla_capacity,pallas}" \
+               bash bench/gpu_suite.sh "${SHAPES:-mixtral-like,deepseek-like,qwen3-like,small-experts}" \
+               "${ROUTINGS:-balanced}" "${DIRECTIONS:-fwdbwd}" 0 > "$dir/log" 2>&1 ;;
+    sweep)   timeout "$secs" python3 -m bench.determinism_sweep --budget-s $((secs - 40)) \
+               --out "$dir" > "$dir/log" 2>&1 ;;
+    train)   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+               timeout "$secs" python3 -m bench.train_throughput \
+               --models "${MODELS:-mixtral-like,deepseek-like}" --budget-s $((secs - 90)) \
+               --out "$dir" > "$dir/log" 2>&1 ;;
+    mp)      OUT="$dir" LIMIT_S=$(( (secs - 60) / 6 )) timeout "$secs" \
+               bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
+    *)       echo "unknown phase $name" > "$dir/log"; false ;;
+  esac
+  rc=$?
+  echo "== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+  grep -E "PASS|FAIL|ok|mismatch|Error|rc=|bitwise|tok|step_ms|like|experts|equal" "$dir/log" \
+    | grep -v "^ *File " | tail -25 | tee -a "$LOG"
+}
+
+for spec in "$@"; do run_phase "${spec%%:*}" "${spec##*:}"; done
+find "$WORK" -name "*.npz" -delete
+tar czf "$FINAL/results.tgz" -C "$WORK" .
+ls -la "$FINAL" | tee -a "$LOG"
