@@ -96,6 +96,7 @@ def _recv_defined_equal(ra, rb, num_received, r) -> tuple[bool, int]:
   """recv rows v1 defines (live + zero window), per rank. Returns (ok, bad rows)."""
   ra = np.asarray(ra).reshape(r, -1, ra.shape[-1])
   rb = np.asarray(rb).reshape(r, -1, rb.shape[-1])
+  num_received = np.asarray(num_received)   # on the host: indexing a sharded array is a gather
   bad = 0
   for q in range(r):
     n = min(int(num_received[q]) + ZERO_WINDOW_ROWS, ra.shape[1])

@@ -10,7 +10,9 @@
 #            $ROUTINGS, $DIRECTIONS override)
 #   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py)
 #   train    end-to-end training throughput + determinism (bench/train_throughput.py; $MODELS)
-#   mp       multi-process runs (bench/multiprocess_gpu.sh)
+#   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
+#            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
+#   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -41,7 +43,11 @@ run_phase() {  # name seconds
                timeout "$secs" python3 -m bench.train_throughput \
                --models "${MODELS:-mixtral-like,deepseek-like}" --budget-s $((secs - 90)) \
                --out "$dir" > "$dir/log" 2>&1 ;;
-    mp)      OUT="$dir" LIMIT_S=$(( (secs - 60) / 6 )) timeout "$secs" \
+    train_det) timeout "$secs" python3 -m bench.train_throughput --models mixtral-like --det-only \
+               --xla-deterministic --backends pallas,uniep --det-steps 50 \
+               --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
+               --out "$dir" > "$dir/log" 2>&1 ;;
+    mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;
   esac

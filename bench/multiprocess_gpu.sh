@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-process moe_ffn on GPUs (not yet run: written on the CPU box, 2026-11-26).
+# Multi-process moe_ffn on GPUs.
 # One process per GPU over jax.distributed + NCCL, against one process driving all
 # GPUs, on the same global inputs (train/multiprocess_check.py); then backend "uniep"
 # across processes: without NVSHMEM it must fail with moe_ffn's ValueError, with
@@ -45,7 +45,7 @@ if not res:
 EOF
 
 # 3. uniep across processes: refused without NVSHMEM, tried with it
-timeout 120 python3 -m train.launch --processes "$N" --devices-per-process 1 --timeout 110 \
+timeout "$LIMIT_S" python3 -m train.launch --processes "$N" --devices-per-process 1 --timeout $((LIMIT_S - 10)) \
   --module train.multiprocess_check -- --platform gpu --mesh "$MESH" "${SHAPE[@]}" \
   --backends uniep --out "$OUT/uniep_refused" > "$OUT/uniep_no_nvshmem.log" 2>&1
 echo "uniep without NVSHMEM rc=$? (expect 2):" \

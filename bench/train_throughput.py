@@ -133,9 +133,16 @@ def main(argv=None):
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--det-steps", type=int, default=50, help="0 skips the determinism runs")
   ap.add_argument("--budget-s", type=float, default=500.0)
+  ap.add_argument("--det-only", action="store_true", help="only the determinism runs")
+  ap.add_argument("--xla-deterministic", action="store_true",
+                  help="XLA:GPU deterministic mode, no GEMM autotuning "
+                       "(train.mesh.request_xla_determinism; the training CLI's default)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   from train.data import make_dataset
+  if args.xla_deterministic:   # before the first jax computation starts the backends
+    from train.mesh import request_xla_determinism
+    request_xla_determinism()
 
   t_start = time.time()
   r = len(jax.devices())
@@ -148,7 +155,7 @@ def main(argv=None):
   print(f"dense bf16 matmul: {dense:.0f} TFLOP/s per device", flush=True)
   data = make_dataset(None, max_bytes=4 << 20, heldout_fraction=0.05, seq=args.seq)
   rows, skipped = [], []
-  for model in args.models.split(","):
+  for model in (args.models.split(",") if not args.det_only else []):
     for mesh in meshes:
       for backend in args.backends.split(","):
         if time.time() - t_start > args.budget_s:
@@ -177,10 +184,13 @@ def main(argv=None):
       print({k: v for k, v in det[-1].items() if k != "runs"}, flush=True)
   payload = dict(meta, benchmark="train_throughput", dense_tflops=dense, results=rows,
                  determinism=det, skipped=skipped,
-                 settings=dict(batch=args.batch, seq=args.seq, steps=args.steps, layers=layers))
+                 settings=dict(batch=args.batch, seq=args.seq, steps=args.steps, layers=layers,
+                               det_steps=args.det_steps, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                               xla_deterministic=args.xla_deterministic))
   out = common.out_dir(args.out)
   kind = meta["device_kind"].replace(" ", "_")
-  common.write_json(os.path.join(out, f"train_throughput_{kind}_x{r}.json"), payload)
+  tag = "_det" if args.det_only else ""
+  common.write_json(os.path.join(out, f"train_throughput_{kind}_x{r}{tag}.json"), payload)
   print(f"{'model':22s} {'mesh':18s} {'backend':14s} {'step_ms':>9s} {'tok/s':>10s} "
         f"{'MFU':>6s} {'GiB':>6s} {'dropped':>8s}")
   for row in rows:

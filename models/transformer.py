@@ -13,10 +13,12 @@ whole mesh (data parallel), the experts over the expert axis (expert parallel).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -102,13 +104,42 @@ class Block(nnx.Module):
     return x + self.ffn(self.ffn_norm(x))
 
 
-def embed_lookup(table: jax.Array, tokens: jax.Array, mesh) -> jax.Array:
-  """table [V, H], tokens [B, S] -> [B, S, H], sharded like tokens on Explicit meshes."""
+def _gather_embeddings(table: jax.Array, tokens: jax.Array, mesh) -> jax.Array:
   if mesh is None or not any(t == AxisType.Explicit for t in mesh.axis_types):
     return jnp.take(table, tokens, axis=0)
   spec = tuple(jax.typeof(tokens).sharding.spec)
   spec = spec + (None,) * (tokens.ndim - len(spec))
   return table.at[tokens].get(out_sharding=NamedSharding(mesh, P(*spec, None)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def embed_lookup(table: jax.Array, tokens: jax.Array, mesh) -> jax.Array:
+  """table [V, H], tokens [B, S] -> [B, S, H], sharded like tokens on Explicit meshes.
+
+  The backward pass is one_hot(tokens)^T @ d_out, a matmul in float32, instead of
+  XLA's transpose of the gather: a scatter-add whose colliding rows (every repeated
+  token) are summed by atomics on the GPU, in an order that changes from run to run.
+  """
+  return _gather_embeddings(table, tokens, mesh)
+
+
+def _embed_fwd(table, tokens, mesh):
+  # the residual `like` is an empty [V, 0] array: the table's row count and dtype
+  return _gather_embeddings(table, tokens, mesh), (tokens, jnp.zeros((table.shape[0], 0),
+                                                                     table.dtype))
+
+
+def _embed_bwd(mesh, res, ct):
+  tokens, like = res
+  one_hot = jax.nn.one_hot(tokens, like.shape[0], dtype=ct.dtype)            # exact 0/1
+  kw = {}
+  if mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types):
+    kw["out_sharding"] = NamedSharding(mesh, P(None, None))
+  grad = jnp.einsum("...v,...h->vh", one_hot, ct, preferred_element_type=jnp.float32, **kw)
+  return grad.astype(like.dtype), np.zeros(tokens.shape, jax.dtypes.float0)
+
+
+embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 
 
 class Transformer(nnx.Module):

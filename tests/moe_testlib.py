@@ -1,6 +1,7 @@
 """Shared helpers for the MoE tests: random params and inputs."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 import uniep_jax
@@ -25,3 +26,22 @@ def rel_err(a, b):
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
   return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(b.ravel()) + 1e-30))
+
+
+def float_scatter_adds(jaxpr, width: int | None = None) -> list[str]:
+  """Float scatter-adds (of [..., width] rows, or of any shape when width is None)
+  anywhere in a closed jaxpr, sub-jaxprs included: XLA runs them with atomics on
+  the GPU, whose order changes from run to run when indices collide."""
+  found = []
+
+  def walk(jp):
+    for eqn in jp.eqns:
+      aval = eqn.outvars[0].aval if eqn.outvars else None
+      if (eqn.primitive.name == "scatter-add" and jnp.issubdtype(aval.dtype, jnp.floating)
+          and (width is None or (aval.shape and aval.shape[-1] == width))):
+        found.append(str(eqn.outvars[0].aval))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return found

@@ -9,7 +9,6 @@ capacity path's gradients right when tokens are dropped.
 
 import chex
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import uniep_jax
 from uniep_jax import UniEPConfig
 from uniep_jax.dispatch import _take_rows, gather_rows, permute_rows
 from conftest import make_mesh
-from moe_testlib import make_params, make_x, rel_err
+from moe_testlib import float_scatter_adds, make_params, make_x, rel_err
 
 
 def _injective_case(seed, n_src=40, n_out=32, h=8):
@@ -57,25 +56,6 @@ def test_permute_rows_backward_is_inverse_permutation():
   chex.assert_trees_all_equal(vjp(ct)[0], ct[inv])
 
 
-def _float_scatter_adds(jaxpr, width: int) -> list[str]:
-  """Float scatter-adds of [..., width] rows anywhere in a (closed) jaxpr, sub-jaxprs
-  included. (The router's [T, E] top-k gather is left to XLA: tiny, and its
-  indices are distinct in every row.)"""
-  found = []
-
-  def walk(jp):
-    for eqn in jp.eqns:
-      aval = eqn.outvars[0].aval if eqn.outvars else None
-      if (eqn.primitive.name == "scatter-add" and jnp.issubdtype(aval.dtype, jnp.floating)
-          and aval.shape and aval.shape[-1] == width):
-        found.append(str(eqn.outvars[0].aval))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jaxpr.jaxpr)
-  return found
-
-
 @pytest.mark.parametrize("backend", ["xla_capacity", "xla_dropless", "pallas"])
 def test_no_float_scatter_add_in_backward(backend):
   e, h, f, top_k, tokens = 8, 16, 32, 2, 32
@@ -89,7 +69,7 @@ def test_no_float_scatter_add_in_backward(backend):
     return jnp.sum(y * y)
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, p)
-  assert _float_scatter_adds(jaxpr, h) == []
+  assert float_scatter_adds(jaxpr, h) == []
 
 
 def test_capacity_gradients_with_drops_match_reference():

@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 from train import distributed
 from train.config import parse_args
-from train.mesh import ConfigError, mesh_size, parse_mesh, request_host_devices
+from train.mesh import (ConfigError, mesh_size, parse_mesh, request_host_devices,
+                        request_xla_determinism)
 
 
 def run(argv: Optional[Sequence[str]] = None) -> dict:
@@ -29,6 +30,8 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
     raise SystemExit(2)
   # every process asks for its own share of the mesh's devices
   request_host_devices(n if spec is None else (spec.local_devices or n))
+  if cfg.xla_deterministic:
+    request_xla_determinism()
   if spec is not None:
     distributed.initialize(spec)  # imports jax
   from train.loop import train  # imports jax

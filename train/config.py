@@ -45,6 +45,8 @@ class TrainConfig:
   out: str = "runs/default"
   progress: bool = True
   plot: bool = True
+  # XLA:GPU deterministic mode (train.mesh.request_xla_determinism), set by the CLI
+  xla_deterministic: bool = True
   # multi-process runs (train/distributed.py); None: from the environment, else single-process
   coordinator: Optional[str] = None  # HOST:PORT of process 0's jax.distributed coordinator
   num_processes: Optional[int] = None
@@ -114,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
   a("--out", default=d.out, help="metrics.jsonl, loss.png and summary.json go here")
   a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
   a("--no-plot", dest="plot", action="store_false", help="no loss.png")
+  a("--no-xla-deterministic", dest="xla_deterministic", action="store_false",
+    help="let XLA autotune its GEMMs on GPUs (faster dense layers; the same bits run after "
+         "run, but no longer across compilations, e.g. across --backend choices)")
   g = p.add_argument_group("multi-process (jax.distributed; `python -m train.launch` sets these)")
   g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="process 0's coordinator address (default: $JAX_COORDINATOR_ADDRESS)")

@@ -133,7 +133,10 @@ def init_state(s: Setup) -> tuple[dict, dict, Any]:
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Mean next-token cross entropy in nats. logits [B, S, V] f32, targets [B, S]."""
   logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+  # a select, not a gather: its backward is a select too (XLA transposes a gather
+  # into a scatter-add, atomics on the GPU)
+  hit = jnp.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+  return -jnp.mean(jnp.sum(jnp.where(hit, logp, 0.0), axis=-1))
 
 
 def _model(s: Setup, params: dict, rest: dict) -> Transformer:

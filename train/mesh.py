@@ -67,6 +67,26 @@ def request_host_devices(n: int) -> None:
   os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={n}".strip()
 
 
+_DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops"
+
+
+def request_xla_determinism() -> None:
+  """Ask XLA:GPU for deterministic programs. Only effective before jax's backends start.
+
+  The MoE layer and the model hold no float scatter-add (the one op XLA runs with
+  atomics), so a compiled training step gives the same bits run after run without
+  this. What the flag adds: no GEMM autotuning, whose choice of kernel depends on
+  timing measurements at compile time, so that the dense layers get the same kernels
+  (and bits) in every compilation, e.g. with backends "pallas" and "uniep"; and any
+  scatter a user adds becomes deterministic. Costs some dense-GEMM speed. No effect
+  on the CPU. Leaves an explicit setting in XLA_FLAGS alone.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _DETERMINISTIC_FLAG in flags:
+    return
+  os.environ["XLA_FLAGS"] = f"{flags} {_DETERMINISTIC_FLAG}=true".strip()
+
+
 def make_mesh(shape: dict[str, int]):
   """A jax Mesh over the first prod(shape) devices with Auto axes named MESH_AXES."""
   import jax

@@ -92,7 +92,10 @@ def route(
     select = jnp.where(eligible, select, -jnp.inf)
   topk_experts = _top_k_lowest_index_wins(select, top_k)            # [T, K]
 
-  weights = jnp.take_along_axis(scores, topk_experts, axis=1)       # [T, K]
+  # a select over E (exactly one hit per slot), not a gather, so that the backward
+  # pass holds no scatter-add
+  hit = topk_experts[:, :, None] == jnp.arange(scores.shape[1], dtype=topk_experts.dtype)
+  weights = jnp.sum(jnp.where(hit, scores[:, None, :], 0.0), axis=2)  # [T, K]
   if routing.normalize_topk:
     total = weights[:, 0]
     for k in range(1, top_k):  # fixed slot order
