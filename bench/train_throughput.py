@@ -49,22 +49,29 @@ def _peak_mem_gib() -> float | None:
   return max(peaks) / 2**30 if peaks else None
 
 
+def _register_variant(model: str, layers: int | None) -> str:
+  """Registers `model` with `layers` layers ("sized to fit") and returns its name."""
+  from models.config import get_config
+  import models.config as model_configs
+
+  if layers is None:
+    return model
+  base = get_config(model)
+  name = f"{model}-L{layers}"
+  model_configs.CONFIGS[name] = dataclasses.replace(
+      base, name=name, n_layers=layers,
+      first_dense=min(getattr(base, "first_dense", 0), max(0, layers - 1)))
+  return name
+
+
 def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
              steps: int, warmup: int, data, dense_tflops: float) -> dict:
   """Times `steps` train steps after `warmup`; returns the row for the JSON."""
-  from models.config import get_config
   from models.report import model_report
   from train import loop
   from train.config import TrainConfig
-  import models.config as model_configs
 
-  name = model
-  if layers is not None:   # a registered variant with fewer layers ("sized to fit")
-    base = get_config(model)
-    name = f"{model}-L{layers}"
-    model_configs.CONFIGS[name] = dataclasses.replace(
-        base, name=name, n_layers=layers,
-        first_dense=min(getattr(base, "first_dense", 0), max(0, layers - 1)))
+  name = _register_variant(model, layers)
   cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
                     steps=max(steps + warmup, 2), out="/tmp/train_throughput", progress=False,
                     plot=False)
@@ -105,7 +112,7 @@ def determinism(model: str, mesh: str, *, layers, batch: int, seq: int, steps: i
   from train import loop
   from train.config import TrainConfig
 
-  name = model if layers is None else f"{model}-L{layers}"
+  name = _register_variant(model, layers)
   out = {}
   for tag, backend in (("pallas", "pallas"), ("uniep", "uniep"), ("uniep_again", "uniep")):
     cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,

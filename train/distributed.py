@@ -90,8 +90,18 @@ def resolve(*, coordinator: Optional[str], num_processes: Optional[int], process
                          process_id=process_id, local_devices=local_devices)
 
 
+_RAGGED_NCCL_FLAG = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback"
+
+
 def initialize(spec: DistributedSpec, *, timeout_s: int = 300) -> None:
   """Join the process group (imports jax; call before any jax computation)."""
+  # ragged_all_to_all (backend "xla_dropless" and the "pallas" transport on GPUs) between
+  # processes: XLA's in-process device kernel cannot reach another process's buffers and
+  # refuses to fall back to NCCL send/recv unless told (found on 4x H200, 2026-11-26:
+  # "RaggedAllToAll fallback to NCCL is not allowed"). Must precede the GPU client.
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _RAGGED_NCCL_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {_RAGGED_NCCL_FLAG}=true".strip()
   import jax
 
   # Cross-process collectives of the CPU client (0.11.2's default is gloo too; explicit

@@ -131,7 +131,8 @@ def compare(dir_a: str, dir_b: str) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
   ns = build_parser().parse_args(argv)
-  os.environ.setdefault("JAX_PLATFORMS", ns.platform)
+  # "gpu" is jax's alias for cuda *and* rocm: naming it makes jax fail on rocm's absence
+  os.environ.setdefault("JAX_PLATFORMS", {"gpu": "cuda"}.get(ns.platform, ns.platform))
   n = mesh_size(parse_mesh(ns.mesh))
   try:
     spec = distributed.resolve(coordinator=ns.coordinator, num_processes=ns.num_processes,
