@@ -12,6 +12,9 @@
 #   train    end-to-end training throughput + determinism (bench/train_throughput.py; $MODELS)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
+#   stepdiff one train step, pallas vs uniep, every gradient leaf bitwise
+#            (bench/train_step_diff.py), three settings: autotuned; XLA deterministic;
+#            deterministic + no all-reduce combining + NCCL_ALGO=Ring
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
@@ -47,6 +50,12 @@ run_phase() {  # name seconds
                --xla-deterministic --backends pallas,uniep --det-steps 50 \
                --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
                --out "$dir" > "$dir/log" 2>&1 ;;
+    stepdiff) local each=$((secs / 3)) tsd=(python3 -m bench.train_step_diff --out "$dir")
+             timeout "$each" "${tsd[@]}" --tag autotuned > "$dir/log" 2>&1
+             timeout "$each" "${tsd[@]}" --xla-deterministic --tag deterministic >> "$dir/log" 2>&1
+             XLA_FLAGS="--xla_gpu_all_reduce_combine_threshold_bytes=0" NCCL_ALGO=Ring \
+               timeout "$each" "${tsd[@]}" --xla-deterministic --tag det_nocombine_ring \
+               >> "$dir/log" 2>&1 ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import uniep_jax
 from bench import common
+from uniep_jax.tune import tree_checksum
 
 BACKEND_CONFIGS = {
     "xla_capacity": uniep_jax.UniEPConfig(backend="xla_capacity", capacity_factor=1.25),
@@ -39,6 +40,9 @@ BACKEND_CONFIGS = {
     "xla_dropless_padded": uniep_jax.UniEPConfig(backend="xla_dropless", transport="padded"),
     "pallas": uniep_jax.UniEPConfig(backend="pallas", transport="padded"),
     "uniep": uniep_jax.UniEPConfig(backend="uniep"),
+    # EXPERIMENTAL v2 forward (uniep_jax/fused.py): Kernels A and B, v1's backward
+    "uniep_fused": uniep_jax.UniEPConfig(
+        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=2048)),
 }
 
 
@@ -158,6 +162,7 @@ def main(argv=None):
             row.update(common.time_ms(fn, x, p, trials=5, min_batch_s=0.1, max_reps=10))
             if direction == "fwd":
               row["dropped"] = int(f_fwd(x, p)[1])
+            row["checksum"] = tree_checksum(fn(x, p))   # bits of the output (and gradients)
           except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:500]
             traceback.print_exc(limit=2)
@@ -176,6 +181,12 @@ def main(argv=None):
            and (r["shape"], r["routing"], r["direction"]) == (row["shape"], row["routing"], row["direction"])]
     if cap:
       row["speedup_vs_xla_capacity"] = cap[0]["median_ms"] / row["median_ms"]
+    # which other backends gave the same bits on this case (uniep, uniep_fused and
+    # pallas must: same receive layout, same GEMM tiles)
+    row["bitwise_equal_to"] = sorted(
+        r["backend"] for r in results if r is not row and r.get("checksum") == row.get("checksum")
+        and "checksum" in r
+        and (r["shape"], r["routing"], r["direction"]) == (row["shape"], row["routing"], row["direction"]))
   payload = dict(meta, benchmark="moe_layer", dense_tflops=dense, results=results, skipped=skipped)
   out = common.out_dir(args.out)
   kind = meta["device_kind"].replace(" ", "_")

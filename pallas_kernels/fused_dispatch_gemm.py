@@ -127,29 +127,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.ep_transfer import move_items
-from uniep_jax.config import KernelConfig, TransferConfig
+from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig  # noqa: F401 (FusedConfig re-exported)
 from uniep_jax.ragged import block_pieces, enumerate_runs
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedConfig:
-  """Resource split and chunking of the fused dispatch + gate/up kernel.
-
-  n_comm: CTAs (SMs) that move rows; the other num_sms - n_comm run the GEMM.
-  recv_chunk_rows: B, rows per chunk of the receive layout (the unit of
-    overlap); a multiple of KernelConfig.block_m (checked at launch). Each
-    transfer CTA sends R signals per chunk: fewer, larger chunks signal less,
-    smaller chunks start the GEMM earlier.
-  """
-
-  n_comm: int = 32
-  recv_chunk_rows: int = 2048
-
-  def __post_init__(self):
-    if self.n_comm < 1:
-      raise ValueError(f"n_comm={self.n_comm} must be >= 1")
-    if self.recv_chunk_rows < 1:
-      raise ValueError(f"recv_chunk_rows={self.recv_chunk_rows} must be >= 1")
 
 
 # ----------------------------------------------------------------------------

@@ -768,6 +768,42 @@ def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, sav
   return y, outs
 
 
+def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
+                    interpret=None):
+  """The backward pass of `grouped_swiglu_ffn` (formulas in its docstring) from its
+  saved residuals a, h, u ([m_p, F_p], the gate/up epilogue's outputs). Returns
+  (dx [M, H], dw_gate, dw_up, dw_down). Also the backward pass of the fused uniep
+  forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u."""
+  interpret = resolve_interpret(interpret)
+  m, h_dim = x.shape
+  f_dim = w_gate.shape[2]
+  kw = dict(config=config, interpret=interpret)
+  wg_p, wu_p, wd_p, f_p = _swiglu_padded_weights(w_gate, w_up, w_down, config)
+  m_p = a.shape[0]
+  h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
+  h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
+  dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
+  # da = dy @ w_down^T, float32 out: [m_p, f_p]
+  (da,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="plain",
+                          transpose_b=True, out_dtype=jnp.float32, save_hu=False, **kw)
+  hf = h.astype(jnp.float32)
+  uf = u.astype(jnp.float32)
+  s = jax.nn.sigmoid(hf)
+  dh = (da * uf * s * (1.0 + hf * (1.0 - s))).astype(x.dtype)
+  du = (da * hf * s).astype(x.dtype)
+  # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
+  (dx,) = _row_tiled_call([dh, du], [_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)],
+                          group_sizes, mode="sum2", transpose_b=True, out_dtype=x.dtype,
+                          save_hu=False, **kw)
+  dx = dx[:m, :h_dim]
+  x_w = _pad_axis(x, 0, m_p)
+  dw_gate = gmm_wgrad(x_w, dh, group_sizes, out_dtype=w_gate.dtype, **kw)[:, :, :f_dim]
+  dw_up = gmm_wgrad(x_w, du, group_sizes, out_dtype=w_up.dtype, **kw)[:, :, :f_dim]
+  dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
+                      out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
+  return dx, dw_gate, dw_up, dw_down
+
+
 @functools.lru_cache(maxsize=None)
 def _swiglu_fn(config: KernelConfig, interpret):
 
@@ -783,33 +819,8 @@ def _swiglu_fn(config: KernelConfig, interpret):
 
   def bwd(res, dy):
     x, w_gate, w_up, w_down, group_sizes, a, h, u = res
-    m, h_dim = x.shape
-    f_dim = w_gate.shape[2]
-    kw = dict(config=config, interpret=interpret)
-    wg_p, wu_p, wd_p, f_p = _swiglu_padded_weights(w_gate, w_up, w_down, config)
-    m_p = a.shape[0]
-    h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
-    h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
-    dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
-    # da = dy @ w_down^T, float32 out: [m_p, f_p]
-    (da,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="plain",
-                            transpose_b=True, out_dtype=jnp.float32, save_hu=False, **kw)
-    hf = h.astype(jnp.float32)
-    uf = u.astype(jnp.float32)
-    s = jax.nn.sigmoid(hf)
-    dh = (da * uf * s * (1.0 + hf * (1.0 - s))).astype(x.dtype)
-    du = (da * hf * s).astype(x.dtype)
-    # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
-    (dx,) = _row_tiled_call([dh, du], [_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)],
-                            group_sizes, mode="sum2", transpose_b=True, out_dtype=x.dtype,
-                            save_hu=False, **kw)
-    dx = dx[:m, :h_dim]
-    x_w = _pad_axis(x, 0, m_p)
-    dw_gate = gmm_wgrad(x_w, dh, group_sizes, out_dtype=w_gate.dtype, **kw)[:, :, :f_dim]
-    dw_up = gmm_wgrad(x_w, du, group_sizes, out_dtype=w_up.dtype, **kw)[:, :, :f_dim]
-    dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
-                        out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
-    return dx, dw_gate, dw_up, dw_down, None
+    return swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, config=config,
+                           interpret=interpret) + (None,)
 
   f.defvjp(fwd, bwd)
   return f

@@ -4,6 +4,7 @@ float32 inputs: tight tolerance; bfloat16: the tolerance of bf16 rounding of the
 activations and outputs. Gradients of x and every parameter too.
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -337,8 +338,10 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
   chex.assert_trees_all_equal(g_n, g_p)
 
 
-@pytest.mark.parametrize("bound", [None, 1.5])
-def test_uniep_layer_lowers_for_cuda(bound):
+@pytest.mark.parametrize("bound,fused", [(None, None), (1.5, None),
+                                         (None, uniep_jax.FusedConfig(n_comm=16,
+                                                                      recv_chunk_rows=256))])
+def test_uniep_layer_lowers_for_cuda(bound, fused):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
   kernel gets as far as the Mosaic GPU custom call (it runs on GPUs in
@@ -347,9 +350,10 @@ def test_uniep_layer_lowers_for_cuda(bound):
   from pallas_kernels import device as device_lib
   mesh = make_mesh(2, 4)
   axes = ("data", "expert")
-  p = make_params(jax.random.key(0), experts=E, hidden=128, ffn=192, dtype=jnp.bfloat16)
+  hidden = 128 if fused is None else 256   # Kernel B: H a multiple of 2 * block_n
+  p = make_params(jax.random.key(0), experts=E, hidden=hidden, ffn=192, dtype=jnp.bfloat16)
   specs = uniep_jax.param_specs(p)
-  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound)
+  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused)
 
   def body(xl, pl):
     y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=2, config=cfg, token_axes=axes)
@@ -359,11 +363,87 @@ def test_uniep_layer_lowers_for_cuda(bound):
                      check_vma=False)
   loss = lambda x, p: jnp.sum(fn(x, p).astype(jnp.float32) ** 2)  # noqa: E731
   sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
-  x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes)))
+  x = jax.ShapeDtypeStruct((256, hidden), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes)))
   ps = jax.tree.map(sds, p, specs)
   with device_lib.lowering_for_gpu():
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ps).lower(
         lowering_platforms=("cuda",)).as_text()
-  # 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
-  # (11 Mosaic GPU custom calls when written)
-  assert text.count("stablehlo.custom_call @mosaic_gpu") >= 8
+  # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
+  # (11 Mosaic GPU custom calls when written); fused: Kernels A and B forward, then
+  # v1's backward (2 transfers + 5 GEMM kernels)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") >= (8 if fused is None else 7)
+
+
+def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
+                                      w_gate, w_up, *, out_rows, axis_name, kernel, transfer,
+                                      fused):
+  """Kernel A's contract in plain JAX + the grouped GEMM's swiglu body: recv rows no
+  segment covers hold garbage, as in the kernel."""
+  from pallas_kernels import fused_dispatch_gemm as fdg
+  from pallas_kernels import grouped_gemm as gg
+  recv = _simulated_transfer(rows_sorted, seg_src, seg_dst, seg_len, out_rows=out_rows,
+                             config=transfer, axis_name=axis_name)
+  m_p = gg._round_up(out_rows, kernel.block_m)
+  recv = jnp.pad(recv, ((0, m_p - out_rows), (0, 0)), constant_values=1e4)
+  f_p = gg._round_up(w_gate.shape[2], fdg._f_multiple(kernel))
+  a, h, u = gg._row_tiled_call([recv], [gg._pad_axis(w_gate, 2, f_p), gg._pad_axis(w_up, 2, f_p)],
+                               group_sizes, mode="swiglu", transpose_b=False,
+                               out_dtype=rows_sorted.dtype, save_hu=True, config=kernel,
+                               interpret=None)
+  return recv, a, h, u
+
+
+def _simulated_fused_gemm_return(a, w_down, seg_src, seg_dst, seg_len, *, out_rows, axis_name,
+                                 kernel):
+  """Kernel B's contract: v1's down-GEMM tiles, each row stored where the return puts it."""
+  from pallas_kernels import grouped_gemm as gg
+  hidden = w_down.shape[2]
+  h_out = gg._round_up(hidden, 2 * kernel.block_n)
+  wd = gg._pad_axis(gg._pad_axis(w_down, 1, a.shape[1]), 2, h_out)
+  (y,) = gg._row_tiled_call([a], [wd], jnp.sum(seg_len, axis=0), mode="plain", transpose_b=False,
+                            out_dtype=a.dtype, save_hu=False, config=kernel, interpret=None)
+  return _simulated_transfer(y[:, :hidden], seg_src, seg_dst, seg_len, out_rows=out_rows,
+                             config=None, axis_name=axis_name)
+
+
+def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch):
+  """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
+  contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:
+  outputs and gradients equal v1's bit for bit (the XLA side: segment tables, the
+  zeroed window of the saved receive buffer, the receive bound, the custom VJP that
+  reuses v1's backward kernels). EP = 1: the Pallas interpret mode runs one device
+  (so no receive bound can drop; `zero_dropped_rows` is v1's, tested above)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import pallas_kernels.ep_transfer as ep
+  import pallas_kernels.fused_dispatch_gemm as fdg
+  import pallas_kernels.fused_gemm_return as fgr
+  monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
+  monkeypatch.setattr(fdg, "fused_dispatch_gate_up", _simulated_fused_dispatch_gate_up)
+  monkeypatch.setattr(fgr, "fused_gemm_return", _simulated_fused_gemm_return)
+  mesh = make_mesh(1, 1)
+  axes = ("data", "expert")
+  e, h, f, top_k = 4, 64, 48, 2
+  kx, kp = jax.random.split(jax.random.key(81))
+  p = make_params(kp, experts=e, hidden=h, ffn=f, bias=jnp.zeros(e).at[1].set(3.0))
+  specs = uniep_jax.param_specs(p)
+  x = jax.device_put(make_x(kx, 24, h), NamedSharding(mesh, P(axes)))
+  p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
+
+  def run(cfg):
+    def body(xl, pl):
+      y, aux = uniep_jax.moe_ffn_shard(xl, pl, top_k=top_k, config=cfg, token_axes=axes)
+      return y, aux["dropped"]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes), specs), out_specs=(P(axes), P()),
+                       check_vma=False)
+    loss = lambda x, p: jnp.sum(jnp.sin(fn(x, p)[0]))  # noqa: E731
+    return jax.jit(fn)(x, p), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
+
+  v1 = UniEPConfig(backend="uniep")
+  v2 = dataclasses.replace(v1, fused=uniep_jax.FusedConfig(n_comm=1, recv_chunk_rows=128))
+  (y1, d1), g1 = run(v1)
+  (y2, d2), g2 = run(v2)
+  assert int(d1) == int(d2) == 0
+  assert float(jnp.max(jnp.abs(y1))) > 0
+  chex.assert_trees_all_equal(y2, y1)
+  chex.assert_trees_all_equal(g2, g1)

@@ -120,3 +120,30 @@ def test_route_rejects_top_k_beyond_eligible_groups():
   x = jnp.ones((4, H))
   with pytest.raises(ValueError, match="eligible groups"):
     uniep_jax.route(x, jnp.ones((H, E)), 4, cfg)
+
+
+def test_pallas_backends_need_16bit_operands_on_gpu():
+  from uniep_jax.moe import check_kernel_dtypes
+  p32 = make_params(jax.random.key(0), experts=8, hidden=16, ffn=32)
+  x32 = make_x(jax.random.key(1), 8, 16)
+  p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
+  for backend in ("pallas", "uniep"):
+    with pytest.raises(ValueError, match=r"bfloat16 or float16 operands: x is float32, params.w_gate is float32"):
+      check_kernel_dtypes(backend, "gpu", x32, p32)
+    with pytest.raises(ValueError, match=r"^(?!.*x is).*params.w_up is float32"):
+      check_kernel_dtypes(backend, "gpu", x32.astype(jnp.bfloat16), p32)
+    check_kernel_dtypes(backend, "gpu", x32.astype(jnp.bfloat16), p16)   # fine
+    check_kernel_dtypes(backend, "cpu", x32, p32)   # the interpret mode takes float32
+  check_kernel_dtypes("xla_dropless", "gpu", x32, p32)
+
+
+def test_fused_config_only_for_uniep():
+  fused = uniep_jax.FusedConfig(n_comm=8, recv_chunk_rows=256)
+  assert UniEPConfig(backend="uniep", fused=fused).fused == fused
+  for backend in ("pallas", "xla_dropless", "xla_capacity"):
+    with pytest.raises(ValueError, match=r"fused .* only for backend='uniep'"):
+      UniEPConfig(backend=backend, fused=fused)
+  with pytest.raises(ValueError, match="fused must be a FusedConfig"):
+    UniEPConfig(backend="uniep", fused=(8, 256))
+  with pytest.raises(ValueError, match="n_comm=0 must be >= 1"):
+    uniep_jax.FusedConfig(n_comm=0)

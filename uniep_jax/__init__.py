@@ -4,7 +4,8 @@
                                config=uniep_jax.UniEPConfig(backend="xla_dropless"))
 """
 
-from uniep_jax.config import BACKENDS, KernelConfig, RoutingConfig, TransferConfig, UniEPConfig
+from uniep_jax.config import (BACKENDS, FusedConfig, KernelConfig, RoutingConfig, TransferConfig,
+                              UniEPConfig)
 from uniep_jax.layout import DispatchPlan, make_plan, sort_assignments
 from uniep_jax.moe import (moe_ffn, moe_ffn_shard, param_specs, receive_buffer_bytes,
                            validate_inputs)
@@ -15,7 +16,7 @@ from uniep_jax.routing import RouterOutput, route
 from uniep_jax.tune import TuneProblem, resolve_config
 
 __all__ = [
-    "BACKENDS", "DispatchPlan", "KernelConfig", "MoEParams", "RouterOutput", "RoutingConfig",
+    "BACKENDS", "DispatchPlan", "FusedConfig", "KernelConfig", "MoEParams", "RouterOutput", "RoutingConfig",
     "TransferConfig", "UniEPMoE",
     "UniEPConfig", "dense_reference_moe", "make_plan", "moe_ffn", "moe_ffn_shard",
     "param_specs", "receive_buffer_bytes", "route", "sort_assignments", "validate_inputs",

@@ -121,6 +121,31 @@ class TransferConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FusedConfig:
+  """The v2 fused kernels of backend "uniep" (EXPERIMENTAL; `UniEPConfig.fused`):
+  Kernel A (pallas_kernels/fused_dispatch_gemm.py) pushes the rows and runs the
+  gate/up GEMM in one launch, each GEMM tile waiting only for its chunk; Kernel B
+  (pallas_kernels/fused_gemm_return.py) stores each down-GEMM tile straight into
+  the source rank's sorted rows. The backward pass is v1's. Bits: the same as v1.
+
+  n_comm: CTAs (SMs) that move rows; the other num_sms - n_comm run the GEMM.
+  recv_chunk_rows: B, rows per chunk of the receive layout (the unit of
+    overlap); a multiple of KernelConfig.block_m (checked at launch). Each
+    transfer CTA sends R signals per chunk: fewer, larger chunks signal less,
+    smaller chunks start the GEMM earlier.
+  """
+
+  n_comm: int = 32
+  recv_chunk_rows: int = 2048
+
+  def __post_init__(self):
+    if self.n_comm < 1:
+      raise ValueError(f"n_comm={self.n_comm} must be >= 1")
+    if self.recv_chunk_rows < 1:
+      raise ValueError(f"recv_chunk_rows={self.recv_chunk_rows} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class UniEPConfig:
   """Configuration of `uniep_jax.moe_ffn`.
 
@@ -138,8 +163,8 @@ class UniEPConfig:
                       into the owners' receive layout and back
                       (`transfer`), the Pallas grouped GEMM for the experts.
                       Bitwise equal to "pallas" by construction (same layout,
-                      same GEMM). Fusing the transfer into the GEMM (overlap)
-                      is the next step of the MegaKernel issue.
+                      same GEMM). With `fused`, the v2 kernels overlap the
+                      transfers with the GEMMs (EXPERIMENTAL, see `fused`).
   routing: see `RoutingConfig`.
   capacity_factor: only for "xla_capacity".
   kernel: see `KernelConfig`; only for "pallas" / "uniep". None means auto:
@@ -160,6 +185,11 @@ class UniEPConfig:
     reports it). A factor f bounds it to min(R*T*K, ceil(f*T*K)) rows, rounded
     up to a multiple of 128 (of 8 under 1024 rows); rows past the bound are dropped deterministically
     (the tail of the receive layout) and counted in aux["dropped"]. None: dropless.
+  fused: only for "uniep": None (default) runs the v1 transfer and GEMM kernels
+    one after the other; a `FusedConfig` runs the forward pass with the v2 fused
+    kernels (dispatch + gate/up in one launch, down GEMM + return in another;
+    EXPERIMENTAL: bitwise equal to v1 on GPUs in bench/check_fused*_gpu.py's
+    small cases, not yet timed). `uniep_jax/fused.py`.
   """
 
   backend: str = "xla_dropless"
@@ -169,6 +199,7 @@ class UniEPConfig:
   transport: Optional[str] = None
   transfer: Optional[TransferConfig] = dataclasses.field(default_factory=TransferConfig)
   receive_capacity_factor: Optional[float] = None
+  fused: Optional[FusedConfig] = None
 
   def __post_init__(self):
     if self.receive_capacity_factor is not None and not self.receive_capacity_factor > 0:
@@ -181,6 +212,11 @@ class UniEPConfig:
       raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0")
     if self.kernel is not None and not isinstance(self.kernel, KernelConfig):
       raise ValueError(f"kernel must be a KernelConfig or None (auto), got {type(self.kernel).__name__}")
+    if self.fused is not None and not isinstance(self.fused, FusedConfig):
+      raise ValueError(f"fused must be a FusedConfig or None, got {type(self.fused).__name__}")
+    if self.fused is not None and self.backend != "uniep":
+      raise ValueError(f"fused (the v2 kernels) is only for backend='uniep', got "
+                       f"backend={self.backend!r}")
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")

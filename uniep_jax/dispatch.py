@@ -225,12 +225,16 @@ def _return_nvlink(recv, plan: DispatchPlan, axis_name, num_local_experts, trans
   out = transfer_segments(recv, seg.src_start, seg.dst_start, seg.rows,
                           out_rows=plan.sort_order.shape[0], config=transfer,
                           axis_name=axis_name)
-  # Rows dropped by a receive bound are never written back: zero them (only
-  # plans with a bound, which is static: a receive layout shorter than R*T*K).
+  return zero_dropped_rows(out, plan, num_local_experts)
+
+
+def zero_dropped_rows(rows_sorted, plan: DispatchPlan, num_local_experts):
+  """Rows dropped by a receive bound are never written back: zero them (only
+  plans with a bound, which is static: a receive layout shorter than R*T*K)."""
   if plan.recv_valid.shape[0] < plan.send_counts.shape[0] * plan.sort_order.shape[0]:
     dropped_rows = _dropped_sorted_rows(plan, num_local_experts)
-    out = jnp.where(dropped_rows[:, None], jnp.zeros((), out.dtype), out)
-  return out
+    rows_sorted = jnp.where(dropped_rows[:, None], jnp.zeros((), rows_sorted.dtype), rows_sorted)
+  return rows_sorted
 
 
 def _dropped_sorted_rows(plan: DispatchPlan, num_local_experts):
@@ -293,12 +297,22 @@ send_rows.defvjp(_send_fwd, _send_bwd)
 return_rows.defvjp(_return_fwd, _return_bwd)
 
 
+def sort_rows(x, plan: DispatchPlan, top_k: int) -> jax.Array:
+  """x [T, H] -> its K slot copies in the plan's sorted order [T*K, H]."""
+  return permute_rows(replicate_slots(x, top_k), plan.sort_order, plan.sorted_position)
+
+
+def unsort_rows(rows_sorted, plan: DispatchPlan, top_k: int) -> jax.Array:
+  """Sorted rows [T*K, H] -> [T, K, H] (assignment order)."""
+  rows = permute_rows(rows_sorted, plan.sorted_position, plan.sort_order)
+  return rows.reshape(-1, top_k, rows_sorted.shape[-1])
+
+
 def dispatch(x, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport,
              transfer=TransferConfig()):
   """x [T, H] -> receive layout [recv_rows, H] (padding rows zero, see "nvlink")."""
-  rows = replicate_slots(x, top_k)                                  # [T*K, H]
-  rows_sorted = permute_rows(rows, plan.sort_order, plan.sorted_position)   # [T*K, H]
-  return send_rows(rows_sorted, plan, axis_name, num_local_experts, transport, transfer)
+  return send_rows(sort_rows(x, plan, top_k), plan, axis_name, num_local_experts, transport,
+                   transfer)
 
 
 def collect(recv, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, transport,
@@ -306,5 +320,4 @@ def collect(recv, plan: DispatchPlan, *, top_k, axis_name, num_local_experts, tr
   """Receive layout [recv_rows, H] -> [T, K, H]: each assignment's expert output at
   home (zero for assignments dropped by a receive bound)."""
   rows_sorted = return_rows(recv, plan, axis_name, num_local_experts, transport, transfer)
-  rows = permute_rows(rows_sorted, plan.sorted_position, plan.sort_order)  # [T*K, H]
-  return rows.reshape(-1, top_k, recv.shape[-1])
+  return unsort_rows(rows_sorted, plan, top_k)

@@ -28,7 +28,8 @@ from uniep_jax.capacity import capacity_moe_shard
 from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
 from uniep_jax.config import TRANSPORTS
-from uniep_jax.dispatch import ZERO_WINDOW_ROWS, collect, default_transport, dispatch
+from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, collect, default_transport, dispatch, sort_rows,
+                                unsort_rows)
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import local_group_sizes, make_plan
 from uniep_jax.params import MoEParams
@@ -188,14 +189,22 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
                      recv_rows=receive_rows(t, top_k, num_experts // el, config))
     kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport,
               transfer=config.transfer)
-    recv = dispatch(x, plan, **kw)                                       # [R*T*K, H]
-    if config.backend in ("pallas", "uniep"):
-      y_recv = swiglu_pallas(recv, params.w_gate, params.w_up, params.w_down,
-                             plan.recv_group_sizes, kernel_config=config.kernel)
+    if config.fused is not None:   # "uniep" with the v2 fused kernels (uniep_jax/fused.py)
+      from uniep_jax.fused import fused_expert_ffn
+      y_sorted = fused_expert_ffn(sort_rows(x, plan, top_k), params.w_gate, params.w_up,
+                                  params.w_down, plan, axis_name=expert_axis,
+                                  num_local_experts=el, kernel=config.kernel,
+                                  transfer=config.transfer, fused=config.fused)
+      y_assign = unsort_rows(y_sorted, plan, top_k)                      # [T, K, H]
     else:
-      y_recv = swiglu_ragged_dot(recv, params.w_gate, params.w_up, params.w_down,
-                                 plan.recv_group_sizes)
-    y_assign = collect(y_recv, plan, **kw)                               # [T, K, H]
+      recv = dispatch(x, plan, **kw)                                     # [R*T*K, H]
+      if config.backend in ("pallas", "uniep"):
+        y_recv = swiglu_pallas(recv, params.w_gate, params.w_up, params.w_down,
+                               plan.recv_group_sizes, kernel_config=config.kernel)
+      else:
+        y_recv = swiglu_ragged_dot(recv, params.w_gate, params.w_up, params.w_down,
+                                   plan.recv_group_sizes)
+      y_assign = collect(y_recv, plan, **kw)                             # [T, K, H]
     dropped = jax.lax.psum(plan.dropped, token_axes)
   else:
     raise ValueError(f"config.backend={config.backend!r} has no per-shard form")
@@ -219,13 +228,20 @@ def _place(a, sharding: NamedSharding):
   return jax.lax.with_sharding_constraint(a, sharding)
 
 
-def _nvshmem_enabled() -> bool:
-  """XLA's NVSHMEM mode (cross-process peer memory for Mosaic GPU kernels), from XLA_FLAGS."""
-  import os
-  import re
-
-  m = re.findall(r"--xla_gpu_experimental_enable_nvshmem(?:=(\S+))?", os.environ.get("XLA_FLAGS", ""))
-  return bool(m) and m[-1].lower() in ("", "true", "1")
+def check_kernel_dtypes(backend: str, platform: str, x, params: MoEParams) -> None:
+  """The Pallas backends' GPU kernels (wgmma) take 16-bit operands: a clear error
+  before tracing instead of Mosaic's "Only f16 WGMMA supports transposes" from the
+  backward pass (seen with float32 on 4x H200, 2026-11-26)."""
+  if backend not in ("pallas", "uniep") or platform != "gpu":
+    return
+  wide = [f"{name} is {jnp.dtype(a.dtype)}" for name, a in
+          (("x", x), ("params.w_gate", params.w_gate), ("params.w_up", params.w_up),
+           ("params.w_down", params.w_down))
+          if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))]
+  if wide:
+    raise ValueError(f"backend={backend!r} runs 16-bit wgmma kernels on GPUs, which take "
+                     f"bfloat16 or float16 operands: {', '.join(wide)}; cast them, or use "
+                     f"backend 'xla_dropless' for float32")
 
 
 def param_specs(params: MoEParams, expert_axis: str = "expert") -> MoEParams:
@@ -253,15 +269,21 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   validate_inputs(x, params, top_k=top_k, config=config, expert_axis=expert_axis, mesh=mesh)
   platform = mesh.devices.flat[0].platform
   if config.backend == "uniep" or config.transport == "nvlink":
-    # The kernels address peer GPUs' buffers directly; across processes that takes NVSHMEM.
-    if jax.process_count() > 1 and not _nvshmem_enabled():
+    # The kernels address peer GPUs' buffers directly (one process drives every GPU it
+    # addresses). Across processes that takes NVSHMEM, and jaxlib 0.11.2's XLA has no
+    # NVSHMEM mode: it aborts on --xla_gpu_experimental_enable_nvshmem ("Unknown flag in
+    # XLA_FLAGS", 4x H200, 2026-11-26).
+    if jax.process_count() > 1:
       raise ValueError(f"backend={config.backend!r} (in-kernel NVLink transfers) is unsupported in "
-                       f"multi-process runs ({jax.process_count()} processes) unless NVSHMEM is on "
-                       f"(XLA_FLAGS=--xla_gpu_experimental_enable_nvshmem=true); use backend "
-                       f"'pallas' or 'xla_dropless', whose transfers are XLA collectives")
+                       f"multi-process runs ({jax.process_count()} processes): its kernels write "
+                       f"into peer GPUs' memory, which across processes needs NVSHMEM, and this "
+                       f"jaxlib ({jax.__version__}) has no NVSHMEM mode; use backend 'pallas' "
+                       f"(same kernels and bits, XLA collectives between processes) or "
+                       f"'xla_dropless'")
     if platform != "gpu":
       raise ValueError(f"backend={config.backend!r} with in-kernel NVLink transfers needs GPUs; "
                        f"the mesh holds {platform} devices")
+  check_kernel_dtypes(config.backend, platform, x, params)
   if config.transport == "ragged" and platform != "gpu":
     raise ValueError(f"config.transport='ragged' (lax.ragged_all_to_all) does not compile on "
                      f"{platform}; use 'padded' or None")

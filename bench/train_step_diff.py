@@ -1,0 +1,137 @@
+"""Where do two backends' training steps part bits? One step, every gradient leaf.
+
+GPU run 2 (2026-11-26, 4x H200) found 50-step training with "pallas" and "uniep"
+equal for two steps and different from step 2 on, though the MoE layer alone is
+bitwise equal between them (bench/check_moe_gpu.py). This takes ONE train step's
+loss and gradients (`train.loop.loss_fn`, same params, same batch) with each
+backend, twice each, and compares every leaf bit for bit:
+
+  * a backend against itself: run-to-run determinism of one compiled program;
+  * backend A against B: the same maths in two programs. Leaves that differ point
+    at the cause: only the parameters whose gradients are all-reduced across the
+    mesh (attention, norms, embedding, router) suggests the collectives (XLA
+    combines all-reduces differently in the two programs, and NCCL's reduction
+    order follows the buffer layout); expert weights too suggests the MoE layer.
+
+  python -m bench.train_step_diff [--model mixtral-like] [--layers 1] [--mesh data=1,expert=4]
+      [--backends pallas,uniep] [--batch 8] [--seq 2048] [--xla-deterministic] [--tag T] [--out DIR]
+
+XLA and NCCL flags are process-wide: run the script once per setting (XLA_FLAGS,
+NCCL_ALGO, ...); `--tag` names the JSON (train_step_diff_<device>_<tag>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: int, data):
+  import jax
+  from bench.train_throughput import _register_variant
+  from train import loop
+  from train.config import TrainConfig
+
+  name = _register_variant(model, layers)
+  cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq, steps=2,
+                    out="/tmp/train_step_diff", progress=False, plot=False)
+  s = loop.make_setup(cfg)
+  params, rest, _ = loop.init_state(s)
+  x, y = (jax.device_put(a, s.batch_sh) for a in data.batch(cfg.seed, 0, batch, seq))
+  fn = jax.jit(jax.value_and_grad(lambda p: loop.loss_fn(s, p, rest, x, y), has_aux=True))
+  host = lambda t: jax.tree.map(np.asarray, jax.device_get(t))  # noqa: E731
+  runs = []
+  for _ in range(2):
+    t0 = time.perf_counter()
+    (loss, (ce, lb, z, aux)), grads = fn(params)
+    jax.block_until_ready(grads)
+    runs.append(dict(seconds=time.perf_counter() - t0,
+                     scalars=host(dict(loss=loss, ce=ce, lb=lb, z=z)),
+                     counts=host(aux["expert_counts"]), grads=host(grads)))
+  return host(params), runs
+
+
+def compare(a: dict, b: dict) -> dict:
+  """Per leaf of two flat dicts of arrays: bitwise?, max |a-b|, max |a-b| / max |a|."""
+  out = {}
+  for k in sorted(a):
+    x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
+    diff = float(np.max(np.abs(x - y))) if x.size else 0.0
+    scale = float(np.max(np.abs(x))) if x.size else 0.0
+    out[k] = dict(bitwise=bool(np.array_equal(np.asarray(a[k]), np.asarray(b[k]))),
+                  max_abs_diff=diff, max_rel_diff=diff / max(scale, 1e-30))
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--model", default="mixtral-like")
+  ap.add_argument("--layers", type=int, default=1, help="0: the config's own")
+  ap.add_argument("--mesh", default="")
+  ap.add_argument("--backends", default="pallas,uniep")
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--seq", type=int, default=2048)
+  ap.add_argument("--xla-deterministic", action="store_true")
+  ap.add_argument("--tag", default="default")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  if args.xla_deterministic:
+    from train.mesh import request_xla_determinism
+    request_xla_determinism()
+  import jax
+
+  from bench import common
+  from train.data import make_dataset
+
+  mesh = args.mesh or f"data=1,expert={len(jax.devices())}"
+  meta = common.run_metadata()
+  data = make_dataset(None, max_bytes=4 << 20, heldout_fraction=0.05, seq=args.seq)
+  backends = args.backends.split(",")
+  results, params0 = {}, None
+  for backend in backends:
+    params, runs = _one_backend(args.model, args.layers or None, mesh, backend, args.batch,
+                                args.seq, data)
+    if params0 is None:
+      params0 = params
+    same_init = all(np.array_equal(params0[k], params[k]) for k in params0)
+    results[backend] = dict(runs=runs, same_init=same_init)
+    print(backend, "loss", runs[0]["scalars"]["loss"], "first call", round(runs[0]["seconds"], 1),
+          "s; same init:", same_init, flush=True)
+
+  report = dict(meta, benchmark="train_step_diff", settings=dict(
+      vars(args), mesh=mesh, xla_flags=os.environ.get("XLA_FLAGS", ""),
+      nccl_algo=os.environ.get("NCCL_ALGO", "")), backends={}, pairs={})
+  for backend, r in results.items():
+    g = compare(r["runs"][0]["grads"], r["runs"][1]["grads"])
+    s = compare(r["runs"][0]["scalars"], r["runs"][1]["scalars"])
+    report["backends"][backend] = dict(
+        same_init=r["same_init"], repeat_scalars=s, repeat_grads=g,
+        repeatable=all(v["bitwise"] for v in {**g, **s}.values()),
+        loss=float(r["runs"][0]["scalars"]["loss"]))
+    print(f"{backend}: run-to-run bitwise: {report['backends'][backend]['repeatable']}", flush=True)
+  for i, a in enumerate(backends):
+    for b in backends[i + 1:]:
+      ra, rb = results[a]["runs"][0], results[b]["runs"][0]
+      g, s = compare(ra["grads"], rb["grads"]), compare(ra["scalars"], rb["scalars"])
+      counts_equal = bool(np.array_equal(ra["counts"], rb["counts"]))
+      differing = sorted(k for k, v in g.items() if not v["bitwise"])
+      report["pairs"][f"{a}_vs_{b}"] = dict(scalars=s, grads=g, expert_counts_equal=counts_equal,
+                                            differing_grads=differing)
+      print(f"{a} vs {b}: scalars bitwise {[k for k, v in s.items() if v['bitwise']]}, "
+            f"expert counts equal {counts_equal}; {len(differing)} of {len(g)} gradient "
+            f"leaves differ:", flush=True)
+      for k in differing:
+        print(f"   {k}: max rel diff {g[k]['max_rel_diff']:.2e}", flush=True)
+  out = common.out_dir(args.out)
+  kind = meta["device_kind"].replace(" ", "_")
+  common.write_json(os.path.join(out, f"train_step_diff_{kind}_{args.tag}.json"), report)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
