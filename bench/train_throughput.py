@@ -49,29 +49,37 @@ def _peak_mem_gib() -> float | None:
   return max(peaks) / 2**30 if peaks else None
 
 
-def _register_variant(model: str, layers: int | None) -> str:
-  """Registers `model` with `layers` layers ("sized to fit") and returns its name."""
+def _register_variant(model: str, layers: int | None, max_experts: int | None = None) -> str:
+  """Registers `model` with `layers` layers and at most `max_experts` experts ("sized
+  to fit": deepseek-like's 256 experts of 7168 x 2048 need ~45 GB of float32
+  parameters and AdamW state per GPU at EP 4 before any activation, and ran out of
+  memory on 4x H200) and returns its name, e.g. "deepseek-like-L1-E64"."""
   from models.config import get_config
   import models.config as model_configs
 
-  if layers is None:
-    return model
   base = get_config(model)
-  name = f"{model}-L{layers}"
-  model_configs.CONFIGS[name] = dataclasses.replace(
-      base, name=name, n_layers=layers,
-      first_dense=min(getattr(base, "first_dense", 0), max(0, layers - 1)))
+  changes, name = {}, model
+  if layers is not None:
+    name += f"-L{layers}"
+    changes.update(n_layers=layers,
+                   first_dense=min(getattr(base, "first_dense", 0), max(0, layers - 1)))
+  if max_experts is not None and base.n_experts > max_experts:
+    name += f"-E{max_experts}"
+    changes.update(n_experts=max_experts)
+  if changes:
+    model_configs.CONFIGS[name] = dataclasses.replace(base, name=name, **changes)
   return name
 
 
 def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
-             steps: int, warmup: int, data, dense_tflops: float) -> dict:
+             steps: int, warmup: int, data, dense_tflops: float,
+             max_experts: int | None = None) -> dict:
   """Times `steps` train steps after `warmup`; returns the row for the JSON."""
   from models.report import model_report
   from train import loop
   from train.config import TrainConfig
 
-  name = _register_variant(model, layers)
+  name = _register_variant(model, layers, max_experts)
   cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
                     steps=max(steps + warmup, 2), out="/tmp/train_throughput", progress=False,
                     plot=False)
@@ -107,12 +115,13 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
   return row
 
 
-def determinism(model: str, mesh: str, *, layers, batch: int, seq: int, steps: int) -> dict:
+def determinism(model: str, mesh: str, *, layers, batch: int, seq: int, steps: int,
+                max_experts: int | None = None) -> dict:
   """pallas vs uniep (bitwise losses and params) and uniep twice (checksums)."""
   from train import loop
   from train.config import TrainConfig
 
-  name = _register_variant(model, layers)
+  name = _register_variant(model, layers, max_experts)
   out = {}
   for tag, backend in (("pallas", "pallas"), ("uniep", "uniep"), ("uniep_again", "uniep")):
     cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
@@ -134,6 +143,8 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=1, help="layers per model (0: the config's)")
   ap.add_argument("--meshes", default="", help="default: data=1,expert=R;data=2,expert=R/2")
   ap.add_argument("--backends", default=",".join(BACKENDS))
+  ap.add_argument("--max-experts", type=int, default=64,
+                  help="cap on each model's expert count, to fit (0: the config's)")
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--steps", type=int, default=8)
@@ -170,7 +181,8 @@ def main(argv=None):
           continue
         try:
           row = run_case(model, mesh, backend, layers=layers, batch=args.batch, seq=args.seq,
-                         steps=args.steps, warmup=args.warmup, data=data, dense_tflops=dense)
+                         steps=args.steps, warmup=args.warmup, data=data, dense_tflops=dense,
+                         max_experts=args.max_experts or None)
         except Exception as e:  # noqa: BLE001
           traceback.print_exc(limit=3)
           row = dict(model=model, mesh=mesh, backend=backend, error=repr(e)[:500])
@@ -184,7 +196,7 @@ def main(argv=None):
         continue
       try:
         det.append(determinism(model, meshes[0], layers=layers, batch=args.batch, seq=args.seq,
-                               steps=args.det_steps))
+                               steps=args.det_steps, max_experts=args.max_experts or None))
       except Exception as e:  # noqa: BLE001
         traceback.print_exc(limit=3)
         det.append(dict(model=model, mesh=meshes[0], error=repr(e)[:500]))
@@ -192,6 +204,7 @@ def main(argv=None):
   payload = dict(meta, benchmark="train_throughput", dense_tflops=dense, results=rows,
                  determinism=det, skipped=skipped,
                  settings=dict(batch=args.batch, seq=args.seq, steps=args.steps, layers=layers,
+                               max_experts=args.max_experts or None,
                                det_steps=args.det_steps, xla_flags=os.environ.get("XLA_FLAGS", ""),
                                xla_deterministic=args.xla_deterministic))
   out = common.out_dir(args.out)

@@ -22,7 +22,7 @@ DEEPSEEK_BWD = T.TuneProblem(8192, 7168, 2048, 256, 8, 4, "bfloat16", "bwd")
 
 def _space(**kw):
   base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(4,),
-              chunk_rows=(128,), num_ctas=(64,), col_tile=(256,))
+              chunk_rows=(128,), num_ctas=(64,), col_tile=(256,), fused=())
   base.update(kw)
   return T.SearchSpace(**base)
 
@@ -406,3 +406,54 @@ def test_cli_end_to_end_interpret(tmp_path, monkeypatch):
   assert found is not None and found[0].kernel == KernelConfig()
   entry = json.load(open(cache))["entries"][T.cache_key(kind, problem)]
   assert entry["median_ms"] == best["median_ms"]
+
+
+def _fused_times(cand):
+  # v1 default 10 ms; fused n_comm=32: 6 ms, n_comm=16: 9 ms
+  if cand.fused is None:
+    return 10.0
+  return 6.0 if cand.fused.n_comm == 32 else 9.0
+
+
+def test_stage3_tries_the_fused_kernels_verified_and_pruned():
+  space = _space(fused=((16, 2048), (32, 1024), (200, 2048), (32, 1000)))
+  clock = FakeClock()
+  res = T.tune(DEEPSEEK_BWD, FakeRunner(clock, _fused_times), device=HOPPER, space=space,
+               budget_s=1e9, progress=False, clock=clock)
+  fused = [t for t in res.trials if t.stage == "fused"]
+  assert [t.candidate.label() for t in fused] == [
+      "m128_n128_k64_s4|c128_x64_t256|f16_b2048", "m128_n128_k64_s4|c128_x64_t256|f32_b1024"]
+  reasons = _reasons(res.enumeration)
+  assert any("n_comm=200 must be < num_sms=132" in r for r in reasons)
+  assert any("recv_chunk_rows=1000 must be a multiple of block_m=128" in r for r in reasons)
+  assert res.best.candidate.fused == uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=1024)
+  entry = T.cache_entry(res)
+  assert entry["fused"] == dict(n_comm=32, recv_chunk_rows=1024)
+  assert T._entry_candidate(json.loads(json.dumps(entry))) == res.best.candidate
+  # a fused candidate that does not give pallas's bits is never picked
+  clock = FakeClock()
+  bad = "m128_n128_k64_s4|c128_x64_t256|f32_b1024"
+  res = T.tune(DEEPSEEK_BWD, FakeRunner(clock, _fused_times, bad=(bad,)), device=HOPPER,
+               space=space, budget_s=1e9, progress=False, clock=clock)
+  assert [t.candidate.label() for t in res.mismatches] == [bad]
+  assert res.best.candidate.label() == "m128_n128_k64_s4|c128_x64_t256|f16_b2048"
+
+
+def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, monkeypatch):
+  monkeypatch.setattr(T, "SHIPPED_CACHE", tmp_path / "shipped.json")
+  monkeypatch.delenv(T.CACHE_ENV, raising=False)
+  dev = jax.devices()[0]
+  shape = dict(tokens=8192, hidden=7168, ffn=2048, experts=256, top_k=8, ep=4,
+               dtype=jnp.bfloat16)
+  user = tmp_path / "user.json"
+  entry = dict(_entry(KernelConfig(), TransferConfig()), fused=dict(n_comm=32, recv_chunk_rows=2048))
+  T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD), entry)
+  auto = UniEPConfig(backend="uniep", kernel=None, transfer=None)
+  r = T.resolve_config(auto, device=dev, cache_path=user, **shape)
+  assert r.fused == uniep_jax.FusedConfig(32, 2048)
+  r = T.resolve_config(UniEPConfig(backend="uniep", kernel=KernelConfig(), transfer=None),
+                       device=dev, cache_path=user, **shape)
+  assert r.fused is None and r.transfer == TransferConfig()
+  r = T.resolve_config(UniEPConfig(backend="pallas", kernel=None, transfer=None), device=dev,
+                       cache_path=user, **shape)
+  assert r.fused is None

@@ -2,10 +2,13 @@
 
 What is tuned
 -------------
-A candidate is one `Candidate(kernel: KernelConfig, transfer: TransferConfig)`:
+A candidate is one `Candidate(kernel: KernelConfig, transfer: TransferConfig,
+fused: FusedConfig | None)`:
   KernelConfig    block_m, block_n, block_k, max_concurrent_steps (grouped GEMM)
   TransferConfig  chunk_rows, num_ctas, col_tile                 (NVLink rows)
-`SearchSpace` lists the values of each knob; its product is the enumerated space.
+  FusedConfig     n_comm, recv_chunk_rows  (the v2 fused kernels; None: v1)
+`SearchSpace` lists the values of each knob; the product of the kernel and
+transfer knobs is the enumerated space; its `fused` points are stage 3.
 `KernelConfig.num_sms` is not tuned (the persistent grid takes every SM).
 
 Problem = the per-rank MoE shape and run: `TuneProblem(tokens T, hidden H, ffn F,
@@ -46,7 +49,10 @@ mismatch writes no cache entry.
 
 Search. "staged" (default): stage 1 times every valid KernelConfig with the
 default TransferConfig; stage 2 times every valid TransferConfig with the best
-verified KernelConfig of stage 1. "grid": the whole product. Within a stage the
+verified KernelConfig of stage 1; stage 3 times the best verified candidate so
+far with each `SearchSpace.fused` point (the v2 kernels; pruned by the kernels'
+own static checks, `check_fused`), verified like the rest. "grid": the whole
+kernel x transfer product, no stage 3. Within a stage the
 default comes first, then candidates by the number of knobs that differ from
 the default (one-knob neighbours first). Compile failures are recorded and
 counted, not fatal. A wall-clock budget (stage 1 gets `stage1_fraction` of it
@@ -61,8 +67,9 @@ Cache and "auto". `UniEPConfig(kernel=None)` and/or `transfer=None` means auto:
 then "fwd" - in the user cache (`UNIEP_TUNE_CACHE`, or an explicit path), then
 in the cache shipped with the package (`uniep_jax/tuned_configs.json`), and
 otherwise uses `heuristic_config`. Explicit dataclasses (the defaults
-included) are used exactly as given. Cache entries are written only by this
-tuner, from measurements.
+included) are used exactly as given. A cached winner with the v2 fused kernels
+is applied only when kernel, transfer and fused are all None (and the backend
+is "uniep"). Cache entries are written only by this tuner, from measurements.
 
 Filling the shipped cache. The device machines take commands of at most 10
 minutes and return only what is written under $OUT, so one call tunes one shape
@@ -110,7 +117,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
-from uniep_jax.config import KernelConfig, TransferConfig, UniEPConfig
+from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig, UniEPConfig
 
 DIRECTIONS = ("fwd", "bwd")
 CACHE_ENV = "UNIEP_TUNE_CACHE"
@@ -202,22 +209,30 @@ class DeviceFacts:
 class Candidate:
   kernel: KernelConfig
   transfer: TransferConfig
+  fused: Optional[FusedConfig] = None   # the v2 fused kernels (stage 3); None: v1
 
   def label(self) -> str:
     k, t = self.kernel, self.transfer
-    return (f"m{k.block_m}_n{k.block_n}_k{k.block_k}_s{k.max_concurrent_steps}"
-            f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
+    label = (f"m{k.block_m}_n{k.block_n}_k{k.block_k}_s{k.max_concurrent_steps}"
+             f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
+    if self.fused is not None:
+      label += f"|f{self.fused.n_comm}_b{self.fused.recv_chunk_rows}"
+    return label
 
   def knobs(self) -> dict:
-    return dict(block_m=self.kernel.block_m, block_n=self.kernel.block_n,
-                block_k=self.kernel.block_k,
-                max_concurrent_steps=self.kernel.max_concurrent_steps,
-                chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
-                col_tile=self.transfer.col_tile)
+    knobs = dict(block_m=self.kernel.block_m, block_n=self.kernel.block_n,
+                 block_k=self.kernel.block_k,
+                 max_concurrent_steps=self.kernel.max_concurrent_steps,
+                 chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
+                 col_tile=self.transfer.col_tile)
+    if self.fused is not None:
+      knobs.update(n_comm=self.fused.n_comm, recv_chunk_rows=self.fused.recv_chunk_rows)
+    return knobs
 
 
 KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
+FUSED_KNOBS = ("n_comm", "recv_chunk_rows")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
 
 
@@ -235,7 +250,13 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
     transfer = TransferConfig(**{k: knobs[k] for k in TRANSFER_KNOBS})
   except ValueError as e:
     raise InvalidCandidate(f"TransferConfig: {e}") from None
-  return Candidate(kernel, transfer)
+  fused = None
+  if knobs.get("n_comm"):
+    try:
+      fused = FusedConfig(**{k: knobs[k] for k in FUSED_KNOBS})
+    except ValueError as e:
+      raise InvalidCandidate(f"FusedConfig: {e}") from None
+  return Candidate(kernel, transfer, fused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +272,9 @@ class SearchSpace:
   # resident while other streams' kernels (NCCL) run (ep_transfer.py).
   num_ctas: Sequence[int] = (16, 32, 48, 64, 96)
   col_tile: Sequence[int] = (64, 128, 256)
+  # Stage 3 (not in `points`): the v2 fused kernels as (n_comm, recv_chunk_rows),
+  # tried on the best verified v1 candidate. () turns stage 3 off.
+  fused: Sequence[tuple] = ((16, 2048), (32, 2048), (64, 2048), (32, 1024), (32, 4096))
 
   def points(self) -> Iterable[dict]:
     names = KERNEL_KNOBS + TRANSFER_KNOBS
@@ -339,6 +363,42 @@ def check_transfer(transfer: TransferConfig, problem: TuneProblem, device: Devic
                            "would clamp it: a duplicate)")
 
 
+def check_fused(cand: Candidate, problem: TuneProblem, device: DeviceFacts) -> None:
+  """Raises InvalidCandidate if the v2 kernels cannot run `cand.fused` for `problem`:
+  the kernels' own static checks (chunk rows vs block_m, n_comm vs SMs, shared
+  memory of each role, H vs the tiles) on this device's SM count and SMEM."""
+  from pallas_kernels import fused_dispatch_gemm as fdg
+  from pallas_kernels import fused_gemm_return as fgr
+  import jax.numpy as jnp
+  p = problem
+  kernel = dataclasses.replace(cand.kernel, num_sms=device.num_sms)
+  el = p.experts // p.ep
+  try:
+    a = fdg.validate(out_rows=p.recv_rows, hidden=p.hidden, ffn=p.ffn, num_local_experts=el,
+                     dtype=jnp.dtype(p.dtype), kernel=kernel, transfer=cand.transfer,
+                     fused=cand.fused, smem=device.smem_bytes)
+    fgr.validate(recv_rows=a.m_p, k=a.f_p, ffn=p.ffn, hidden=p.hidden, num_local_experts=el,
+                 num_peers=p.ep, dtype=jnp.dtype(p.dtype), kernel=kernel, smem=device.smem_bytes)
+  except ValueError as e:
+    raise InvalidCandidate(f"fused kernels: {e}") from None
+
+
+def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
+                     device: DeviceFacts) -> tuple[list, list]:
+  """Stage 3: `base` with each fused point of `space`; (valid, rejected with reasons)."""
+  valid, rejected = [], []
+  for n_comm, rows in space.fused:
+    knobs = dict(base.knobs(), n_comm=n_comm, recv_chunk_rows=rows)
+    try:
+      cand = candidate_from_knobs(knobs)
+      check_fused(cand, problem, device)
+    except InvalidCandidate as e:
+      rejected.append(dict(knobs=knobs, reason=str(e)))
+      continue
+    valid.append(cand)
+  return valid, rejected
+
+
 def _safe_col_tile(transfer: TransferConfig, h: int):
   try:
     return transfer.col_tile_for(h)
@@ -377,7 +437,7 @@ def _order_key(cand: Candidate):
   """Default first, then by how many knobs differ from the default (neighbours first)."""
   d = DEFAULT_CANDIDATE.knobs()
   c = cand.knobs()
-  diffs = [k for k in c if c[k] != d[k]]
+  diffs = [k for k in d if c[k] != d[k]]
   dist = sum(abs(math.log2(c[k] / d[k])) for k in diffs)
   return (len(diffs), dist)
 
@@ -532,11 +592,13 @@ class LayerRunner:
     out = (shard(tok), jax.tree.map(shard, specs), shard(tok))
     return jax.jit(init, out_shardings=out)(jax.random.key(seed))
 
-  def _config(self, backend: str, kernel: KernelConfig, transfer: TransferConfig) -> UniEPConfig:
+  def _config(self, backend: str, kernel: KernelConfig, transfer: TransferConfig,
+              fused: Optional[FusedConfig] = None) -> UniEPConfig:
     if self.num_sms is not None:
       kernel = dataclasses.replace(kernel, num_sms=self.num_sms)
     transport = "padded" if backend == "pallas" else None
-    return UniEPConfig(backend=backend, kernel=kernel, transfer=transfer, transport=transport)
+    return UniEPConfig(backend=backend, kernel=kernel, transfer=transfer, transport=transport,
+                       fused=fused if backend == "uniep" else None)
 
   def _fn(self, cfg: UniEPConfig):
     """The jitted layer for `cfg` (only the last one is kept, so memory is freed)."""
@@ -567,7 +629,7 @@ class LayerRunner:
 
   def measure(self, cand: Candidate) -> Measurement:
     from bench.common import block, time_ms  # the benchmarks' timing method (METHOD.md)
-    fn = self._fn(self._config(self.backend, cand.kernel, cand.transfer))
+    fn = self._fn(self._config(self.backend, cand.kernel, cand.transfer, cand.fused))
     t0 = time.perf_counter()
     out = block(fn(*self.inputs))
     compile_s = time.perf_counter() - t0
@@ -833,12 +895,19 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
     best = best_trial(search.trials)
     if runner.uses_transfer:
       if best is None:
-        _loud("tune: no verified KernelConfig in stage 1; stage 2 (transfer) skipped")
+        _loud("tune: no verified KernelConfig in stage 1; stages 2 and 3 skipped")
       else:
         bk = best.candidate.kernel
         stage2 = [c for c in enum.candidates
                   if c.kernel == bk and c.transfer != dt]
-        search.run(cap(stage2), "transfer")
+        # stage 3 (fused kernels) gets half of what is left after stage 1
+        search.run(cap(stage2), "transfer", deadline=(
+            None if not space.fused else start + budget_s * (1 + stage1_fraction) / 2))
+        best = best_trial(search.trials)
+        if space.fused and best is not None:
+          stage3, rejected = fused_candidates(space, best.candidate, problem, device)
+          enum.rejected.extend(rejected)
+          search.run(cap(stage3), "fused")
   result = result_now(search)
   for g in result.transfer_consistency():
     if not g["consistent"]:
@@ -877,7 +946,9 @@ def user_cache_path(path=None) -> Optional[str]:
 
 
 def _entry_candidate(entry: dict) -> Candidate:
-  return Candidate(KernelConfig(**entry["kernel"]), TransferConfig(**entry["transfer"]))
+  fused = entry.get("fused")
+  return Candidate(KernelConfig(**entry["kernel"]), TransferConfig(**entry["transfer"]),
+                   FusedConfig(**fused) if fused else None)
 
 
 def lookup(problem: TuneProblem, device_kind: str, *, cache_path=None):
@@ -940,10 +1011,14 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
     cand = found[0]
   else:   # the heuristic checks the kernel against the bwd launches (a superset of fwd)
     cand = heuristic_config(dataclasses.replace(problem, direction="bwd"), facts)
+  # A tuned winner with the v2 fused kernels (verified bitwise against "pallas" by
+  # the tuner) is taken only when the whole config is auto, for backend "uniep".
+  fully_auto = config.kernel is None and config.transfer is None and config.fused is None
   return dataclasses.replace(
       config,
       kernel=config.kernel if config.kernel is not None else cand.kernel,
-      transfer=config.transfer if config.transfer is not None else cand.transfer)
+      transfer=config.transfer if config.transfer is not None else cand.transfer,
+      fused=cand.fused if fully_auto and config.backend == "uniep" else config.fused)
 
 
 def cache_entry(result: TuneResult) -> dict:
@@ -955,7 +1030,9 @@ def cache_entry(result: TuneResult) -> dict:
   k = dataclasses.asdict(best.candidate.kernel)
   k.pop("num_sms")
   spread = result.spread()
+  fused = best.candidate.fused
   return dict(kernel=k, transfer=dataclasses.asdict(best.candidate.transfer),
+              fused=dataclasses.asdict(fused) if fused is not None else None,
               median_ms=best.median_ms, default_ms=spread["default_ms"] if spread else None,
               backend=result.backend, strategy=result.strategy, counts=result.counts(),
               device_count=result.problem.ep, git_commit=git_commit(),
@@ -1114,6 +1191,8 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=None, help="report dir (default $OUT/tune, else bench/results/tune)")
   ap.add_argument("--resume", default=None, metavar="DIR",
                   help="continue from the reports of the same problems in DIR")
+  ap.add_argument("--no-fused", action="store_true",
+                  help="skip stage 3 (the v2 fused kernels, EXPERIMENTAL)")
   ap.add_argument("--no-progress", action="store_true")
   args = ap.parse_args(argv)
 
@@ -1143,6 +1222,7 @@ def main(argv=None) -> int:
     print(f"tuning {cache_key(device.kind, problem)} (budget {per_direction:.0f} s)", flush=True)
     checkpoint = lambda r: write_report(r, out, shape_name, with_plot=False)  # noqa: E731
     result = tune(problem, runner, device=device, budget_s=per_direction,
+                  space=SearchSpace(fused=()) if args.no_fused else SearchSpace(),
                   strategy=args.strategy, max_candidates=args.max_candidates, resume=resume,
                   progress=not args.no_progress, on_trial=checkpoint)
     paths = write_report(result, out, shape_name)
