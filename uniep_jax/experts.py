@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _precision(dtype):
@@ -21,25 +22,122 @@ def swiglu_activation(h: jax.Array, u: jax.Array, dtype) -> jax.Array:
   return (jax.nn.silu(h) * u).astype(dtype)
 
 
+# ---------------------------------------------------------------------------
+# The XLA experts. Their backward pass is written out (custom_vjp) so that every
+# GEMM takes x.dtype operands with float32 accumulation, as the Pallas kernels'
+# backward does: JAX's own transpose of a dot with a float32 result feeds the
+# float32 cotangents (dh, du) straight into the backward GEMMs, which then run on
+# float32 operands (slower, and twice the bytes) -- our XLA baselines were twice as
+# slow as GShard's in fwd+bwd on mixtral-like (bench/results, targets.md).
+#   da = dy @ w_down^T (f32 out);  s = sigmoid(h)      (h, u: the f32 accumulators)
+#   dh = da * u * s * (1 + h (1 - s)),  du = da * h * s,  both cast to x.dtype
+#   dx = dh @ w_gate^T + du @ w_up^T (one f32 sum, cast);  dw_gate = x^T dh,
+#   dw_up = x^T du, dw_down = a^T dy (f32 accumulation, cast to the weights' dtype)
+# ---------------------------------------------------------------------------
+def _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad):
+  """The backward pass above; mm(p, w): p @ w, mm_t(p, w): p @ w^T (per group),
+  wgrad(p, q): p^T q (per group), all with float32 accumulation."""
+  dt = x.dtype
+  dy = dy.astype(dt)
+  da = mm_t(dy, w_down)
+  s = jax.nn.sigmoid(h)
+  dh = (da * u * s * (1.0 + h * (1.0 - s))).astype(dt)
+  du = (da * h * s).astype(dt)
+  dx = (mm_t(dh, w_gate) + mm_t(du, w_up)).astype(dt)
+  return (dx, _sum_to_type_of(wgrad(x, dh).astype(w_gate.dtype), w_gate),
+          _sum_to_type_of(wgrad(x, du).astype(w_up.dtype), w_up),
+          _sum_to_type_of(wgrad(a, dy).astype(w_down.dtype), w_down))
+
+
+def _sum_to_type_of(grad, primal):
+  """Inside a type-checked shard_map, a weight that is the same on every shard of an
+  axis the tokens vary over gets the sum of the shards' gradients (what autodiff's
+  transpose of the implicit broadcast does)."""
+  from uniep_jax.dispatch import _varying_axes
+  extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+  return jax.lax.psum(grad, extra) if extra else grad
+
+
+def _float0_like(a):
+  return np.zeros(a.shape, jax.dtypes.float0)
+
+
+def _ragged_ops(x, group_sizes):
+  f32, hi = jnp.float32, _precision(x.dtype)
+  wgrad_dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[])
+  return dict(
+      mm=lambda p, w: jax.lax.ragged_dot(p, w, group_sizes, precision=hi,
+                                         preferred_element_type=f32),
+      mm_t=lambda p, w: jax.lax.ragged_dot(p, jnp.swapaxes(w, 1, 2), group_sizes, precision=hi,
+                                           preferred_element_type=f32),
+      wgrad=lambda p, q: jax.lax.ragged_dot_general(p, q, group_sizes, wgrad_dims, precision=hi,
+                                                    preferred_element_type=f32))
+
+
+def _ragged_forward(x, w_gate, w_up, w_down, group_sizes):
+  ops = _ragged_ops(x, group_sizes)
+  h, u = ops["mm"](x, w_gate), ops["mm"](x, w_up)
+  a = swiglu_activation(h, u, x.dtype)
+  return ops["mm"](a, w_down).astype(x.dtype), (h, u, a)
+
+
+@jax.custom_vjp
 def swiglu_ragged_dot(x, w_gate, w_up, w_down, group_sizes):
   """Grouped FFN with `lax.ragged_dot`. x [M, H] rows grouped by expert
   (group_sizes [G] int32, rows past sum(group_sizes) come back zero)."""
+  return _ragged_forward(x, w_gate, w_up, w_down, group_sizes)[0]
+
+
+def _ragged_fwd(x, w_gate, w_up, w_down, group_sizes):
+  y, (h, u, a) = _ragged_forward(x, w_gate, w_up, w_down, group_sizes)
+  return y, (x, w_gate, w_up, w_down, group_sizes, h, u, a)
+
+
+def _ragged_bwd(res, dy):
+  x, w_gate, w_up, w_down, group_sizes, h, u, a = res
+  grads = _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, **_ragged_ops(x, group_sizes))
+  return grads + (_float0_like(group_sizes),)
+
+
+swiglu_ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _batched_ops(x):
   f32, hi = jnp.float32, _precision(x.dtype)
-  h = jax.lax.ragged_dot(x, w_gate, group_sizes, precision=hi, preferred_element_type=f32)
-  u = jax.lax.ragged_dot(x, w_up, group_sizes, precision=hi, preferred_element_type=f32)
+  return dict(
+      mm=lambda p, w: jnp.einsum("gcf,gfh->gch", p, w, precision=hi, preferred_element_type=f32),
+      mm_t=lambda p, w: jnp.einsum("gch,gfh->gcf", p, w, precision=hi,
+                                   preferred_element_type=f32),
+      wgrad=lambda p, q: jnp.einsum("gcf,gch->gfh", p, q, precision=hi,
+                                    preferred_element_type=f32))
+
+
+def _batched_forward(x, w_gate, w_up, w_down):
+  mm = _batched_ops(x)["mm"]
+  h, u = mm(x, w_gate), mm(x, w_up)
   a = swiglu_activation(h, u, x.dtype)
-  y = jax.lax.ragged_dot(a, w_down, group_sizes, precision=hi, preferred_element_type=f32)
-  return y.astype(x.dtype)
+  return mm(a, w_down).astype(x.dtype), (h, u, a)
 
 
+@jax.custom_vjp
 def swiglu_batched(x, w_gate, w_up, w_down):
   """Per-expert FFN over a fixed-capacity batch. x [G, C, H] -> [G, C, H]."""
-  f32, hi = jnp.float32, _precision(x.dtype)
-  h = jnp.einsum("gch,ghf->gcf", x, w_gate, precision=hi, preferred_element_type=f32)
-  u = jnp.einsum("gch,ghf->gcf", x, w_up, precision=hi, preferred_element_type=f32)
-  a = swiglu_activation(h, u, x.dtype)
-  y = jnp.einsum("gcf,gfh->gch", a, w_down, precision=hi, preferred_element_type=f32)
-  return y.astype(x.dtype)
+  return _batched_forward(x, w_gate, w_up, w_down)[0]
+
+
+def _batched_fwd(x, w_gate, w_up, w_down):
+  y, (h, u, a) = _batched_forward(x, w_gate, w_up, w_down)
+  return y, (x, w_gate, w_up, w_down, h, u, a)
+
+
+def _batched_bwd(res, dy):
+  x, w_gate, w_up, w_down, h, u, a = res
+  return _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, **_batched_ops(x))
+
+
+swiglu_batched.defvjp(_batched_fwd, _batched_bwd)
 
 
 def swiglu_pallas(x, w_gate, w_up, w_down, group_sizes, *, kernel_config):
