@@ -5,7 +5,8 @@ routing so that some experts are empty and one is hot), it computes the
 forward output and the gradients of x and every parameter with:
   * the sequential reference: backend "pallas" (XLA collectives + our grouped GEMM),
   * backend "uniep" at every point of a sweep over the transfer knobs
-    (chunk_rows, num_ctas, col_tile) for each grouped-GEMM tiling swept,
+    (chunk_rows, num_ctas, col_tile) for each grouped-GEMM tiling swept, and
+    with the v2 fused kernels (`FUSED`: n_comm, recv_chunk_rows),
   * each "uniep" point three times,
 and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`).
 Points with the same KernelConfig must all agree with "pallas" of that
@@ -43,6 +44,10 @@ TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/
            uniep_jax.KernelConfig(block_m=64)]
 TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
              for c, n, t in itertools.product((32, 128), (16, 64), (128, 256))]
+# the v2 fused kernels (EXPERIMENTAL), with the default transfer: B a multiple of every
+# tiling's block_m
+FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
+         uniep_jax.FusedConfig(n_comm=48, recv_chunk_rows=2048)]
 
 
 def _inputs(shape, mesh):
@@ -99,12 +104,15 @@ def main(argv=None):
       traceback.print_exc(limit=2)
       points.append(dict(kernel=tag, backend="pallas", error=repr(e)[:300]))
       continue
-    for tc in TRANSFERS:
+    points_of_tiling = ([(tc, None) for tc in TRANSFERS]
+                        + [(uniep_jax.TransferConfig(), fc) for fc in FUSED])
+    for tc, fc in points_of_tiling:
       if time.time() - t0 > args.budget_s:
-        skipped.append(dict(kernel=tag, transfer=str(tc), why="time budget"))
+        skipped.append(dict(kernel=tag, transfer=str(tc), fused=str(fc), why="time budget"))
         continue
-      cfg = uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc)
-      row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile)
+      cfg = uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc, fused=fc)
+      row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
+                 fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows])
       try:
         runs = [_run(mesh, shape, cfg, x, p) for _ in range(3)]
         row.update(checksums=runs[0], repeatable=all(r == runs[0] for r in runs),
