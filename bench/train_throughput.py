@@ -3,7 +3,8 @@
 For each model (default: mixtral-like and deepseek-like with `--layers` layers),
 each mesh (default data=1,expert=R and data=2,expert=R/2 over the R local GPUs)
 and each backend (xla_capacity, xla_dropless, pallas, uniep), it runs the real
-train step (train/loop.py: AdamW, aux losses, the default byte corpus) and
+train step (train/loop.py: AdamW, aux losses; timed batches of uniform random token
+ids by default, `--tokens corpus` for the byte corpus) and
 reports, per case:
   step_ms       median of timed steps (warm-up steps excluded)
   tokens_per_s  batch * seq / step time (global)
@@ -47,6 +48,15 @@ def _peak_mem_gib() -> float | None:
     if "peak_bytes_in_use" in stats:
       peaks.append(stats["peak_bytes_in_use"])
   return max(peaks) / 2**30 if peaks else None
+
+
+def uniform_tokens(vocab: int, n: int, seed: int = 0):
+  """A `train.data.Dataset` of uniform random token ids in [0, vocab) (fixed seed)."""
+  from train.data import Dataset
+  rng = np.random.default_rng(seed)
+  return Dataset(train=rng.integers(0, vocab, n, dtype=np.int32),
+                 heldout=rng.integers(0, vocab, n // 20, dtype=np.int32),
+                 description=f"uniform random ids over {vocab} (seed {seed})")
 
 
 def _register_variant(model: str, layers: int | None, max_experts: int | None = None) -> str:
@@ -150,6 +160,12 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--det-steps", type=int, default=50, help="0 skips the determinism runs")
+  ap.add_argument("--tokens", default="uniform", choices=("uniform", "corpus"),
+                  help="timed batches: uniform random ids over the vocabulary (default: the "
+                       "router starts near balanced, as on real subword text) or the byte "
+                       "corpus (a few hundred distinct ids: at initialisation the router "
+                       "sends most tokens to few experts; xla_capacity dropped 62%% on "
+                       "mixtral-like in run 1)")
   ap.add_argument("--budget-s", type=float, default=500.0)
   ap.add_argument("--det-only", action="store_true", help="only the determinism runs")
   ap.add_argument("--xla-deterministic", action="store_true",
@@ -171,9 +187,16 @@ def main(argv=None):
   print(meta, flush=True)
   dense = common.dense_matmul_tflops()
   print(f"dense bf16 matmul: {dense:.0f} TFLOP/s per device", flush=True)
-  data = make_dataset(None, max_bytes=4 << 20, heldout_fraction=0.05, seq=args.seq)
+  corpus = make_dataset(None, max_bytes=4 << 20, heldout_fraction=0.05, seq=args.seq)
+
+  def data_for(model):
+    if args.tokens == "corpus":
+      return corpus
+    from models.config import get_config
+    return uniform_tokens(vocab=get_config(model).vocab_size, n=4 << 20)
   rows, skipped = [], []
   for model in (args.models.split(",") if not args.det_only else []):
+    data = data_for(model)
     for mesh in meshes:
       for backend in args.backends.split(","):
         if time.time() - t_start > args.budget_s:
@@ -205,7 +228,8 @@ def main(argv=None):
                  determinism=det, skipped=skipped,
                  settings=dict(batch=args.batch, seq=args.seq, steps=args.steps, layers=layers,
                                max_experts=args.max_experts or None,
-                               det_steps=args.det_steps, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                               det_steps=args.det_steps, tokens=args.tokens,
+                               xla_flags=os.environ.get("XLA_FLAGS", ""),
                                xla_deterministic=args.xla_deterministic))
   out = common.out_dir(args.out)
   kind = meta["device_kind"].replace(" ", "_")

@@ -48,3 +48,22 @@ def test_throughput_variants_are_registered_and_sized():
   assert name == "deepseek-like-L1-E64" and (c.n_layers, c.n_experts, c.top_k) == (1, 64, 8)
   assert train_throughput._register_variant("mixtral-like", 1, 64) == "mixtral-like-L1"
   assert train_throughput._register_variant("tiny", None, None) == "tiny"
+
+
+def test_uniform_tokens_are_a_pure_dataset():
+  d = train_throughput.uniform_tokens(vocab=256, n=4096)
+  x, y = d.batch(0, 3, 4, 16)
+  assert x.shape == y.shape == (4, 16) and x.max() < 256 and d.vocab_needed <= 256
+  np.testing.assert_array_equal(x, train_throughput.uniform_tokens(vocab=256, n=4096).batch(0, 3, 4, 16)[0])
+  np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+
+
+def test_train_throughput_times_a_case(tmp_path):
+  train_throughput.main(["--models", "tiny", "--layers", "0", "--meshes", "data=2,expert=4",
+                         "--backends", "xla_dropless", "--batch", "8", "--seq", "32",
+                         "--steps", "2", "--warmup", "1", "--det-steps", "0",
+                         "--out", str(tmp_path)])
+  payload = json.loads(next(tmp_path.glob("train_throughput_*_x8.json")).read_text())
+  (row,) = payload["results"]
+  assert row["tokens_per_s"] > 0 and row["dropped"] == 0 and "error" not in row
+  assert payload["settings"]["tokens"] == "uniform"
