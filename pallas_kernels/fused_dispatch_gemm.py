@@ -1,6 +1,7 @@
 """EXPERIMENTAL (v2 "Kernel A"): NVLink dispatch fused with the SwiGLU gate/up GEMM.
 
-Not wired into `moe_ffn`. Design and synchronisation: SYNC.md, "Kernel A".
+In `moe_ffn` as `UniEPConfig(backend="uniep", fused=FusedConfig(...))` (uniep_jax/fused.py);
+bitwise = v1 on 4x H200 (bench/check_fused*_gpu.py small cases), not yet timed. Design and synchronisation: SYNC.md, "Kernel A".
 Bring-up on GPUs: `bench/check_fused_gpu.py` (bitwise against v1).
 
 Algorithm

@@ -1,6 +1,7 @@
 """EXPERIMENTAL (v2 "Kernel B"): the down-projection GEMM whose epilogue returns rows.
 
-Not wired into `moe_ffn`. Design and synchronisation: SYNC.md, "Kernel B".
+In `moe_ffn` as `UniEPConfig(backend="uniep", fused=FusedConfig(...))` (uniep_jax/fused.py);
+bitwise = v1 on 4x H200 (bench/check_fused*_gpu.py small cases), not yet timed. Design and synchronisation: SYNC.md, "Kernel B".
 Bring-up on GPUs: `bench/check_fused_return_gpu.py` (bitwise against v1).
 
 Algorithm
