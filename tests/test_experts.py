@@ -74,3 +74,34 @@ def test_backward_gemms_take_16bit_operands(which):
           if e.primitive.name in ("dot_general", "ragged_dot_general")]
   assert len(dots) == 9                                  # 3 forward + 6 backward GEMMs
   assert all(d == ["bfloat16", "bfloat16"] for d in dots), dots
+
+
+@pytest.mark.parametrize("x_spec,w_spec", [(("expert",), "expert"), ((), "expert"),
+                                           ((None, "data"), None)])
+def test_backward_types_inside_a_checked_shard_map(x_spec, w_spec):
+  """Operands that vary over different mesh axes: each gradient gets its operand's
+  type (summed over the axes only the other operands vary over), as autodiff does."""
+  from jax.sharding import AxisType, PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+  k = jax.random.split(jax.random.key(5), 4)
+  # unsharded x meets each shard's 2 of the 8 weight groups: x holds 2 groups
+  x = jax.random.normal(k[0], (2 if (x_spec, w_spec) == ((), "expert") else 8, 6, H))
+  ws = [jax.random.normal(k[1], (8, H, F)) * 0.3, jax.random.normal(k[2], (8, H, F)) * 0.3,
+        jax.random.normal(k[3], (8, F, H)) * 0.3]
+
+  def reference(x, wg, wu, wd):
+    h = jnp.einsum("gch,ghf->gcf", x, wg, precision="highest")
+    u = jnp.einsum("gch,ghf->gcf", x, wu, precision="highest")
+    return jnp.einsum("gcf,gfh->gch", jax.nn.silu(h) * u, wd, precision="highest")
+
+  def grads(fn):
+    def body(x, wg, wu, wd):
+      v = jnp.sum(jnp.sin(fn(x, wg, wu, wd)))
+      v = v + 0.0 * (jax.lax.axis_index("data") + jax.lax.axis_index("expert"))  # varies on both
+      return jax.lax.psum(v, ("data", "expert"))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(*x_spec), P(w_spec), P(w_spec), P(w_spec)),
+                      out_specs=P(), check_vma=True)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(x, *ws)
+
+  for a, b in zip(grads(swiglu_batched), grads(reference)):
+    assert rel_err(a, b) < 1e-5

@@ -223,9 +223,10 @@ def test_train_step_has_no_float_scatter_add():
   assert float_scatter_adds(jaxpr) == []
 
 
-@pytest.mark.parametrize("explicit", [False, True])
-def test_embedding_backward_is_the_scatter_sum(mesh_factory, explicit):
-  """embed_lookup's one-hot-matmul backward equals XLA's scatter-add transpose."""
+@pytest.mark.parametrize("explicit,grad_dtype", [(False, None), (True, None), (False, "bfloat16")])
+def test_embedding_backward_is_the_scatter_sum(mesh_factory, explicit, grad_dtype):
+  """embed_lookup's one-hot-matmul backward equals XLA's scatter-add transpose (with
+  grad_dtype: the lookup cast to it right away, as the model does)."""
   import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   from models.transformer import embed_lookup
@@ -236,8 +237,11 @@ def test_embedding_backward_is_the_scatter_sum(mesh_factory, explicit):
   tokens = jax.device_put(np.random.default_rng(1).integers(0, 12, (8, 6)).astype(np.int32),
                           NamedSharding(mesh, P(("data", "expert"))))
   ct = jax.random.normal(jax.random.key(2), (8, 6, 16))
+  dt = jnp.float32 if grad_dtype is None else jnp.dtype(grad_dtype)
   with jax.set_mesh(mesh):
-    ours = jax.jit(jax.grad(lambda t: jnp.sum(embed_lookup(t, tokens, mesh) * ct)))(table)
-  ref = jax.grad(lambda t: jnp.sum(jnp.take(t, np.asarray(tokens), axis=0) * ct))(table)
+    ours = jax.jit(jax.grad(lambda t: jnp.sum(
+        embed_lookup(t, tokens, mesh, grad_dtype and dt).astype(dt) * ct.astype(dt))))(table)
+  ref = jax.grad(lambda t: jnp.sum(
+      jnp.take(t, np.asarray(tokens), axis=0).astype(dt) * ct.astype(dt)))(table)
   np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-6, atol=1e-6)
   assert np.all(np.asarray(ours)[12:] == 0)    # rows no token uses

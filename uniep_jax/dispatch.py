@@ -91,6 +91,17 @@ def _take_rows(rows: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array
   return jnp.where(valid[:, None], out, jnp.zeros((), rows.dtype))
 
 
+def sum_to_type_of(grad: jax.Array, primal: jax.Array) -> jax.Array:
+  """A cotangent summed over the mesh axes it varies over and its primal does not.
+
+  Inside a type-checked shard_map, a value that is the same on every shard of an
+  axis (a weight, with tokens sharded over that axis) gets the sum of the shards'
+  gradients: what autodiff's transpose of the implicit broadcast does, and what a
+  custom_vjp's backward rule must do itself."""
+  extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+  return jax.lax.psum(grad, extra) if extra else grad
+
+
 def _int_zero_cotangent(a: jax.Array):
   return jnp.zeros(a.shape, jax.dtypes.float0)
 
@@ -111,12 +122,13 @@ def gather_rows(rows: jax.Array, index: jax.Array, valid: jax.Array, index_t: ja
 
 
 def _gather_rows_fwd(rows, index, valid, index_t, valid_t):
-  return _take_rows(rows, index, valid), (index, valid, index_t, valid_t)
+  # an empty slice of rows: its type (varying mesh axes) for the backward pass
+  return _take_rows(rows, index, valid), (rows[:0], index, valid, index_t, valid_t)
 
 
 def _gather_rows_bwd(res, ct):
-  index, valid, index_t, valid_t = res
-  return (_take_rows(ct, index_t, valid_t), _int_zero_cotangent(index),
+  rows_like, index, valid, index_t, valid_t = res
+  return (sum_to_type_of(_take_rows(ct, index_t, valid_t), rows_like), _int_zero_cotangent(index),
           _int_zero_cotangent(valid), _int_zero_cotangent(index_t), _int_zero_cotangent(valid_t))
 
 

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from uniep_jax.dispatch import sum_to_type_of
+
 
 def _precision(dtype):
   """float32 operands get full float32 products (no TF32 on GPUs)."""
@@ -43,19 +45,10 @@ def _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad):
   s = jax.nn.sigmoid(h)
   dh = (da * u * s * (1.0 + h * (1.0 - s))).astype(dt)
   du = (da * h * s).astype(dt)
-  dx = (mm_t(dh, w_gate) + mm_t(du, w_up)).astype(dt)
-  return (dx, _sum_to_type_of(wgrad(x, dh).astype(w_gate.dtype), w_gate),
-          _sum_to_type_of(wgrad(x, du).astype(w_up.dtype), w_up),
-          _sum_to_type_of(wgrad(a, dy).astype(w_down.dtype), w_down))
-
-
-def _sum_to_type_of(grad, primal):
-  """Inside a type-checked shard_map, a weight that is the same on every shard of an
-  axis the tokens vary over gets the sum of the shards' gradients (what autodiff's
-  transpose of the implicit broadcast does)."""
-  from uniep_jax.dispatch import _varying_axes
-  extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
-  return jax.lax.psum(grad, extra) if extra else grad
+  dx = sum_to_type_of((mm_t(dh, w_gate) + mm_t(du, w_up)).astype(dt), x)
+  return (dx, sum_to_type_of(wgrad(x, dh).astype(w_gate.dtype), w_gate),
+          sum_to_type_of(wgrad(x, du).astype(w_up.dtype), w_up),
+          sum_to_type_of(wgrad(a, dy).astype(w_down.dtype), w_down))
 
 
 def _float0_like(a):
