@@ -3,6 +3,7 @@
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 
 import uniep_jax
 
@@ -26,6 +27,23 @@ def rel_err(a, b):
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
   return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(b.ravel()) + 1e-30))
+
+
+def capacity_keep_mask(topk, shards: int, cap: int, experts: int):
+  """[N, K] bool: the GShard capacity rule in numpy. Per token shard, an expert keeps
+  its first `cap` assignments in (expert, token, slot) order; the rest are dropped."""
+  topk = np.asarray(topk)
+  per, top_k = topk.shape[0] // shards, topk.shape[1]
+  keep = np.zeros_like(topk, bool)
+  for s in range(shards):
+    seen = np.zeros(experts, int)
+    for e in range(experts):
+      for t in range(per):
+        for k in range(top_k):
+          if topk[s * per + t, k] == e:
+            keep[s * per + t, k] = seen[e] < cap
+            seen[e] += 1
+  return keep
 
 
 def float_scatter_adds(jaxpr, width: int | None = None) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 import uniep_jax
 from uniep_jax import RoutingConfig, UniEPConfig
 from conftest import make_mesh
-from moe_testlib import make_params, make_x, rel_err
+from moe_testlib import capacity_keep_mask, make_params, make_x, rel_err
 
 E, H, F = 8, 32, 48
 BIG_CF = 1e3  # capacity large enough that nothing is dropped
@@ -135,16 +135,7 @@ def test_capacity_drops_are_counted_and_zeroed():
   topk = np.asarray(out.topk_experts)
   cap = int(np.ceil(1.0 * (tokens // ep) * top_k / E))
   # per shard, assignments beyond `cap` per expert in (expert, token, slot) order are dropped
-  keep = np.zeros_like(topk, bool)
-  for s in range(ep):
-    seen = np.zeros(E, int)
-    sl = topk[s * 16:(s + 1) * 16]
-    for e in range(E):
-      for tt in range(sl.shape[0]):
-        for kk in range(top_k):
-          if sl[tt, kk] == e:
-            keep[s * 16 + tt, kk] = seen[e] < cap
-            seen[e] += 1
+  keep = capacity_keep_mask(topk, ep, cap, E)
   assert int(aux["dropped"]) == int((~keep).sum()) > 0
   # the reference with dropped slots' weights set to zero
   ref_w = np.where(keep, np.asarray(out.topk_weights), 0.0)

@@ -17,7 +17,7 @@ import uniep_jax
 from uniep_jax import UniEPConfig
 from uniep_jax.dispatch import _take_rows, gather_rows, permute_rows
 from conftest import make_mesh
-from moe_testlib import float_scatter_adds, make_params, make_x, rel_err
+from moe_testlib import capacity_keep_mask, float_scatter_adds, make_params, make_x, rel_err
 
 
 def _injective_case(seed, n_src=40, n_out=32, h=8):
@@ -83,16 +83,7 @@ def test_capacity_gradients_with_drops_match_reference():
   out = uniep_jax.route(x, p.router, top_k, cfg.routing, p.expert_bias)
   topk = np.asarray(out.topk_experts)
   cap = int(np.ceil((tokens // ep) * top_k / e))
-  keep = np.zeros_like(topk, bool)
-  per = tokens // ep
-  for s in range(ep):
-    seen = np.zeros(e, int)
-    for ex in range(e):
-      for tt in range(per):
-        for kk in range(top_k):
-          if topk[s * per + tt, kk] == ex:
-            keep[s * per + tt, kk] = seen[ex] < cap
-            seen[ex] += 1
+  keep = capacity_keep_mask(topk, ep, cap, e)
   assert (~keep).sum() > 0
 
   def ours(x, p):

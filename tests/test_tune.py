@@ -308,12 +308,17 @@ def test_cache_key_lookup_user_overrides_shipped(tmp_path, monkeypatch):
   assert T.lookup(p, "NVIDIA H200")[0] == T.Candidate(a.kernel, b.transfer)
 
 
-def test_resolve_config_auto_vs_explicit(tmp_path, monkeypatch):
+@pytest.fixture
+def no_shipped_cache(tmp_path, monkeypatch):
+  """An empty shipped cache, no user cache in the environment; (device, deepseek shape)."""
   monkeypatch.setattr(T, "SHIPPED_CACHE", tmp_path / "shipped.json")
   monkeypatch.delenv(T.CACHE_ENV, raising=False)
-  dev = jax.devices()[0]
-  shape = dict(tokens=8192, hidden=7168, ffn=2048, experts=256, top_k=8, ep=4,
-               dtype=jnp.bfloat16)
+  return jax.devices()[0], dict(tokens=8192, hidden=7168, ffn=2048, experts=256, top_k=8, ep=4,
+                                dtype=jnp.bfloat16)
+
+
+def test_resolve_config_auto_vs_explicit(tmp_path, no_shipped_cache):
+  dev, shape = no_shipped_cache
   auto = UniEPConfig(backend="uniep", kernel=None, transfer=None)
   # no entry: the heuristic (the defaults on the target shapes)
   r = T.resolve_config(auto, device=dev, **shape)
@@ -439,12 +444,8 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
   assert res.best.candidate.label() == "m128_n128_k64_s4|c128_x64_t256|f16_b2048"
 
 
-def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, monkeypatch):
-  monkeypatch.setattr(T, "SHIPPED_CACHE", tmp_path / "shipped.json")
-  monkeypatch.delenv(T.CACHE_ENV, raising=False)
-  dev = jax.devices()[0]
-  shape = dict(tokens=8192, hidden=7168, ffn=2048, experts=256, top_k=8, ep=4,
-               dtype=jnp.bfloat16)
+def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, no_shipped_cache):
+  dev, shape = no_shipped_cache
   user = tmp_path / "user.json"
   entry = dict(_entry(KernelConfig(), TransferConfig()), fused=dict(n_comm=32, recv_chunk_rows=2048))
   T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD), entry)

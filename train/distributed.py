@@ -27,7 +27,7 @@ import dataclasses
 import os
 from typing import Mapping, Optional
 
-from train.mesh import ConfigError
+from train.mesh import ConfigError, default_xla_flag
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -99,9 +99,7 @@ def initialize(spec: DistributedSpec, *, timeout_s: int = 300) -> None:
   # processes: XLA's in-process device kernel cannot reach another process's buffers and
   # refuses to fall back to NCCL send/recv unless told (found on 4x H200, 2026-11-26:
   # "RaggedAllToAll fallback to NCCL is not allowed"). Must precede the GPU client.
-  flags = os.environ.get("XLA_FLAGS", "")
-  if _RAGGED_NCCL_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {_RAGGED_NCCL_FLAG}=true".strip()
+  default_xla_flag(_RAGGED_NCCL_FLAG, "true")
   import jax
 
   # Cross-process collectives of the CPU client (0.11.2's default is gloo too; explicit

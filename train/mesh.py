@@ -61,10 +61,16 @@ def request_host_devices(n: int) -> None:
   Leaves an explicit device count already in XLA_FLAGS alone (validation reports a
   mismatch later); harmless on GPU hosts (the flag concerns the host platform).
   """
+  default_xla_flag(_DEVICE_COUNT_FLAG, n)
+
+
+def default_xla_flag(flag: str, value) -> None:
+  """Appends `flag=value` to XLA_FLAGS unless XLA_FLAGS already sets `flag` (an
+  explicit setting wins). Only effective before jax starts its backends."""
   flags = os.environ.get("XLA_FLAGS", "")
-  if _DEVICE_COUNT_FLAG in flags:
+  if flag in flags:
     return
-  os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={n}".strip()
+  os.environ["XLA_FLAGS"] = f"{flags} {flag}={value}".strip()
 
 
 _DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops"
@@ -81,10 +87,7 @@ def request_xla_determinism() -> None:
   scatter a user adds becomes deterministic. Costs some dense-GEMM speed. No effect
   on the CPU. Leaves an explicit setting in XLA_FLAGS alone.
   """
-  flags = os.environ.get("XLA_FLAGS", "")
-  if _DETERMINISTIC_FLAG in flags:
-    return
-  os.environ["XLA_FLAGS"] = f"{flags} {_DETERMINISTIC_FLAG}=true".strip()
+  default_xla_flag(_DETERMINISTIC_FLAG, "true")
 
 
 def make_mesh(shape: dict[str, int]):

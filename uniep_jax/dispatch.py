@@ -102,7 +102,8 @@ def sum_to_type_of(grad: jax.Array, primal: jax.Array) -> jax.Array:
   return jax.lax.psum(grad, extra) if extra else grad
 
 
-def _int_zero_cotangent(a: jax.Array):
+def int_cotangent(a: jax.Array):
+  """The (float0) cotangent of an integer or boolean input of a custom_vjp."""
   return jnp.zeros(a.shape, jax.dtypes.float0)
 
 
@@ -128,8 +129,8 @@ def _gather_rows_fwd(rows, index, valid, index_t, valid_t):
 
 def _gather_rows_bwd(res, ct):
   rows_like, index, valid, index_t, valid_t = res
-  return (sum_to_type_of(_take_rows(ct, index_t, valid_t), rows_like), _int_zero_cotangent(index),
-          _int_zero_cotangent(valid), _int_zero_cotangent(index_t), _int_zero_cotangent(valid_t))
+  return (sum_to_type_of(_take_rows(ct, index_t, valid_t), rows_like), int_cotangent(index),
+          int_cotangent(valid), int_cotangent(index_t), int_cotangent(valid_t))
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
@@ -280,7 +281,7 @@ def return_rows(recv, plan, axis_name, num_local_experts, transport, transfer):
 
 
 def _zero_plan_cotangent(plan):
-  return jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0)
+  return jax.tree.map(lambda a: int_cotangent(a)
                       if jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == bool
                       else jnp.zeros_like(a), plan)
 

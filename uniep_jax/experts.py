@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from uniep_jax.dispatch import sum_to_type_of
+from uniep_jax.dispatch import int_cotangent, sum_to_type_of
 
 
 def _precision(dtype):
@@ -51,10 +50,6 @@ def _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad):
           sum_to_type_of(wgrad(a, dy).astype(w_down.dtype), w_down))
 
 
-def _float0_like(a):
-  return np.zeros(a.shape, jax.dtypes.float0)
-
-
 def _ragged_ops(x, group_sizes):
   f32, hi = jnp.float32, _precision(x.dtype)
   wgrad_dims = jax.lax.RaggedDotDimensionNumbers(
@@ -91,7 +86,7 @@ def _ragged_fwd(x, w_gate, w_up, w_down, group_sizes):
 def _ragged_bwd(res, dy):
   x, w_gate, w_up, w_down, group_sizes, h, u, a = res
   grads = _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, **_ragged_ops(x, group_sizes))
-  return grads + (_float0_like(group_sizes),)
+  return grads + (int_cotangent(group_sizes),)
 
 
 swiglu_ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
