@@ -160,9 +160,11 @@ def main(argv=None):
             common.block(fn(x, p))
             row["compile_s"] = time.time() - t0
             row.update(common.time_ms(fn, x, p, trials=5, min_batch_s=0.1, max_reps=10))
+            out = fn(x, p)
             if direction == "fwd":
-              row["dropped"] = int(f_fwd(x, p)[1])
-            row["checksum"] = tree_checksum(fn(x, p))   # bits of the output (and gradients)
+              row["dropped"] = int(out[1])
+            row["checksum"] = tree_checksum(out)   # bits of the output (and gradients)
+            del out
           except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:500]
             traceback.print_exc(limit=2)

@@ -31,10 +31,14 @@ import numpy as np
 
 
 def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: int, data):
+  """Two calls of one compiled step. Gradients stay on the devices (the comparisons
+  run there: a mixtral-like layer's gradients are ~7 GB in float32); the parameters
+  are summarised by their bit checksum."""
   import jax
   from bench.train_throughput import _register_variant
   from train import loop
   from train.config import TrainConfig
+  from uniep_jax.tune import tree_checksum
 
   name = _register_variant(model, layers)
   cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq, steps=2,
@@ -43,27 +47,36 @@ def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: i
   params, rest, _ = loop.init_state(s)
   x, y = (jax.device_put(a, s.batch_sh) for a in data.batch(cfg.seed, 0, batch, seq))
   fn = jax.jit(jax.value_and_grad(lambda p: loop.loss_fn(s, p, rest, x, y), has_aux=True))
-  host = lambda t: jax.tree.map(np.asarray, jax.device_get(t))  # noqa: E731
   runs = []
   for _ in range(2):
     t0 = time.perf_counter()
     (loss, (ce, lb, z, aux)), grads = fn(params)
     jax.block_until_ready(grads)
-    runs.append(dict(seconds=time.perf_counter() - t0,
-                     scalars=host(dict(loss=loss, ce=ce, lb=lb, z=z)),
-                     counts=host(aux["expert_counts"]), grads=host(grads)))
-  return host(params), runs
+    runs.append(dict(seconds=time.perf_counter() - t0, scalars=dict(loss=loss, ce=ce, lb=lb, z=z),
+                     counts=np.asarray(jax.device_get(aux["expert_counts"])), grads=grads))
+  return tree_checksum(params), runs
+
+
+def _bits(a):
+  """The bits of `a` as unsigned integers of its width (bitwise equality: NaNs and -0 too)."""
+  import jax
+  import jax.numpy as jnp
+  a = jnp.asarray(a)
+  return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{a.dtype.itemsize * 8}"))
 
 
 def compare(a: dict, b: dict) -> dict:
-  """Per leaf of two flat dicts of arrays: bitwise?, max |a-b|, max |a-b| / max |a|."""
+  """Per leaf of two flat dicts of arrays (on the devices or not): bitwise?, max |a-b|,
+  max |a-b| / max |a|, computed where the arrays are, in float32."""
+  import jax.numpy as jnp
   out = {}
   for k in sorted(a):
-    x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
-    diff = float(np.max(np.abs(x - y))) if x.size else 0.0
-    scale = float(np.max(np.abs(x))) if x.size else 0.0
-    out[k] = dict(bitwise=bool(np.array_equal(np.asarray(a[k]), np.asarray(b[k]))),
-                  max_abs_diff=diff, max_rel_diff=diff / max(scale, 1e-30))
+    x, y = jnp.asarray(a[k]), jnp.asarray(b[k])
+    x32, y32 = x.astype(jnp.float32), y.astype(jnp.float32)
+    diff = float(jnp.max(jnp.abs(x32 - y32))) if x.size else 0.0
+    scale = float(jnp.max(jnp.abs(x32))) if x.size else 0.0
+    out[k] = dict(bitwise=bool(jnp.array_equal(_bits(x), _bits(y))), max_abs_diff=diff,
+                  max_rel_diff=diff / max(scale, 1e-30))
   return out
 
 
@@ -94,14 +107,13 @@ def main(argv=None):
   backends = args.backends.split(",")
   results, params0 = {}, None
   for backend in backends:
-    params, runs = _one_backend(args.model, args.layers or None, mesh, backend, args.batch,
-                                args.seq, data)
-    if params0 is None:
-      params0 = params
-    same_init = all(np.array_equal(params0[k], params[k]) for k in params0)
+    params_checksum, runs = _one_backend(args.model, args.layers or None, mesh, backend,
+                                         args.batch, args.seq, data)
+    params0 = params0 or params_checksum
+    same_init = params_checksum == params0
     results[backend] = dict(runs=runs, same_init=same_init)
-    print(backend, "loss", runs[0]["scalars"]["loss"], "first call", round(runs[0]["seconds"], 1),
-          "s; same init:", same_init, flush=True)
+    print(backend, "loss", float(runs[0]["scalars"]["loss"]), "first call",
+          round(runs[0]["seconds"], 1), "s; same init:", same_init, flush=True)
 
   report = dict(meta, benchmark="train_step_diff", settings=dict(
       vars(args), mesh=mesh, xla_flags=os.environ.get("XLA_FLAGS", ""),
