@@ -12,14 +12,18 @@
 #   train    end-to-end training throughput + determinism (bench/train_throughput.py; $MODELS)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
+#            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE")
 #   stepdiff one train step, pallas vs uniep, every gradient leaf bitwise
-#            (bench/train_step_diff.py), three settings: autotuned; XLA deterministic;
-#            deterministic + no all-reduce combining + NCCL_ALGO=Ring
+#            (bench/train_step_diff.py), two settings: XLA deterministic; deterministic +
+#            no collective combining ($NO_COMBINE) + NCCL_ALGO=Ring
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# XLA combines small collectives into one buffer by thresholds; which ones it combines
+# depends on the whole program, and NCCL's reduction order follows the buffer layout
+NO_COMBINE="--xla_gpu_all_reduce_combine_threshold_bytes=0 --xla_gpu_reduce_scatter_combine_threshold_bytes=0 --xla_gpu_all_gather_combine_threshold_bytes=0"
 FINAL="${OUT:-bench/results/session}"
 WORK="$(mktemp -d /tmp/device_session.XXXX)"
 LOG="$FINAL/session.log"
@@ -46,14 +50,13 @@ run_phase() {  # name seconds
                timeout "$secs" python3 -m bench.train_throughput \
                --models "${MODELS:-mixtral-like,deepseek-like}" --budget-s $((secs - 90)) \
                --out "$dir" > "$dir/log" 2>&1 ;;
-    train_det) timeout "$secs" python3 -m bench.train_throughput --models mixtral-like --det-only \
+    train_det) XLA_FLAGS="${DET_XLA_FLAGS:-}" timeout "$secs" python3 -m bench.train_throughput --models mixtral-like --det-only \
                --xla-deterministic --backends pallas,uniep --det-steps 50 \
                --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
                --out "$dir" > "$dir/log" 2>&1 ;;
-    stepdiff) local each=$((secs / 3)) tsd=(python3 -m bench.train_step_diff --out "$dir")
-             timeout "$each" "${tsd[@]}" --tag autotuned > "$dir/log" 2>&1
-             timeout "$each" "${tsd[@]}" --xla-deterministic --tag deterministic >> "$dir/log" 2>&1
-             XLA_FLAGS="--xla_gpu_all_reduce_combine_threshold_bytes=0" NCCL_ALGO=Ring \
+    stepdiff) local each=$((secs / 2)) tsd=(python3 -m bench.train_step_diff --out "$dir")
+             timeout "$each" "${tsd[@]}" --xla-deterministic --tag deterministic > "$dir/log" 2>&1
+             XLA_FLAGS="$NO_COMBINE" NCCL_ALGO=Ring \
                timeout "$each" "${tsd[@]}" --xla-deterministic --tag det_nocombine_ring \
                >> "$dir/log" 2>&1 ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \

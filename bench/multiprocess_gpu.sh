@@ -11,7 +11,7 @@
 #   bash bench/multiprocess_gpu.sh [NGPUS (2 or 4)] [BACKENDS]
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 OUT="${OUT:-bench/results/multiprocess}"
 mkdir -p "$OUT"
 N="${1:-$(nvidia-smi -L | wc -l)}"

@@ -24,6 +24,7 @@ What is bitwise and what is not, and why:
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -144,9 +145,11 @@ def test_distributed_spec_from_flags_and_env():
 
 
 def test_launcher_timeout_kills_all(tmp_path):
-  """Past --timeout the launcher kills every process it started and exits 124."""
-  r = _run("-m", "train.launch", "--processes", "2", "--timeout", "4", "--log-dir", str(tmp_path / "logs"),
-           "--", "--steps", "1000", "--out", str(tmp_path / "out"), "--no-progress", timeout=60)
+  """Past --timeout the launcher has every process print its stacks, kills them all and exits 124."""
+  r = _run("-m", "train.launch", "--processes", "2", "--timeout", "20", "--log-dir", str(tmp_path / "logs"),
+           "--", "--steps", "100000", "--out", str(tmp_path / "out"), "--no-progress", timeout=90)
   assert r.returncode == 124, r.stdout + r.stderr
-  assert "timeout after 4.0 s; stopping all processes" in r.stderr
+  assert "timeout after 20.0 s; their stacks (SIGUSR1), then stopping all processes" in r.stderr
+  for i in range(2):  # faulthandler's dump, from inside the training program
+    assert re.search(rf"\[p{i}\] .*most recent call first", r.stderr), r.stderr[-3000:]
   assert sorted(os.listdir(tmp_path / "logs")) == ["process_0.log", "process_1.log"]

@@ -23,6 +23,9 @@ virtual CPU device pool (XLA_FLAGS, per process), and only then imports jax.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
+
 import dataclasses
 import os
 from typing import Mapping, Optional
@@ -100,6 +103,10 @@ def initialize(spec: DistributedSpec, *, timeout_s: int = 300) -> None:
   # refuses to fall back to NCCL send/recv unless told (found on 4x H200, 2026-11-26:
   # "RaggedAllToAll fallback to NCCL is not allowed"). Must precede the GPU client.
   default_xla_flag(_RAGGED_NCCL_FLAG, "true")
+  # `train.launch` sends SIGUSR1 before it kills a group that ran past its timeout: every
+  # process then prints where each of its threads is (a hang and a slow step look alike
+  # from outside).
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   import jax
 
   # Cross-process collectives of the CPU client (0.11.2's default is gloo too; explicit

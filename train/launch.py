@@ -42,6 +42,18 @@ def _pump(stream: TextIO, prefix: str, out: TextIO, log: Optional[TextIO], lock:
   stream.close()
 
 
+def _dump_stacks(procs: list[subprocess.Popen], wait_s: float = 3.0) -> None:
+  """SIGUSR1 to each live process: `train.distributed.initialize` made that print every
+  thread's Python stack (faulthandler) so a timeout's log says where each process was."""
+  for p in procs:
+    if p.poll() is None:
+      try:
+        os.kill(p.pid, signal.SIGUSR1)
+      except ProcessLookupError:
+        pass
+  time.sleep(wait_s)
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
   """SIGTERM the process groups we started that still run, then SIGKILL after 5 s."""
   live = [p for p in procs if p.poll() is None]
@@ -111,7 +123,9 @@ def launch(processes: int, args: Sequence[str], *, module: str = "train", port: 
       if all(c == 0 for c in codes):
         break
       if deadline is not None and time.monotonic() > deadline:
-        print(f"[launch] timeout after {timeout} s; stopping all processes", file=sys.stderr, flush=True)
+        print(f"[launch] timeout after {timeout} s; their stacks (SIGUSR1), then stopping all processes",
+              file=sys.stderr, flush=True)
+        _dump_stacks(procs)
         rc = 124
         break
       time.sleep(0.1)
