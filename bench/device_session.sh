@@ -14,8 +14,9 @@
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
 #            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE")
 #   stepdiff one train step, pallas vs uniep, every gradient leaf bitwise
-#            (bench/train_step_diff.py), two settings: XLA deterministic; deterministic +
-#            no collective combining ($NO_COMBINE) + NCCL_ALGO=Ring
+#            (bench/train_step_diff.py), in XLA's deterministic mode plus the settings
+#            named in $STEPDIFF (default "deterministic det_nocombine_ring"; also
+#            det_autotune0: no timing-based GEMM choices, $NO_AUTOTUNE)
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
@@ -24,6 +25,9 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 # XLA combines small collectives into one buffer by thresholds; which ones it combines
 # depends on the whole program, and NCCL's reduction order follows the buffer layout
 NO_COMBINE="--xla_gpu_all_reduce_combine_threshold_bytes=0 --xla_gpu_reduce_scatter_combine_threshold_bytes=0 --xla_gpu_all_gather_combine_threshold_bytes=0"
+# XLA:GPU picks GEMM algorithms (split-K, tiles) by timing them at compile time: two
+# programs, or two processes, can pick differently for the same GEMM
+NO_AUTOTUNE="--xla_gpu_autotune_level=0"
 FINAL="${OUT:-bench/results/session}"
 WORK="$(mktemp -d /tmp/device_session.XXXX)"
 LOG="$FINAL/session.log"
@@ -54,11 +58,22 @@ run_phase() {  # name seconds
                --xla-deterministic --backends pallas,uniep --det-steps 50 \
                --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
                --out "$dir" > "$dir/log" 2>&1 ;;
-    stepdiff) local each=$((secs / 2)) tsd=(python3 -m bench.train_step_diff --out "$dir")
-             timeout "$each" "${tsd[@]}" --xla-deterministic --tag deterministic > "$dir/log" 2>&1
-             XLA_FLAGS="$NO_COMBINE" NCCL_ALGO=Ring \
-               timeout "$each" "${tsd[@]}" --xla-deterministic --tag det_nocombine_ring \
-               >> "$dir/log" 2>&1 ;;
+    stepdiff) local settings=(${STEPDIFF:-deterministic det_nocombine_ring}) tag flags
+             local each=$((secs / ${#settings[@]})) tsd=(python3 -m bench.train_step_diff --out "$dir")
+             for tag in "${settings[@]}"; do
+               case "$tag" in
+                 deterministic) flags="" ;;
+                 det_nocombine_ring) flags="$NO_COMBINE" ;;
+                 det_autotune0) flags="$NO_AUTOTUNE" ;;
+               esac
+               [ "$tag" = det_nocombine_ring ] && export NCCL_ALGO=Ring || unset NCCL_ALGO
+               # HLO_DUMP=1: keep each program's optimized HLO (which fusions differ)
+               [ -n "${HLO_DUMP:-}" ] && flags="$flags --xla_dump_to=$dir/hlo_$tag --xla_dump_hlo_as_text"
+               XLA_FLAGS="$flags" timeout "$each" "${tsd[@]}" --xla-deterministic --tag "$tag" \
+                 >> "$dir/log" 2>&1
+               [ -d "$dir/hlo_$tag" ] && find "$dir/hlo_$tag" -type f \
+                 ! -name "*after_optimizations.txt" -delete
+             done; unset NCCL_ALGO ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;

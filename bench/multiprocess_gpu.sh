@@ -15,7 +15,7 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 OUT="${OUT:-bench/results/multiprocess}"
 mkdir -p "$OUT"
 N="${1:-$(nvidia-smi -L | wc -l)}"
-BACKENDS="${2:-xla_dropless,xla_capacity,pallas}"
+BACKENDS="${2:-xla_capacity,xla_dropless,pallas}"
 LIMIT_S="${LIMIT_S:-240}"
 MESH="data=1,expert=$N"
 SHAPE=(--tokens $((1024 * N)) --hidden 512 --ffn 1024 --experts $((4 * N)) --top-k 2 --dtype bfloat16)

@@ -115,6 +115,19 @@ def test_more_bad_inputs(setup):
     uniep_jax.TransferConfig(col_tile=12)
 
 
+def test_ragged_transport_refused_across_processes(setup, monkeypatch):
+  """Between processes lax.ragged_all_to_all hung (NCCL fallback, jaxlib 0.11.2, 4x H200):
+  asking for it there is an error, and the default picks the padded all_to_all."""
+  from uniep_jax.dispatch import default_transport
+  assert default_transport("gpu") == "ragged"
+  assert default_transport("gpu", process_count=4) == "padded"
+  assert default_transport("cpu") == "padded"
+  x, p, mesh = setup
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"transport='ragged' hangs in multi-process runs \(2 processes\)"):
+    _call(x, p, mesh, config=UniEPConfig(transport="ragged"))
+
+
 def test_route_rejects_top_k_beyond_eligible_groups():
   cfg = uniep_jax.RoutingConfig(n_groups=4, topk_groups=1)
   x = jnp.ones((4, H))

@@ -30,7 +30,7 @@ import dataclasses
 import os
 from typing import Mapping, Optional
 
-from train.mesh import ConfigError, default_xla_flag
+from train.mesh import ConfigError
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -93,16 +93,11 @@ def resolve(*, coordinator: Optional[str], num_processes: Optional[int], process
                          process_id=process_id, local_devices=local_devices)
 
 
-_RAGGED_NCCL_FLAG = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback"
-
-
 def initialize(spec: DistributedSpec, *, timeout_s: int = 300) -> None:
   """Join the process group (imports jax; call before any jax computation)."""
-  # ragged_all_to_all (backend "xla_dropless" and the "pallas" transport on GPUs) between
-  # processes: XLA's in-process device kernel cannot reach another process's buffers and
-  # refuses to fall back to NCCL send/recv unless told (found on 4x H200, 2026-11-26:
-  # "RaggedAllToAll fallback to NCCL is not allowed"). Must precede the GPU client.
-  default_xla_flag(_RAGGED_NCCL_FLAG, "true")
+  # (Between processes moe_ffn moves rows with lax.all_to_all, not ragged_all_to_all:
+  # XLA refuses the latter's NCCL fallback unless told, and told, it hung; see
+  # uniep_jax.dispatch.default_transport.)
   # `train.launch` sends SIGUSR1 before it kills a group that ran past its timeout: every
   # process then prints where each of its threads is (a hang and a slow step look alike
   # from outside).

@@ -174,8 +174,9 @@ class UniEPConfig:
     `KernelConfig` (the default one included) is used exactly as given.
   transport: how "xla_dropless"/"pallas" move rows: "ragged"
     (`lax.ragged_all_to_all`, packed), "padded" (`lax.all_to_all` of per-peer
-    worst-case buffers); None picks "ragged" on GPU, "padded" elsewhere (the
-    CPU cannot compile ragged_all_to_all), "nvlink" (Pallas kernels writing into
+    worst-case buffers); None picks "ragged" on GPUs driven by one process,
+    "padded" elsewhere (the CPU cannot compile ragged_all_to_all; between processes
+    its NCCL fallback hangs in jaxlib 0.11.2), "nvlink" (Pallas kernels writing into
     peers' buffers; GPU only). All land every row at the same place.
   transfer: see `TransferConfig`; used by the "nvlink" transport. None means
     auto, as for `kernel`.

@@ -17,7 +17,7 @@ Transports (`transport=`):
   "ragged"  `lax.ragged_all_to_all` into a packed source-major buffer (GPU).
   "padded"  `lax.all_to_all` of [R, T*K, H] per-peer buffers (one fixed slot per
             peer, the dropless worst case) plus a gather. Used on the CPU, where
-            ragged_all_to_all does not compile.
+            ragged_all_to_all does not compile, and between processes on GPUs.
   "nvlink"  Pallas kernels (`pallas_kernels/ep_transfer.py`) push each
             contiguous (peer, local expert) segment straight into the peer's
             buffer (GPU only). Padding rows are not written, except a window of
@@ -38,8 +38,13 @@ from uniep_jax.layout import DispatchPlan
 from uniep_jax.config import TRANSPORTS, TransferConfig  # noqa: F401
 
 
-def default_transport(platform: str) -> str:
-  return "ragged" if platform in ("gpu", "cuda", "rocm") else "padded"
+def default_transport(platform: str, process_count: int = 1) -> str:
+  """"ragged" on GPUs driven by one process; "padded" elsewhere: the CPU cannot compile
+  ragged_all_to_all, and across processes its NCCL send/recv fallback hangs in jaxlib
+  0.11.2 (4 processes x 1 H200, 2026-11-26: the first step never returned)."""
+  if platform in ("gpu", "cuda", "rocm") and process_count == 1:
+    return "ragged"
+  return "padded"
 
 
 # ---------------------------------------------------------------------------

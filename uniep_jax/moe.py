@@ -284,11 +284,17 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
       raise ValueError(f"backend={config.backend!r} with in-kernel NVLink transfers needs GPUs; "
                        f"the mesh holds {platform} devices")
   check_kernel_dtypes(config.backend, platform, x, params)
+  if config.transport == "ragged" and jax.process_count() > 1:
+    raise ValueError(f"config.transport='ragged' hangs in multi-process runs "
+                     f"({jax.process_count()} processes): lax.ragged_all_to_all between processes "
+                     f"goes through XLA's NCCL send/recv fallback, whose first call never returned "
+                     f"with jaxlib 0.11.2 on 4 H200s; use 'padded' or None (None picks 'padded' "
+                     f"across processes)")
   if config.transport == "ragged" and platform != "gpu":
     raise ValueError(f"config.transport='ragged' (lax.ragged_all_to_all) does not compile on "
                      f"{platform}; use 'padded' or None")
   token_axes = tuple(mesh.axis_names)
-  transport = config.transport or default_transport(platform)
+  transport = config.transport or default_transport(platform, jax.process_count())
   x_spec = P(token_axes, None)
   p_specs = param_specs(params, expert_axis)
   x = _place(x, NamedSharding(mesh, x_spec))
