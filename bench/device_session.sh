@@ -28,6 +28,11 @@ NO_COMBINE="--xla_gpu_all_reduce_combine_threshold_bytes=0 --xla_gpu_reduce_scat
 # XLA:GPU picks GEMM algorithms (split-K, tiles) by timing them at compile time: two
 # programs, or two processes, can pick differently for the same GEMM
 NO_AUTOTUNE="--xla_gpu_autotune_level=0"
+# XLA turns an async all-reduce into a synchronous one when nothing overlaps it, which
+# depends on the whole program's schedule; the two run on different NCCL communicators
+# (stepdiff, 2026-11-26: the one gradient that differed between pallas and uniep was
+# all-reduced synchronously in one program and asynchronously in the other)
+SYNC_AR="--xla_gpu_disable_async_collectives=ALLREDUCE,REDUCESCATTER"
 FINAL="${OUT:-bench/results/session}"
 WORK="$(mktemp -d /tmp/device_session.XXXX)"
 LOG="$FINAL/session.log"
@@ -65,6 +70,7 @@ run_phase() {  # name seconds
                  deterministic) flags="" ;;
                  det_nocombine_ring) flags="$NO_COMBINE" ;;
                  det_autotune0) flags="$NO_AUTOTUNE" ;;
+                 det_sync_ar) flags="$SYNC_AR" ;;
                esac
                [ "$tag" = det_nocombine_ring ] && export NCCL_ALGO=Ring || unset NCCL_ALGO
                # HLO_DUMP=1: keep each program's optimized HLO (which fusions differ)
