@@ -12,11 +12,12 @@
 #   train    end-to-end training throughput + determinism (bench/train_throughput.py; $MODELS)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
-#            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE")
+#            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE"; $GRAD_REDUCTION: xla|ordered)
 #   stepdiff one train step, pallas vs uniep, every gradient leaf bitwise
 #            (bench/train_step_diff.py), in XLA's deterministic mode plus the settings
 #            named in $STEPDIFF (default "deterministic det_nocombine_ring"; also
-#            det_autotune0: no timing-based GEMM choices, $NO_AUTOTUNE)
+#            det_autotune0: no timing-based GEMM choices, $NO_AUTOTUNE; det_ordered:
+#            gradients summed in rank order by us, train --grad-reduction ordered)
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
@@ -62,6 +63,7 @@ run_phase() {  # name seconds
     train_det) XLA_FLAGS="${DET_XLA_FLAGS:-}" timeout "$secs" python3 -m bench.train_throughput --models mixtral-like --det-only \
                --xla-deterministic --backends pallas,uniep --det-steps 50 \
                --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
+               --grad-reduction "${GRAD_REDUCTION:-xla}" \
                --out "$dir" > "$dir/log" 2>&1 ;;
     stepdiff) local settings=(${STEPDIFF:-deterministic det_nocombine_ring}) tag flags
              local each=$((secs / ${#settings[@]})) tsd=(python3 -m bench.train_step_diff --out "$dir")
@@ -71,11 +73,14 @@ run_phase() {  # name seconds
                  det_nocombine_ring) flags="$NO_COMBINE" ;;
                  det_autotune0) flags="$NO_AUTOTUNE" ;;
                  det_sync_ar) flags="$SYNC_AR" ;;
+                 det_ordered) flags="" ;;
                esac
+               local gr=xla; [ "$tag" = det_ordered ] && gr=ordered
                [ "$tag" = det_nocombine_ring ] && export NCCL_ALGO=Ring || unset NCCL_ALGO
                # HLO_DUMP=1: keep each program's optimized HLO (which fusions differ)
                [ -n "${HLO_DUMP:-}" ] && flags="$flags --xla_dump_to=$dir/hlo_$tag --xla_dump_hlo_as_text"
                XLA_FLAGS="$flags" timeout "$each" "${tsd[@]}" --xla-deterministic --tag "$tag" \
+                 --grad-reduction "$gr" \
                  >> "$dir/log" 2>&1
                [ -d "$dir/hlo_$tag" ] && find "$dir/hlo_$tag" -type f \
                  ! -name "*after_optimizations.txt" -delete

@@ -30,10 +30,13 @@ import time
 import numpy as np
 
 
-def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: int, data):
+def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: int, data,
+                 grad_reduction: str = "xla"):
   """Two calls of one compiled step. Gradients stay on the devices (the comparisons
   run there: a mixtral-like layer's gradients are ~7 GB in float32); the parameters
-  are summarised by their bit checksum."""
+  are summarised by their bit checksum. grad_reduction "ordered": the training step's
+  per-shard gradients summed in rank order (`train.loop.ordered_grads`; clipped, as
+  that step applies them)."""
   import jax
   from bench.train_throughput import _register_variant
   from train import loop
@@ -42,11 +45,19 @@ def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: i
 
   name = _register_variant(model, layers)
   cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq, steps=2,
-                    out="/tmp/train_step_diff", progress=False, plot=False)
+                    out="/tmp/train_step_diff", progress=False, plot=False,
+                    grad_reduction=grad_reduction)
   s = loop.make_setup(cfg)
   params, rest, _ = loop.init_state(s)
   x, y = (jax.device_put(a, s.batch_sh) for a in data.batch(cfg.seed, 0, batch, seq))
-  fn = jax.jit(jax.value_and_grad(lambda p: loop.loss_fn(s, p, rest, x, y), has_aux=True))
+  if grad_reduction == "ordered":
+    per_shard = jax.jit(loop.ordered_grads(s))
+
+    def fn(p):
+      grads, ce, lb, z, aux, _ = per_shard(p, rest, x, y)
+      return (ce + cfg.lb_weight * lb + cfg.z_weight * z, (ce, lb, z, aux)), grads
+  else:
+    fn = jax.jit(jax.value_and_grad(lambda p: loop.loss_fn(s, p, rest, x, y), has_aux=True))
   runs = []
   for _ in range(2):
     t0 = time.perf_counter()
@@ -90,6 +101,7 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--xla-deterministic", action="store_true")
+  ap.add_argument("--grad-reduction", default="xla", choices=("xla", "ordered"))
   ap.add_argument("--tag", default="default")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
@@ -108,7 +120,7 @@ def main(argv=None):
   results, params0 = {}, None
   for backend in backends:
     params_checksum, runs = _one_backend(args.model, args.layers or None, mesh, backend,
-                                         args.batch, args.seq, data)
+                                         args.batch, args.seq, data, args.grad_reduction)
     params0 = params0 or params_checksum
     same_init = params_checksum == params0
     results[backend] = dict(runs=runs, same_init=same_init)

@@ -83,7 +83,7 @@ def _register_variant(model: str, layers: int | None, max_experts: int | None = 
 
 def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
              steps: int, warmup: int, data, dense_tflops: float,
-             max_experts: int | None = None) -> dict:
+             max_experts: int | None = None, grad_reduction: str = "xla") -> dict:
   """Times `steps` train steps after `warmup`; returns the row for the JSON."""
   from models.report import model_report
   from train import loop
@@ -92,7 +92,7 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
   name = _register_variant(model, layers, max_experts)
   cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
                     steps=max(steps + warmup, 2), out="/tmp/train_throughput", progress=False,
-                    plot=False)
+                    plot=False, grad_reduction=grad_reduction)
   s = loop.make_setup(cfg)
   params, rest, opt_state = loop.init_state(s)
   step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, opt_state))
@@ -117,7 +117,8 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
   flops_per_token = rep["train_flops_per_token"]             # fwd + bwd
   tokens_per_s = batch * seq / step_s
   n_gpu = len(s.mesh.devices.flat)
-  row = dict(model=name, mesh=mesh, backend=backend, batch=batch, seq=seq, steps=steps,
+  row = dict(model=name, mesh=mesh, backend=backend, grad_reduction=grad_reduction,
+             batch=batch, seq=seq, steps=steps,
              compile_s=compile_s, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
              tokens_per_s=tokens_per_s, dropped=dropped, peak_mem_gib=_peak_mem_gib(),
              total_params=rep.get("total_params"), active_params=rep.get("active_params"))
@@ -126,7 +127,7 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
 
 
 def determinism(model: str, mesh: str, *, layers, batch: int, seq: int, steps: int,
-                max_experts: int | None = None) -> dict:
+                max_experts: int | None = None, grad_reduction: str = "xla") -> dict:
   """pallas vs uniep (bitwise losses and params) and uniep twice (checksums)."""
   from train import loop
   from train.config import TrainConfig
@@ -136,13 +137,15 @@ def determinism(model: str, mesh: str, *, layers, batch: int, seq: int, steps: i
   for tag, backend in (("pallas", "pallas"), ("uniep", "uniep"), ("uniep_again", "uniep")):
     cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
                       steps=steps, eval_every=steps, eval_batches=1,
-                      out=f"/tmp/train_det_{tag}", progress=False, plot=False)
+                      out=f"/tmp/train_det_{tag}", progress=False, plot=False,
+                      grad_reduction=grad_reduction)
     r = loop.train(cfg)
     out[tag] = dict(losses=[float(r["losses"][k]) for k in sorted(r["losses"])],
                     checksum=r["summary"]["sha256"], param_sum=r["summary"]["param_sum"])
   same = lambda a, b: (out[a]["losses"] == out[b]["losses"]  # noqa: E731
                        and out[a]["checksum"] == out[b]["checksum"])
-  return dict(model=name, mesh=mesh, steps=steps, pallas_equals_uniep=same("pallas", "uniep"),
+  return dict(model=name, mesh=mesh, steps=steps, grad_reduction=grad_reduction,
+              pallas_equals_uniep=same("pallas", "uniep"),
               uniep_repeatable=same("uniep", "uniep_again"), runs=out)
 
 
@@ -171,6 +174,8 @@ def main(argv=None):
   ap.add_argument("--xla-deterministic", action="store_true",
                   help="XLA:GPU deterministic mode, no GEMM autotuning "
                        "(train.mesh.request_xla_determinism; the training CLI's default)")
+  ap.add_argument("--grad-reduction", default="xla", choices=("xla", "ordered"),
+                  help="TrainConfig.grad_reduction of every run (train --grad-reduction)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   from train.data import make_dataset
@@ -205,7 +210,7 @@ def main(argv=None):
         try:
           row = run_case(model, mesh, backend, layers=layers, batch=args.batch, seq=args.seq,
                          steps=args.steps, warmup=args.warmup, data=data, dense_tflops=dense,
-                         max_experts=args.max_experts or None)
+                         max_experts=args.max_experts or None, grad_reduction=args.grad_reduction)
         except Exception as e:  # noqa: BLE001
           traceback.print_exc(limit=3)
           row = dict(model=model, mesh=mesh, backend=backend, error=repr(e)[:500])
@@ -219,7 +224,8 @@ def main(argv=None):
         continue
       try:
         det.append(determinism(model, meshes[0], layers=layers, batch=args.batch, seq=args.seq,
-                               steps=args.det_steps, max_experts=args.max_experts or None))
+                               steps=args.det_steps, max_experts=args.max_experts or None,
+                               grad_reduction=args.grad_reduction))
       except Exception as e:  # noqa: BLE001
         traceback.print_exc(limit=3)
         det.append(dict(model=model, mesh=meshes[0], error=repr(e)[:500]))

@@ -22,10 +22,11 @@ def test_moe_layer_records_times_and_checksums(tmp_path):
   assert cap["checksum"] != free["checksum"] and cap["bitwise_equal_to"] == []
 
 
-def test_train_step_diff_compares_every_leaf(tmp_path):
+@pytest.mark.parametrize("grad_reduction", ["xla", "ordered"])
+def test_train_step_diff_compares_every_leaf(tmp_path, grad_reduction):
   train_step_diff.main(["--model", "tiny", "--layers", "0", "--mesh", "data=2,expert=4",
                         "--backends", "xla_dropless,xla_capacity", "--batch", "8", "--seq", "32",
-                        "--tag", "smoke", "--out", str(tmp_path)])
+                        "--grad-reduction", grad_reduction, "--tag", "smoke", "--out", str(tmp_path)])
   report = json.loads(next(tmp_path.glob("train_step_diff_*_smoke.json")).read_text())
   for backend in ("xla_dropless", "xla_capacity"):
     assert report["backends"][backend]["repeatable"] and report["backends"][backend]["same_init"]
@@ -62,8 +63,9 @@ def test_train_throughput_times_a_case(tmp_path):
   train_throughput.main(["--models", "tiny", "--layers", "0", "--meshes", "data=2,expert=4",
                          "--backends", "xla_dropless", "--batch", "8", "--seq", "32",
                          "--steps", "2", "--warmup", "1", "--det-steps", "0",
-                         "--out", str(tmp_path)])
+                         "--grad-reduction", "ordered", "--out", str(tmp_path)])
   payload = json.loads(next(tmp_path.glob("train_throughput_*_x8.json")).read_text())
   (row,) = payload["results"]
   assert row["tokens_per_s"] > 0 and row["dropped"] == 0 and "error" not in row
+  assert row["grad_reduction"] == "ordered"
   assert payload["settings"]["tokens"] == "uniform"

@@ -13,6 +13,9 @@ from typing import Optional, Sequence
 from train.mesh import parse_mesh
 
 BACKEND_CHOICES = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep")
+# "xla": gradients of replicated parameters summed over the mesh by XLA's all-reduces;
+# "ordered": per-shard gradients summed in rank order by us (train/ordered_reduce.py)
+GRAD_REDUCTIONS = ("xla", "ordered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,7 @@ class TrainConfig:
   plot: bool = True
   # XLA:GPU deterministic mode (train.mesh.request_xla_determinism), set by the CLI
   xla_deterministic: bool = True
+  grad_reduction: str = "xla"  # GRAD_REDUCTIONS
   # multi-process runs (train/distributed.py); None: from the environment, else single-process
   coordinator: Optional[str] = None  # HOST:PORT of process 0's jax.distributed coordinator
   num_processes: Optional[int] = None
@@ -57,6 +61,8 @@ class TrainConfig:
     parse_mesh(self.mesh)
     if self.backend not in BACKEND_CHOICES:
       raise ValueError(f"backend={self.backend!r} is unknown; expected one of {BACKEND_CHOICES}")
+    if self.grad_reduction not in GRAD_REDUCTIONS:
+      raise ValueError(f"grad_reduction={self.grad_reduction!r} is unknown; expected one of {GRAD_REDUCTIONS}")
     for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -119,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
   a("--no-xla-deterministic", dest="xla_deterministic", action="store_false",
     help="let XLA autotune its GEMMs on GPUs (faster dense layers; the same bits run after "
          "run, but no longer across compilations, e.g. across --backend choices)")
+  a("--grad-reduction", default=d.grad_reduction, choices=GRAD_REDUCTIONS,
+    help="how gradients are summed over the mesh: 'xla' (XLA's all-reduces; their float order "
+         "is up to NCCL and to each program's schedule) or 'ordered' (per-shard gradients "
+         "summed in rank order in float32: the same bits in every program; also clips there)")
   g = p.add_argument_group("multi-process (jax.distributed; `python -m train.launch` sets these)")
   g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="process 0's coordinator address (default: $JAX_COORDINATOR_ADDRESS)")

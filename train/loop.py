@@ -37,6 +37,7 @@ from train.config import TrainConfig
 from train.data import Dataset, make_dataset, unigram_entropy
 from train.distributed import from_local_rows, host_value, is_main_process, local_rows
 from train.mesh import MESH_AXES, ConfigError, make_mesh, parse_mesh, validate_mesh
+from train.ordered_reduce import ordered_psum
 
 LN2 = float(np.log(2.0))
 
@@ -103,7 +104,10 @@ def make_setup(cfg: TrainConfig) -> Setup:
       init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
       end_value=cfg.lr * cfg.min_lr_ratio)
   decay_mask = {k: v.ndim >= 2 for k, v in flat_arrays(params_tmpl).items()}  # no decay on norm scales
-  tx = optax.chain(optax.clip_by_global_norm(cfg.clip),
+  # "ordered" clips inside the per-shard gradient step, on its ordered norm (the chain
+  # keeps its shape, so checkpoints load in either mode)
+  clip = optax.identity() if cfg.grad_reduction == "ordered" else optax.clip_by_global_norm(cfg.clip)
+  tx = optax.chain(clip,
                    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask))
   return Setup(cfg=cfg, model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, params_tmpl=params_tmpl,
                rest_tmpl=rest_tmpl, param_sh=flat_shardings(params_tmpl, mesh),
@@ -152,10 +156,80 @@ def loss_fn(s: Setup, params: dict, rest: dict, inputs, targets):
   return ce + s.cfg.lb_weight * lb + s.cfg.z_weight * z, (ce, lb, z, aux)
 
 
+def _spec_axes(spec) -> set:
+  """Mesh axes a PartitionSpec shards over."""
+  out = set()
+  for entry in spec:
+    out |= set(entry) if isinstance(entry, tuple) else ({entry} if entry is not None else set())
+  return out
+
+
+def _per_shard(s: Setup, body, in_specs, out_specs):
+  """shard_map over the whole mesh; type-checked except for the Pallas backends (as moe_ffn)."""
+  return jax.shard_map(body, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=s.cfg.backend not in ("pallas", "uniep"))
+
+
+def ordered_grads(s: Setup):
+  """(params, rest, inputs, targets) -> (grads, ce, lb, z, aux, grad_norm), grads clipped.
+
+  Each shard differentiates its part of the loss, (its mean cross entropy + the weighted
+  aux losses) / shards; replicated parameters' gradients are then summed over the mesh
+  axes they are replicated on with `ordered_psum` (rank order, float32), and the
+  global norm (for clipping and the metric) is summed the same way, leaves in name
+  order. No float sum over devices is left to XLA or NCCL. The aux losses are computed
+  from statistics psum'd over the mesh inside the MoE layer: each shard's gradient
+  holds 1/shards of their derivative per shard, so the sum holds it once.
+  """
+  axes = tuple(s.mesh.axis_names)
+  shards = s.mesh.size
+  pspec = {k: sh.spec for k, sh in s.param_sh.items()}
+  rspec = {k: sh.spec for k, sh in s.rest_sh.items()}
+  reduce_axes = {k: tuple(a for a in axes if a not in _spec_axes(spec)) for k, spec in pspec.items()}
+  typed = s.cfg.backend not in ("pallas", "uniep")
+
+  def body(params, rest, inputs, targets):
+    if typed:  # differentiate per-shard copies: no psum in the transpose
+      params = {k: jax.lax.pcast(v, reduce_axes[k], to="varying") if reduce_axes[k] else v
+                for k, v in params.items()}
+
+    def local_loss(p):
+      logits, aux = _model(s, p, rest)(inputs)
+      ce = cross_entropy(logits, targets)  # this shard's mean
+      lb = jnp.mean(aux["load_balance_loss"])
+      z = jnp.mean(aux["router_z_loss"])
+      return (ce + s.cfg.lb_weight * lb + s.cfg.z_weight * z) / shards, (ce, lb, z, aux)
+
+    (_, (ce, lb, z, aux)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
+    grads = {k: ordered_psum(g, reduce_axes[k]) for k, g in grads.items()}
+    sq = jnp.zeros((), jnp.float32)
+    for k in sorted(grads):
+      part = jnp.sum(jnp.square(grads[k].astype(jnp.float32)))
+      sq = sq + ordered_psum(part, tuple(a for a in axes if a in _spec_axes(pspec[k])))
+    norm = jnp.sqrt(sq)
+    # optax.clip_by_global_norm's rule
+    grads = {k: jnp.where(norm < s.cfg.clip, g, (g / norm.astype(g.dtype)) * s.cfg.clip).astype(g.dtype)
+             for k, g in grads.items()}
+    ce = ordered_psum(ce, axes) / shards
+    return grads, ce, lb, z, aux, norm
+
+  scalar = P()
+  aux_spec = P()  # per-layer arrays of global statistics, replicated
+  return _per_shard(s, body, in_specs=(pspec, rspec, s.batch_sh.spec, s.batch_sh.spec),
+                    out_specs=(pspec, scalar, scalar, scalar, aux_spec, scalar))
+
+
 def make_train_step(s: Setup, opt_sh):
+  grad_fn = ordered_grads(s) if s.cfg.grad_reduction == "ordered" else None
+
   def train_step(params, rest, opt_state, inputs, targets):
-    (loss, (ce, lb, z, aux)), grads = jax.value_and_grad(
-        lambda p: loss_fn(s, p, rest, inputs, targets), has_aux=True)(params)
+    if grad_fn is None:
+      (loss, (ce, lb, z, aux)), grads = jax.value_and_grad(
+          lambda p: loss_fn(s, p, rest, inputs, targets), has_aux=True)(params)
+      grad_norm = optax.tree.norm(grads)
+    else:
+      grads, ce, lb, z, aux, grad_norm = grad_fn(params, rest, inputs, targets)
+      loss = ce + s.cfg.lb_weight * lb + s.cfg.z_weight * z
     updates, opt_state = s.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     if s.bias_rate:
@@ -165,7 +239,7 @@ def make_train_step(s: Setup, opt_sh):
       rest = flat_arrays(nnx.split(model, nnx.Param, ...)[2])
     counts = aux["expert_counts"].astype(jnp.float32)  # [L_moe, E]
     metrics = dict(loss=loss, ce=ce, load_balance_loss=lb, router_z_loss=z,
-                   grad_norm=optax.tree.norm(grads), dropped=jnp.sum(aux["dropped"]),
+                   grad_norm=grad_norm, dropped=jnp.sum(aux["dropped"]),
                    max_load=jnp.max(counts / jnp.mean(counts, axis=-1, keepdims=True)))
     return params, rest, opt_state, metrics
 
@@ -181,7 +255,14 @@ def make_eval_step(s: Setup):
     logits, _ = _model(s, params, rest)(inputs)
     return cross_entropy(logits, targets)
 
-  return jax.jit(eval_step, in_shardings=(s.param_sh, s.rest_sh, s.batch_sh, s.batch_sh),
+  if s.cfg.grad_reduction == "ordered":  # the mean over shards in rank order, as the train step
+    local = lambda *a: ordered_psum(eval_step(*a), tuple(s.mesh.axis_names)) / s.mesh.size
+    fn = _per_shard(s, local, in_specs=({k: v.spec for k, v in s.param_sh.items()},
+                                        {k: v.spec for k, v in s.rest_sh.items()},
+                                        s.batch_sh.spec, s.batch_sh.spec), out_specs=P())
+  else:
+    fn = eval_step
+  return jax.jit(fn, in_shardings=(s.param_sh, s.rest_sh, s.batch_sh, s.batch_sh),
                  out_shardings=NamedSharding(s.mesh, P()))
 
 

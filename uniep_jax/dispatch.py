@@ -73,7 +73,7 @@ def _replicate_bwd(top_k, _, ct):
 replicate_slots.defvjp(_replicate_fwd, _replicate_bwd)
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
   """The manual mesh axes `x` varies over inside a shard_map (empty outside)."""
   aval = jax.typeof(x)
   mat = getattr(aval, "mat", None)
@@ -86,7 +86,7 @@ def _zeros_varying_like(ref: jax.Array, shape) -> jax.Array:
   """Zeros of `shape` with the varying mesh axes of `ref` (a collective's output
   buffer must carry the operand's type inside a type-checked shard_map)."""
   z = jnp.zeros(shape, ref.dtype)
-  vma = tuple(sorted(_varying_axes(ref)))
+  vma = tuple(sorted(varying_axes(ref)))
   return jax.lax.pcast(z, vma, to="varying") if vma else z
 
 
@@ -103,7 +103,7 @@ def sum_to_type_of(grad: jax.Array, primal: jax.Array) -> jax.Array:
   axis (a weight, with tokens sharded over that axis) gets the sum of the shards'
   gradients: what autodiff's transpose of the implicit broadcast does, and what a
   custom_vjp's backward rule must do itself."""
-  extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+  extra = tuple(sorted(varying_axes(grad) - varying_axes(primal)))
   return jax.lax.psum(grad, extra) if extra else grad
 
 

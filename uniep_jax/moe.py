@@ -251,23 +251,8 @@ def param_specs(params: MoEParams, expert_axis: str = "expert") -> MoEParams:
                    expert_bias=None if params.expert_bias is None else P())
 
 
-def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = UniEPConfig(),
-            expert_axis: str = "expert"):
-  """The MoE FFN over a mesh. Returns (y [N, H] in x.dtype, aux dict):
-
-  aux["expert_counts"]     [E] int32  assignments per expert, global
-  aux["load_balance_loss"] f32        Switch-style E * sum_e f_e P_e
-  aux["router_z_loss"]     f32        mean_t logsumexp(logits_t)^2
-  aux["dropped"]           int32      dropped assignments (0 unless "xla_capacity"
-                                      or a receive_capacity_factor bound overflows)
-  """
-  if config.backend == "dense_reference":
-    validate_inputs(x, params, top_k=top_k, config=config)
-    return dense_reference_moe(x, params, top_k=top_k, config=config)
-  if mesh is None:
-    raise ValueError(f"mesh is required for backend={config.backend!r}")
-  validate_inputs(x, params, top_k=top_k, config=config, expert_axis=expert_axis, mesh=mesh)
-  platform = mesh.devices.flat[0].platform
+def check_platform(config: UniEPConfig, platform: str, x, params: MoEParams) -> None:
+  """What the backend and transport need of the devices and processes (ValueErrors)."""
   if config.backend == "uniep" or config.transport == "nvlink":
     # The kernels address peer GPUs' buffers directly (one process drives every GPU it
     # addresses). Across processes that takes NVSHMEM, and jaxlib 0.11.2's XLA has no
@@ -293,6 +278,50 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   if config.transport == "ragged" and platform != "gpu":
     raise ValueError(f"config.transport='ragged' (lax.ragged_all_to_all) does not compile on "
                      f"{platform}; use 'padded' or None")
+
+
+def _moe_ffn_in_shard_map(x, params: MoEParams, *, mesh, manual: set, top_k: int,
+                          config: UniEPConfig, expert_axis: str):
+  """`moe_ffn` called inside a shard_map over all of `mesh`'s axes (e.g. the training
+  step's per-shard gradients, `train/loop.py`): x is this shard's tokens and the w_*
+  this rank's experts, so it is `moe_ffn_shard` with the mesh's axes as token axes."""
+  if not set(mesh.axis_names) <= manual:
+    raise ValueError(f"moe_ffn inside a shard_map needs every axis of mesh {tuple(mesh.axis_names)} "
+                     f"manual; manual axes here: {tuple(sorted(manual))}")
+  ep = jax.lax.axis_size(expert_axis)
+  whole = lambda a: jax.ShapeDtypeStruct((a.shape[0] * ep,) + a.shape[1:], a.dtype)
+  validate_inputs(x, params.replace(w_gate=whole(params.w_gate), w_up=whole(params.w_up),
+                                    w_down=whole(params.w_down)),
+                  top_k=top_k, config=config, expert_axis=expert_axis)
+  platform = mesh.devices.flat[0].platform
+  check_platform(config, platform, x, params)
+  transport = config.transport or default_transport(platform, jax.process_count())
+  return moe_ffn_shard(x, params, top_k=top_k, config=config, expert_axis=expert_axis,
+                       token_axes=tuple(mesh.axis_names), transport=transport)
+
+
+def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = UniEPConfig(),
+            expert_axis: str = "expert"):
+  """The MoE FFN over a mesh. Returns (y [N, H] in x.dtype, aux dict):
+
+  aux["expert_counts"]     [E] int32  assignments per expert, global
+  aux["load_balance_loss"] f32        Switch-style E * sum_e f_e P_e
+  aux["router_z_loss"]     f32        mean_t logsumexp(logits_t)^2
+  aux["dropped"]           int32      dropped assignments (0 unless "xla_capacity"
+                                      or a receive_capacity_factor bound overflows)
+  """
+  if config.backend == "dense_reference":
+    validate_inputs(x, params, top_k=top_k, config=config)
+    return dense_reference_moe(x, params, top_k=top_k, config=config)
+  if mesh is None:
+    raise ValueError(f"mesh is required for backend={config.backend!r}")
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  if manual:
+    return _moe_ffn_in_shard_map(x, params, mesh=mesh, manual=manual, top_k=top_k, config=config,
+                                 expert_axis=expert_axis)
+  validate_inputs(x, params, top_k=top_k, config=config, expert_axis=expert_axis, mesh=mesh)
+  platform = mesh.devices.flat[0].platform
+  check_platform(config, platform, x, params)
   token_axes = tuple(mesh.axis_names)
   transport = config.transport or default_transport(platform, jax.process_count())
   x_spec = P(token_axes, None)

@@ -1,0 +1,53 @@
+"""Sums over mesh axes whose order we fix ourselves, inside `shard_map`.
+
+`lax.psum` hands the order of a float sum over devices to the collective library:
+on GPUs, NCCL's ring or tree, its chunking and channel count, and XLA's choice of a
+synchronous or an asynchronous all-reduce for that op (taken from the schedule of the
+whole program). The same gradient can then get different bits in two programs that
+compute it identically (4x H200, 2026-11-26, bench/train_step_diff.py: one attention
+gradient differed by a bfloat16 ulp between backends "pallas" and "uniep").
+
+`ordered_psum` adds no float in a collective: an all_to_all hands device r the r-th
+chunk of every device's value, device r adds those R chunks in rank order 0..R-1 in
+float32, and an all_gather puts the summed chunks back together. Same traffic as a
+ring all-reduce (each device sends and receives (R-1)/R of the value twice), and every
+output element is ((v_0 + v_1) + v_2) + ... in float32, on every device, in every
+program. Several axes are summed one after the other in the order given.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from uniep_jax.dispatch import varying_axes
+
+
+def _ordered_psum_axis(x: jax.Array, axis: str) -> jax.Array:
+  r = jax.lax.axis_size(axis)
+  if r == 1:
+    return x
+  shape, dtype = x.shape, x.dtype
+  flat = x.reshape(-1)
+  n = flat.shape[0]
+  m = -(-n // r)  # chunk length; the last chunk is zero-padded
+  flat = jnp.pad(flat, (0, m * r - n))
+  # row s of `parts` (on device d) is device s's chunk d
+  parts = jax.lax.all_to_all(flat.reshape(r, m), axis, split_axis=0, concat_axis=0)
+  acc = parts[0].astype(jnp.float32)
+  for s in range(1, r):
+    acc = acc + parts[s].astype(jnp.float32)
+  # with shard_map's type checks on, the result is typed invariant over `axis` (it is)
+  to = "invarying" if axis in varying_axes(acc) else "varying"
+  full = jax.lax.all_gather(acc.astype(dtype), axis, tiled=True, to=to)  # [r * m]
+  return full[:n].reshape(shape)
+
+
+def ordered_psum(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """The sum of x over the mesh axes `axes` (inside shard_map), in rank order per axis,
+  accumulated in float32 and returned in x's dtype. Same bits on every device."""
+  for axis in axes:
+    x = _ordered_psum_axis(x, axis)
+  return x
