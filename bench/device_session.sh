@@ -65,17 +65,17 @@ run_phase() {  # name seconds
                --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
                --grad-reduction "${GRAD_REDUCTION:-xla}" \
                --out "$dir" > "$dir/log" 2>&1 ;;
-    stepdiff) local settings=(${STEPDIFF:-deterministic det_nocombine_ring}) tag flags
+    stepdiff) local settings=(${STEPDIFF:-deterministic det_nocombine_ring}) tag flags gr
              local each=$((secs / ${#settings[@]})) tsd=(python3 -m bench.train_step_diff --out "$dir")
              for tag in "${settings[@]}"; do
+               gr=xla
                case "$tag" in
                  deterministic) flags="" ;;
                  det_nocombine_ring) flags="$NO_COMBINE" ;;
                  det_autotune0) flags="$NO_AUTOTUNE" ;;
                  det_sync_ar) flags="$SYNC_AR" ;;
-                 det_ordered) flags="" ;;
+                 det_ordered) flags="" gr=ordered ;;
                esac
-               local gr=xla; [ "$tag" = det_ordered ] && gr=ordered
                [ "$tag" = det_nocombine_ring ] && export NCCL_ALGO=Ring || unset NCCL_ALGO
                # HLO_DUMP=1: keep each program's optimized HLO (which fusions differ)
                [ -n "${HLO_DUMP:-}" ] && flags="$flags --xla_dump_to=$dir/hlo_$tag --xla_dump_hlo_as_text"

@@ -23,11 +23,10 @@ virtual CPU device pool (XLA_FLAGS, per process), and only then imports jax.
 
 from __future__ import annotations
 
-import faulthandler
-import signal
-
 import dataclasses
+import faulthandler
 import os
+import signal
 from typing import Mapping, Optional
 
 from train.mesh import ConfigError
@@ -95,9 +94,6 @@ def resolve(*, coordinator: Optional[str], num_processes: Optional[int], process
 
 def initialize(spec: DistributedSpec, *, timeout_s: int = 300) -> None:
   """Join the process group (imports jax; call before any jax computation)."""
-  # (Between processes moe_ffn moves rows with lax.all_to_all, not ragged_all_to_all:
-  # XLA refuses the latter's NCCL fallback unless told, and told, it hung; see
-  # uniep_jax.dispatch.default_transport.)
   # `train.launch` sends SIGUSR1 before it kills a group that ran past its timeout: every
   # process then prints where each of its threads is (a hang and a slow step look alike
   # from outside).

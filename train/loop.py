@@ -38,6 +38,7 @@ from train.data import Dataset, make_dataset, unigram_entropy
 from train.distributed import from_local_rows, host_value, is_main_process, local_rows
 from train.mesh import MESH_AXES, ConfigError, make_mesh, parse_mesh, validate_mesh
 from train.ordered_reduce import ordered_psum
+from uniep_jax.moe import shard_map_type_checked
 
 LN2 = float(np.log(2.0))
 
@@ -164,10 +165,13 @@ def _spec_axes(spec) -> set:
   return out
 
 
-def _per_shard(s: Setup, body, in_specs, out_specs):
-  """shard_map over the whole mesh; type-checked except for the Pallas backends (as moe_ffn)."""
-  return jax.shard_map(body, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=s.cfg.backend not in ("pallas", "uniep"))
+def _per_shard(s: Setup, body, out_specs):
+  """`body(params, rest, inputs, targets)` under a shard_map over the whole mesh, with
+  the setup's shardings as in_specs; type-checked where moe_ffn's shard_map is."""
+  specs = lambda shardings: {k: v.spec for k, v in shardings.items()}  # noqa: E731
+  return jax.shard_map(body, mesh=s.mesh,
+                       in_specs=(specs(s.param_sh), specs(s.rest_sh), s.batch_sh.spec, s.batch_sh.spec),
+                       out_specs=out_specs, check_vma=shard_map_type_checked(s.cfg.backend))
 
 
 def ordered_grads(s: Setup):
@@ -184,9 +188,8 @@ def ordered_grads(s: Setup):
   axes = tuple(s.mesh.axis_names)
   shards = s.mesh.size
   pspec = {k: sh.spec for k, sh in s.param_sh.items()}
-  rspec = {k: sh.spec for k, sh in s.rest_sh.items()}
   reduce_axes = {k: tuple(a for a in axes if a not in _spec_axes(spec)) for k, spec in pspec.items()}
-  typed = s.cfg.backend not in ("pallas", "uniep")
+  typed = shard_map_type_checked(s.cfg.backend)
 
   def body(params, rest, inputs, targets):
     if typed:  # differentiate per-shard copies: no psum in the transpose
@@ -215,8 +218,7 @@ def ordered_grads(s: Setup):
 
   scalar = P()
   aux_spec = P()  # per-layer arrays of global statistics, replicated
-  return _per_shard(s, body, in_specs=(pspec, rspec, s.batch_sh.spec, s.batch_sh.spec),
-                    out_specs=(pspec, scalar, scalar, scalar, aux_spec, scalar))
+  return _per_shard(s, body, out_specs=(pspec, scalar, scalar, scalar, aux_spec, scalar))
 
 
 def make_train_step(s: Setup, opt_sh):
@@ -257,9 +259,7 @@ def make_eval_step(s: Setup):
 
   if s.cfg.grad_reduction == "ordered":  # the mean over shards in rank order, as the train step
     local = lambda *a: ordered_psum(eval_step(*a), tuple(s.mesh.axis_names)) / s.mesh.size
-    fn = _per_shard(s, local, in_specs=({k: v.spec for k, v in s.param_sh.items()},
-                                        {k: v.spec for k, v in s.rest_sh.items()},
-                                        s.batch_sh.spec, s.batch_sh.spec), out_specs=P())
+    fn = _per_shard(s, local, out_specs=P())
   else:
     fn = eval_step
   return jax.jit(fn, in_shardings=(s.param_sh, s.rest_sh, s.batch_sh, s.batch_sh),

@@ -251,8 +251,16 @@ def param_specs(params: MoEParams, expert_axis: str = "expert") -> MoEParams:
                    expert_bias=None if params.expert_bias is None else P())
 
 
-def check_platform(config: UniEPConfig, platform: str, x, params: MoEParams) -> None:
-  """What the backend and transport need of the devices and processes (ValueErrors)."""
+def shard_map_type_checked(backend: str) -> bool:
+  """Whether a shard_map around this backend can check its values' varying mesh axes
+  (`check_vma`): the Pallas kernels' calls carry no such types, so "pallas" and
+  "uniep" run unchecked."""
+  return backend not in ("pallas", "uniep")
+
+
+def resolve_transport(config: UniEPConfig, platform: str, x, params: MoEParams) -> str:
+  """The transport `moe_ffn` uses here, after checking what the backend and transport
+  need of the devices and processes (ValueErrors)."""
   if config.backend == "uniep" or config.transport == "nvlink":
     # The kernels address peer GPUs' buffers directly (one process drives every GPU it
     # addresses). Across processes that takes NVSHMEM, and jaxlib 0.11.2's XLA has no
@@ -278,6 +286,7 @@ def check_platform(config: UniEPConfig, platform: str, x, params: MoEParams) -> 
   if config.transport == "ragged" and platform != "gpu":
     raise ValueError(f"config.transport='ragged' (lax.ragged_all_to_all) does not compile on "
                      f"{platform}; use 'padded' or None")
+  return config.transport or default_transport(platform, jax.process_count())
 
 
 def _moe_ffn_in_shard_map(x, params: MoEParams, *, mesh, manual: set, top_k: int,
@@ -293,9 +302,7 @@ def _moe_ffn_in_shard_map(x, params: MoEParams, *, mesh, manual: set, top_k: int
   validate_inputs(x, params.replace(w_gate=whole(params.w_gate), w_up=whole(params.w_up),
                                     w_down=whole(params.w_down)),
                   top_k=top_k, config=config, expert_axis=expert_axis)
-  platform = mesh.devices.flat[0].platform
-  check_platform(config, platform, x, params)
-  transport = config.transport or default_transport(platform, jax.process_count())
+  transport = resolve_transport(config, mesh.devices.flat[0].platform, x, params)
   return moe_ffn_shard(x, params, top_k=top_k, config=config, expert_axis=expert_axis,
                        token_axes=tuple(mesh.axis_names), transport=transport)
 
@@ -320,10 +327,8 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
     return _moe_ffn_in_shard_map(x, params, mesh=mesh, manual=manual, top_k=top_k, config=config,
                                  expert_axis=expert_axis)
   validate_inputs(x, params, top_k=top_k, config=config, expert_axis=expert_axis, mesh=mesh)
-  platform = mesh.devices.flat[0].platform
-  check_platform(config, platform, x, params)
+  transport = resolve_transport(config, mesh.devices.flat[0].platform, x, params)
   token_axes = tuple(mesh.axis_names)
-  transport = config.transport or default_transport(platform, jax.process_count())
   x_spec = P(token_axes, None)
   p_specs = param_specs(params, expert_axis)
   x = _place(x, NamedSharding(mesh, x_spec))
@@ -335,5 +340,6 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
 
   aux_specs = {k: P() for k in AUX_KEYS}
   fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, p_specs),
-                     out_specs=(x_spec, aux_specs), check_vma=config.backend not in ("pallas", "uniep"))
+                     out_specs=(x_spec, aux_specs),
+                     check_vma=shard_map_type_checked(config.backend))
   return fn(x, params)
