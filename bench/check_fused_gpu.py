@@ -7,18 +7,14 @@ On all local GPUs (mesh data=1, expert=R), per case (shape x config):
          a, h, u = grouped_gemm swiglu(recv)  (launch 2), same KernelConfig
   fused  recv, a, h, u = fused_dispatch_gemm.fused_dispatch_gate_up(...)  (one launch)
 checks (a, h, u) bitwise over all rows, recv bitwise over the rows v1 defines
-(live rows + the zeroed window), then times both (median ms, bench.common).
-Writes check_fused_gpu_<device>.json to --out (default $OUT) after EVERY case,
-so a hang (e.g. a semaphore deadlock: run it under `timeout`) keeps the cases
-before it. Exits 1 if any check fails.
+(live rows + the zeroed window), a second fused launch bitwise, then times both
+(median ms). Writes check_fused_gpu_<device>.json to --out (default $OUT) after
+every case (the driver: bench/fused_check.py). Exits 1 if any check fails.
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
 import os
-import traceback
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # no NVLink multicast, ever
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -29,12 +25,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from bench import common  # noqa: E402
-from pallas_kernels import device as device_lib  # noqa: E402
+from bench import common, fused_check  # noqa: E402
 from pallas_kernels import fused_dispatch_gemm as fdg  # noqa: E402
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from uniep_jax import layout  # noqa: E402
-from uniep_jax.config import KernelConfig, TransferConfig  # noqa: E402
 from uniep_jax.dispatch import ZERO_WINDOW_ROWS, _send_nvlink, _zero_rows_from  # noqa: E402
 
 # name: (tokens T, top_k K, local experts El, hidden H, ffn F, skew of expert 0, FusedConfig)
@@ -51,13 +45,8 @@ def _fns(mesh, r, t, k, el, kernel, transfer, fused):
   out_rows = r * t * k
   m_p = gg._round_up(out_rows, kernel.block_m)
 
-  def plan_of(topk):
-    cm = jax.lax.all_gather(layout.local_group_sizes(topk, e), "expert")   # [R, E]
-    rank = jax.lax.axis_index("expert")
-    return layout.make_plan(topk, cm, rank), rank
-
   def v1(rows, topk, w_gate, w_up):
-    plan, _ = plan_of(topk)
+    plan, _ = fused_check.plan_of(topk, e)
     recv = _send_nvlink(rows, plan, "expert", el, transfer)                  # [R*T*K, H]
     f_p = gg._round_up(w_gate.shape[2], fdg._f_multiple(kernel))
     a, h, u = gg._row_tiled_call(
@@ -68,7 +57,7 @@ def _fns(mesh, r, t, k, el, kernel, transfer, fused):
     return recv, a, h, u, plan.num_received[None]
 
   def fused_fn(rows, topk, w_gate, w_up):
-    plan, rank = plan_of(topk)
+    plan, rank = fused_check.plan_of(topk, e)
     seg = layout.dispatch_segments(plan, rank)
     recv, a, h, u = fdg.fused_dispatch_gate_up(
         rows, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate, w_up,
@@ -76,9 +65,7 @@ def _fns(mesh, r, t, k, el, kernel, transfer, fused):
     recv = _zero_rows_from(recv[:out_rows], plan.num_received, ZERO_WINDOW_ROWS)  # as v1
     return recv, a, h, u, plan.num_received[None]
 
-  wrap = lambda f: jax.jit(jax.shard_map(  # noqa: E731
-      f, mesh=mesh, in_specs=(P("expert"),) * 4, out_specs=P("expert"), check_vma=False))
-  return wrap(v1), wrap(fused_fn)
+  return fused_check.per_rank(v1, mesh, 4), fused_check.per_rank(fused_fn, mesh, 4)
 
 
 def _inputs(mesh, r, t, k, el, h, f, skew, seed=0):
@@ -105,52 +92,29 @@ def _recv_defined_equal(ra, rb, num_received, r) -> tuple[bool, int]:
   return bad == 0, bad
 
 
+def _build(mesh, r, case, kernel, transfer):
+  t, k, el, h, f, skew, fused = case
+  return (*_fns(mesh, r, t, k, el, kernel, transfer, fused), _inputs(mesh, r, t, k, el, h, f, skew))
+
+
+def _compare(ya, yb, yc, r) -> dict:
+  """ya, yb, yc: (recv, a, h, u, num_received) of v1, fused, fused again."""
+  res = dict(num_received=[int(v) for v in np.asarray(ya[4])])
+  res["a_h_u_bitwise"] = all(common.same_bits(p, q) for p, q in zip(ya[1:4], yb[1:4]))
+  res["recv_bitwise"], res["recv_bad_rows"] = _recv_defined_equal(ya[0], yb[0], ya[4], r)
+  res["fused_repeat_bitwise"] = all(common.same_bits(p, q) for p, q in zip(yb[1:4], yc[1:4]))
+  if not res["a_h_u_bitwise"]:
+    res["a_h_u_bad_rows"] = [int(np.sum(np.any(np.asarray(p) != np.asarray(q), axis=1)))
+                             for p, q in zip(ya[1:4], yb[1:4])]
+  res["ok"] = res["a_h_u_bitwise"] and res["recv_bitwise"] and res["fused_repeat_bitwise"]
+  return res
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=os.environ.get("OUT"))
-  ap.add_argument("--cases", default=",".join(CASES))
-  ap.add_argument("--no-time", action="store_true")
-  args = ap.parse_args(argv)
-  out = common.out_dir(args.out)
-  meta = common.run_metadata()
-  print(meta, flush=True)
-  r = len(jax.devices())
-  mesh = jax.make_mesh((1, r), ("data", "expert"))
-  kernel, transfer = KernelConfig(), TransferConfig()
-  path = os.path.join(out, f"check_fused_gpu_{device_lib.device_name()}.json")
-  results = []
-  for name in args.cases.split(","):
-    t, k, el, h, f, skew, fused = CASES[name]
-    res = dict(case=name, R=r, T=t, K=k, El=el, H=h, F=f, skew=skew,
-               n_comm=fused.n_comm, recv_chunk_rows=fused.recv_chunk_rows,
-               kernel=str(kernel), transfer=str(transfer))
-    try:
-      v1, fused_fn = _fns(mesh, r, t, k, el, kernel, transfer, fused)
-      xs = _inputs(mesh, r, t, k, el, h, f, skew)
-      ya = jax.block_until_ready(v1(*xs))
-      print(f"{name}: v1 ran", flush=True)
-      yb = jax.block_until_ready(fused_fn(*xs))
-      print(f"{name}: fused ran", flush=True)
-      yc = jax.block_until_ready(fused_fn(*xs))                   # second launch: no stale counts
-      res["num_received"] = [int(v) for v in np.asarray(ya[4])]
-      res["a_h_u_bitwise"] = all(common.same_bits(p, q) for p, q in zip(ya[1:4], yb[1:4]))
-      res["recv_bitwise"], res["recv_bad_rows"] = _recv_defined_equal(ya[0], yb[0], ya[4], r)
-      res["fused_repeat_bitwise"] = all(common.same_bits(p, q) for p, q in zip(yb[1:4], yc[1:4]))
-      if not res["a_h_u_bitwise"]:
-        res["a_h_u_bad_rows"] = [int(np.sum(np.any(np.asarray(p) != np.asarray(q), axis=1)))
-                                 for p, q in zip(ya[1:4], yb[1:4])]
-      res["ok"] = res["a_h_u_bitwise"] and res["recv_bitwise"] and res["fused_repeat_bitwise"]
-      if not args.no_time:
-        res["v1_ms"] = common.time_ms(v1, *xs)
-        res["fused_ms"] = common.time_ms(fused_fn, *xs)
-    except Exception as ex:  # noqa: BLE001
-      traceback.print_exc(limit=4)
-      res.update(ok=False, error=repr(ex)[:600])
-    print(("PASS " if res["ok"] else "FAIL ") + str(res), flush=True)
-    results.append(res)
-    common.write_json(path, dict(meta=meta, results=results))
-  print("wrote", path)
-  return 0 if all(x["ok"] for x in results) else 1
+  fields = lambda c: dict(T=c[0], K=c[1], El=c[2], H=c[3], F=c[4], skew=c[5],  # noqa: E731
+                          n_comm=c[6].n_comm, recv_chunk_rows=c[6].recv_chunk_rows)
+  return fused_check.main(argv, name="check_fused_gpu", cases=CASES, case_fields=fields,
+                          build=_build, compare=_compare)
 
 
 if __name__ == "__main__":

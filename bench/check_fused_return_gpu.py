@@ -10,16 +10,13 @@ a is a random receive-layout activation [R*T*K (padded to block_m), F] per rank
 (dead rows random too: both paths load the same blocks). Checks y_sorted
 bitwise over all T*K sorted rows (no receive bound: every row is returned),
 a second fused launch bitwise (no stale semaphore counts), then times both
-(median ms, bench.common). Writes check_fused_return_gpu_<device>.json to --out
-(default $OUT) after EVERY case, so a hang (run it under `timeout`) keeps the
-cases before it. Exits 1 if any check fails.
+(median ms). Writes check_fused_return_gpu_<device>.json to --out (default $OUT)
+after every case (the driver: bench/fused_check.py). Exits 1 if any check fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import traceback
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # no NVLink multicast, ever
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -30,12 +27,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from bench import common  # noqa: E402
-from pallas_kernels import device as device_lib  # noqa: E402
+from bench import common, fused_check  # noqa: E402
 from pallas_kernels import fused_gemm_return as fgr  # noqa: E402
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from uniep_jax import layout  # noqa: E402
-from uniep_jax.config import KernelConfig, TransferConfig  # noqa: E402
 from uniep_jax.dispatch import _return_nvlink  # noqa: E402
 
 # name: (tokens T, top_k K, local experts El, hidden H, ffn F, skew of expert 0)
@@ -50,28 +45,21 @@ CASES = {
 def _fns(mesh, r, t, k, el, kernel, transfer):
   e = r * el
 
-  def plan_of(topk):
-    cm = jax.lax.all_gather(layout.local_group_sizes(topk, e), "expert")   # [R, E]
-    rank = jax.lax.axis_index("expert")
-    return layout.make_plan(topk, cm, rank), rank
-
   def v1(a, topk, w_down):
-    plan, _ = plan_of(topk)
+    plan, _ = fused_check.plan_of(topk, e)
     (y,) = gg._row_tiled_call([a], [w_down], plan.recv_group_sizes, mode="plain",
                               transpose_b=False, out_dtype=a.dtype, save_hu=False, config=kernel,
                               interpret=False)                             # [M_p, H]
     return _return_nvlink(y, plan, "expert", el, transfer), plan.num_received[None]
 
   def fused_fn(a, topk, w_down):
-    plan, rank = plan_of(topk)
+    plan, rank = fused_check.plan_of(topk, e)
     seg = layout.return_segments(plan, rank)
     y = fgr.fused_gemm_return(a, w_down, seg.src_start, seg.dst_start, seg.rows,
                               out_rows=t * k, axis_name="expert", kernel=kernel)
     return y, plan.num_received[None]
 
-  wrap = lambda f: jax.jit(jax.shard_map(  # noqa: E731
-      f, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert"), check_vma=False))
-  return wrap(v1), wrap(fused_fn)
+  return fused_check.per_rank(v1, mesh, 3), fused_check.per_rank(fused_fn, mesh, 3)
 
 
 def _inputs(mesh, r, t, k, el, h, f, skew, kernel, seed=0):
@@ -85,50 +73,27 @@ def _inputs(mesh, r, t, k, el, h, f, skew, kernel, seed=0):
   return [jax.device_put(x, sh) for x in (a, jnp.asarray(topk), w_down)]
 
 
+def _build(mesh, r, case, kernel, transfer):
+  t, k, el, h, f, skew = case
+  return (*_fns(mesh, r, t, k, el, kernel, transfer), _inputs(mesh, r, t, k, el, h, f, skew, kernel))
+
+
+def _compare(ya, yb, yc, r) -> dict:
+  """ya, yb, yc: (y_sorted, num_received) of v1, fused, fused again."""
+  res = dict(num_received=[int(v) for v in np.asarray(ya[1])])
+  res["y_bitwise"] = common.same_bits(ya[0], yb[0])
+  res["fused_repeat_bitwise"] = common.same_bits(yb[0], yc[0])
+  if not res["y_bitwise"]:
+    x, y = np.asarray(ya[0]).view(np.uint16), np.asarray(yb[0]).view(np.uint16)
+    res["y_bad_rows"] = int(np.sum(np.any(x != y, axis=1)))
+  res["ok"] = res["y_bitwise"] and res["fused_repeat_bitwise"]
+  return res
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=os.environ.get("OUT"))
-  ap.add_argument("--cases", default=",".join(CASES))
-  ap.add_argument("--no-time", action="store_true")
-  args = ap.parse_args(argv)
-  out = common.out_dir(args.out)
-  meta = common.run_metadata()
-  print(meta, flush=True)
-  r = len(jax.devices())
-  mesh = jax.make_mesh((1, r), ("data", "expert"))
-  kernel, transfer = KernelConfig(), TransferConfig()
-  path = os.path.join(out, f"check_fused_return_gpu_{device_lib.device_name()}.json")
-  results = []
-  for name in args.cases.split(","):
-    t, k, el, h, f, skew = CASES[name]
-    res = dict(case=name, R=r, T=t, K=k, El=el, H=h, F=f, skew=skew, kernel=str(kernel),
-               transfer=str(transfer))
-    try:
-      v1, fused_fn = _fns(mesh, r, t, k, el, kernel, transfer)
-      xs = _inputs(mesh, r, t, k, el, h, f, skew, kernel)
-      ya = jax.block_until_ready(v1(*xs))
-      print(f"{name}: v1 ran", flush=True)
-      yb = jax.block_until_ready(fused_fn(*xs))
-      print(f"{name}: fused ran", flush=True)
-      yc = jax.block_until_ready(fused_fn(*xs))                   # second launch: no stale counts
-      res["num_received"] = [int(v) for v in np.asarray(ya[1])]
-      res["y_bitwise"] = common.same_bits(ya[0], yb[0])
-      res["fused_repeat_bitwise"] = common.same_bits(yb[0], yc[0])
-      if not res["y_bitwise"]:
-        x, y = np.asarray(ya[0]).view(np.uint16), np.asarray(yb[0]).view(np.uint16)
-        res["y_bad_rows"] = int(np.sum(np.any(x != y, axis=1)))
-      res["ok"] = res["y_bitwise"] and res["fused_repeat_bitwise"]
-      if not args.no_time:
-        res["v1_ms"] = common.time_ms(v1, *xs)
-        res["fused_ms"] = common.time_ms(fused_fn, *xs)
-    except Exception as ex:  # noqa: BLE001
-      traceback.print_exc(limit=4)
-      res.update(ok=False, error=repr(ex)[:600])
-    print(("PASS " if res["ok"] else "FAIL ") + str(res), flush=True)
-    results.append(res)
-    common.write_json(path, dict(meta=meta, results=results))
-  print("wrote", path)
-  return 0 if all(x["ok"] for x in results) else 1
+  fields = lambda c: dict(T=c[0], K=c[1], El=c[2], H=c[3], F=c[4], skew=c[5])  # noqa: E731
+  return fused_check.main(argv, name="check_fused_return_gpu", cases=CASES, case_fields=fields,
+                          build=_build, compare=_compare)
 
 
 if __name__ == "__main__":

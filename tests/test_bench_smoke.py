@@ -3,6 +3,7 @@ waste a device call (one did: train_throughput --det-only on 2026-11-26)."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -69,3 +70,47 @@ def test_train_throughput_times_a_case(tmp_path):
   assert row["tokens_per_s"] > 0 and row["dropped"] == 0 and "error" not in row
   assert row["grad_reduction"] == "ordered"
   assert payload["settings"]["tokens"] == "uniform"
+
+
+def test_fused_check_driver_writes_every_case_and_fails_loudly(tmp_path):
+  """bench/fused_check.py (the driver of the v1-vs-fused GPU checks) on the CPU with
+  stand-in functions: one passing case, one whose build raises."""
+  from bench import check_fused_gpu, check_fused_return_gpu, fused_check  # noqa: F401 (import on CPU)
+  import jax.numpy as jnp
+
+  def build(mesh, r, case, kernel, transfer):
+    if case == "broken":
+      raise RuntimeError("no kernel here")
+    return (lambda x: x + 1.0), (lambda x: x + 1.0), [jnp.arange(4.0)]
+
+  compare = lambda ya, yb, yc, r: dict(ok=bool(jnp.all(ya == yb) and jnp.all(yb == yc)))  # noqa: E731
+  fields = lambda case: dict(which=case)  # noqa: E731
+  rc = fused_check.main(["--out", str(tmp_path), "--cases", "good", "--no-time"], name="smoke",
+                        cases={"good": "good", "broken": "broken"}, case_fields=fields,
+                        build=build, compare=compare)
+  assert rc == 0
+  rc = fused_check.main(["--out", str(tmp_path), "--no-time"], name="smoke",
+                        cases={"good": "good", "broken": "broken"}, case_fields=fields,
+                        build=build, compare=compare)
+  assert rc == 1
+  (path,) = tmp_path.glob("smoke_*.json")
+  good, broken = json.loads(path.read_text())["results"]
+  assert good["ok"] and good["which"] == "good" and good["R"] == 8
+  assert not broken["ok"] and "no kernel here" in broken["error"]
+
+
+@pytest.mark.parametrize("script", ["check_fused_gpu", "check_fused_return_gpu"])
+def test_fused_check_scripts_lower_for_cuda(script):
+  """The GPU checks' v1 and fused per-rank functions, on their small case, lower to
+  Mosaic GPU (they cannot run here)."""
+  import importlib
+
+  from pallas_kernels import device as device_lib
+  from uniep_jax.config import KernelConfig, TransferConfig
+
+  mod = importlib.import_module(f"bench.{script}")
+  mesh = jax.make_mesh((1, 4), ("data", "expert"), devices=jax.devices()[:4])
+  v1, fused, xs = mod._build(mesh, 4, mod.CASES["small"], KernelConfig(), TransferConfig())
+  for fn in (v1, fused):
+    with device_lib.lowering_for_gpu():
+      assert "mosaic_gpu" in fn.trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
