@@ -48,6 +48,31 @@ def test_ordered_psum_is_the_rank_order_sum(dtype, check_vma, axes):
   np.testing.assert_array_equal(y, expect)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_ordered_psum_over_a_size_one_axis_returns_a_replicated_value(check_vma):
+  # a parameter replicated over data=1 is cast varying there before differentiation;
+  # its summed gradient must come back typed replicated (out_specs P()), same bits
+  mesh = jax.make_mesh((1, 4), ("data", "expert"))
+  x = jax.random.normal(jax.random.key(1), (4, 5), jnp.float32).astype(jnp.bfloat16)
+
+  def body(a):
+    if check_vma:
+      a = jax.lax.pcast(a, ("data",), to="varying")
+    total = jnp.sum(a.astype(jnp.float32))  # a scalar, too
+    return ordered_psum(a, ("data", "expert")), ordered_psum(total, ("data", "expert"))
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=(P(), P()),
+                             check_vma=check_vma))
+  y, total = fn(jax.device_put(x, NamedSharding(mesh, P("expert"))))
+  y = np.asarray(y.astype(jnp.float32))
+  xs = np.asarray(x.astype(jnp.float32))
+  acc = xs[0:1]
+  for r in range(1, 4):
+    acc = (acc + xs[r:r + 1]).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(total), xs.sum(), rtol=1e-6)
+  np.testing.assert_array_equal(y, np.asarray(jnp.asarray(acc).astype(jnp.bfloat16).astype(jnp.float32)))
+
+
 def _float_all_reduce_sizes(hlo: str) -> list[int]:
   """Element counts of every float operand of the all-reduces (XLA may combine several
   into one tuple-shaped all-reduce)."""

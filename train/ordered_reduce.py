@@ -27,8 +27,10 @@ from uniep_jax.dispatch import varying_axes
 
 def _ordered_psum_axis(x: jax.Array, axis: str) -> jax.Array:
   r = jax.lax.axis_size(axis)
-  if r == 1:
-    return x
+  if r == 1:  # nothing to add; a value typed varying over the axis is retyped invariant
+    if axis not in varying_axes(x):
+      return x
+    return jax.lax.all_gather(x.reshape(-1), axis, tiled=True, to="invarying").reshape(x.shape)
   shape, dtype = x.shape, x.dtype
   flat = x.reshape(-1)
   n = flat.shape[0]
