@@ -8,9 +8,11 @@ trials is reported. `reps` adapts so that one batch lasts at least `min_batch_s`
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import time
@@ -44,6 +46,14 @@ SHAPES = {
 }
 # Not a target: a shape small enough to smoke-test the benchmark scripts on the CPU.
 SMOKE_SHAPES = {"tiny": MoEShape("tiny", 256, 64, 96, 8, 2)}
+
+
+def dump_stacks_on_usr1() -> None:
+  """SIGUSR1 prints every thread's Python stack to stderr and the run goes on.
+  bench/device_session.sh stops its long phases with `timeout -s USR1 -k ...`, so a
+  run cut by its limit says where it was (a hang and a slow compile look alike from
+  outside)."""
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def same_bits(a, b) -> bool:

@@ -9,7 +9,6 @@
 #   layer    MoE layer bench, fwd+bwd, balanced (bench/gpu_suite.sh; $SHAPES, $BACKENDS,
 #            $ROUTINGS, $DIRECTIONS override)
 #   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py)
-#   train    end-to-end training throughput + determinism (bench/train_throughput.py; $MODELS)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
 #            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE"; $GRAD_REDUCTION: xla|ordered)
@@ -18,6 +17,11 @@
 #            named in $STEPDIFF (default "deterministic det_nocombine_ring"; also
 #            det_autotune0: no timing-based GEMM choices, $NO_AUTOTUNE; det_ordered:
 #            gradients summed in rank order by us, train --grad-reduction ordered)
+#   probe    each stage of the training loop timed and printed (bench/train_loop_probe.py;
+#            $GRAD_REDUCTION, default ordered; $PROBE_BACKENDS, default pallas,uniep)
+#   train    throughput (bench/train_throughput.py; $MODELS, $MESHES, $TRAIN_BACKENDS,
+#            $GRAD_REDUCTION e.g. xla,ordered, $DET_STEPS default 0, $XLA_DET=1: XLA's
+#            deterministic mode, the training CLI's default)
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
@@ -57,10 +61,13 @@ run_phase() {  # name seconds
     sweep)   timeout "$secs" python3 -m bench.determinism_sweep --budget-s $((secs - 40)) \
                --out "$dir" > "$dir/log" 2>&1 ;;
     train)   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-               timeout "$secs" python3 -m bench.train_throughput \
+               timeout -s USR1 -k 15 "$secs" python3 -m bench.train_throughput \
                --models "${MODELS:-mixtral-like,deepseek-like}" --budget-s $((secs - 90)) \
+               ${MESHES:+--meshes "$MESHES"} ${TRAIN_BACKENDS:+--backends "$TRAIN_BACKENDS"} \
+               --grad-reduction "${GRAD_REDUCTION:-xla}" --det-steps "${DET_STEPS:-0}" \
+               ${XLA_DET:+--xla-deterministic} \
                --out "$dir" > "$dir/log" 2>&1 ;;
-    train_det) XLA_FLAGS="${DET_XLA_FLAGS:-}" timeout "$secs" python3 -m bench.train_throughput --models mixtral-like --det-only \
+    train_det) XLA_FLAGS="${DET_XLA_FLAGS:-}" timeout -s USR1 -k 15 "$secs" python3 -m bench.train_throughput --models mixtral-like --det-only \
                --xla-deterministic --backends pallas,uniep --det-steps 50 \
                --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
                --grad-reduction "${GRAD_REDUCTION:-xla}" \
@@ -79,12 +86,15 @@ run_phase() {  # name seconds
                [ "$tag" = det_nocombine_ring ] && export NCCL_ALGO=Ring || unset NCCL_ALGO
                # HLO_DUMP=1: keep each program's optimized HLO (which fusions differ)
                [ -n "${HLO_DUMP:-}" ] && flags="$flags --xla_dump_to=$dir/hlo_$tag --xla_dump_hlo_as_text"
-               XLA_FLAGS="$flags" timeout "$each" "${tsd[@]}" --xla-deterministic --tag "$tag" \
+               XLA_FLAGS="$flags" timeout -s USR1 -k 15 "$each" "${tsd[@]}" --xla-deterministic --tag "$tag" \
                  --grad-reduction "$gr" \
                  >> "$dir/log" 2>&1
                [ -d "$dir/hlo_$tag" ] && find "$dir/hlo_$tag" -type f \
                  ! -name "*after_optimizations.txt" -delete
              done; unset NCCL_ALGO ;;
+    probe)   timeout -s USR1 -k 15 "$secs" python3 -m bench.train_loop_probe --xla-deterministic \
+               --grad-reduction "${GRAD_REDUCTION:-ordered}" --backends "${PROBE_BACKENDS:-pallas,uniep}" \
+               > "$dir/log" 2>&1 ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;

@@ -105,12 +105,13 @@ def main(argv=None):
   ap.add_argument("--tag", default="default")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
+  from bench import common
+  common.dump_stacks_on_usr1()
   if args.xla_deterministic:
     from train.mesh import request_xla_determinism
     request_xla_determinism()
   import jax
 
-  from bench import common
   from train.data import make_dataset
 
   mesh = args.mesh or f"data=1,expert={len(jax.devices())}"

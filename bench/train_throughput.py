@@ -174,10 +174,16 @@ def main(argv=None):
   ap.add_argument("--xla-deterministic", action="store_true",
                   help="XLA:GPU deterministic mode, no GEMM autotuning "
                        "(train.mesh.request_xla_determinism; the training CLI's default)")
-  ap.add_argument("--grad-reduction", default="xla", choices=("xla", "ordered"),
-                  help="TrainConfig.grad_reduction of every run (train --grad-reduction)")
+  ap.add_argument("--grad-reduction", default="xla",
+                  help="TrainConfig.grad_reduction (train --grad-reduction): xla, ordered, or "
+                       "both as 'xla,ordered' (each backend timed in each mode; the "
+                       "determinism runs take the last)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
+  reductions = args.grad_reduction.split(",")
+  if not reductions or set(reductions) - {"xla", "ordered"}:
+    ap.error(f"--grad-reduction {args.grad_reduction!r}: a comma list of xla, ordered")
+  common.dump_stacks_on_usr1()
   from train.data import make_dataset
   if args.xla_deterministic:   # before the first jax computation starts the backends
     from train.mesh import request_xla_determinism
@@ -204,18 +210,21 @@ def main(argv=None):
     data = data_for(model)
     for mesh in meshes:
       for backend in args.backends.split(","):
-        if time.time() - t_start > args.budget_s:
-          skipped.append(dict(model=model, mesh=mesh, backend=backend, why="time budget"))
-          continue
-        try:
-          row = run_case(model, mesh, backend, layers=layers, batch=args.batch, seq=args.seq,
-                         steps=args.steps, warmup=args.warmup, data=data, dense_tflops=dense,
-                         max_experts=args.max_experts or None, grad_reduction=args.grad_reduction)
-        except Exception as e:  # noqa: BLE001
-          traceback.print_exc(limit=3)
-          row = dict(model=model, mesh=mesh, backend=backend, error=repr(e)[:500])
-        rows.append(row)
-        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        for reduction in reductions:
+          if time.time() - t_start > args.budget_s:
+            skipped.append(dict(model=model, mesh=mesh, backend=backend, grad_reduction=reduction,
+                                why="time budget"))
+            continue
+          try:
+            row = run_case(model, mesh, backend, layers=layers, batch=args.batch, seq=args.seq,
+                           steps=args.steps, warmup=args.warmup, data=data, dense_tflops=dense,
+                           max_experts=args.max_experts or None, grad_reduction=reduction)
+          except Exception as e:  # noqa: BLE001
+            traceback.print_exc(limit=3)
+            row = dict(model=model, mesh=mesh, backend=backend, grad_reduction=reduction,
+                       error=repr(e)[:500])
+          rows.append(row)
+          print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
   det = []
   if args.det_steps and {"pallas", "uniep"} <= set(args.backends.split(",")):
     for model in args.models.split(","):
@@ -225,7 +234,7 @@ def main(argv=None):
       try:
         det.append(determinism(model, meshes[0], layers=layers, batch=args.batch, seq=args.seq,
                                steps=args.det_steps, max_experts=args.max_experts or None,
-                               grad_reduction=args.grad_reduction))
+                               grad_reduction=reductions[-1]))
       except Exception as e:  # noqa: BLE001
         traceback.print_exc(limit=3)
         det.append(dict(model=model, mesh=meshes[0], error=repr(e)[:500]))
@@ -241,13 +250,13 @@ def main(argv=None):
   kind = meta["device_kind"].replace(" ", "_")
   tag = "_det" if args.det_only else ""
   common.write_json(os.path.join(out, f"train_throughput_{kind}_x{r}{tag}.json"), payload)
-  print(f"{'model':22s} {'mesh':18s} {'backend':14s} {'step_ms':>9s} {'tok/s':>10s} "
+  print(f"{'model':22s} {'mesh':18s} {'backend':20s} {'step_ms':>9s} {'tok/s':>10s} "
         f"{'MFU':>6s} {'GiB':>6s} {'dropped':>8s}")
   for row in rows:
     if "error" in row:
-      print(f"{row['model']:22s} {row['mesh']:18s} {row['backend']:14s} ERROR {row['error'][:60]}")
+      print(f"{row['model']:22s} {row['mesh']:18s} {_label(row):20s} ERROR {row['error'][:60]}")
       continue
-    print(f"{row['model']:22s} {row['mesh']:18s} {row['backend']:14s} {row['step_ms']:9.1f} "
+    print(f"{row['model']:22s} {row['mesh']:18s} {_label(row):20s} {row['step_ms']:9.1f} "
           f"{row['tokens_per_s']:10.0f} {row.get('mfu', float('nan')):6.3f} "
           f"{(row['peak_mem_gib'] or float('nan')):6.1f} {row['dropped']:8d}")
   try:
@@ -257,12 +266,17 @@ def main(argv=None):
   return 0
 
 
+def _label(row) -> str:
+  """The backend, with "+ordered" for a run with --grad-reduction ordered."""
+  return row["backend"] + ("+ordered" if row.get("grad_reduction", "xla") == "ordered" else "")
+
+
 def _plot(rows, path):
   rows = [r for r in rows if "tokens_per_s" in r]
   cases = sorted({(r["model"], r["mesh"]) for r in rows})
-  series = {b: [next((r["tokens_per_s"] for r in rows if r["backend"] == b
+  series = {b: [next((r["tokens_per_s"] for r in rows if _label(r) == b
                       and (r["model"], r["mesh"]) == c), 0) for c in cases]
-            for b in sorted({r["backend"] for r in rows})}
+            for b in sorted({_label(r) for r in rows})}
   common.grouped_bars(path, cases, series, ylabel="tokens / s")
 
 if __name__ == "__main__":
