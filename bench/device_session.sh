@@ -103,9 +103,14 @@ run_phase() {  # name seconds
   echo "== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
   grep -E "PASS|FAIL|ok|mismatch|Error|rc=|bitwise|tok|step_ms|like|experts|equal" "$dir/log" \
     | grep -v "^ *File " | tail -25 | tee -a "$LOG"
+  return $rc
 }
 
-for spec in "$@"; do run_phase "${spec%%:*}" "${spec##*:}"; done
+# STOP_ON_FAIL=1: a phase that fails (or runs past its limit) skips the phases after it
+for spec in "$@"; do
+  run_phase "${spec%%:*}" "${spec##*:}" && continue
+  [ -n "${STOP_ON_FAIL:-}" ] && { echo "== stopping: ${spec%%:*} failed" | tee -a "$LOG"; break; }
+done
 find "$WORK" -name "*.npz" -delete
 tar czf "$FINAL/results.tgz" -C "$WORK" .
 ls -la "$FINAL" | tee -a "$LOG"

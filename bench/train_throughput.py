@@ -221,8 +221,8 @@ def main(argv=None):
                            max_experts=args.max_experts or None, grad_reduction=reduction)
           except Exception as e:  # noqa: BLE001
             traceback.print_exc(limit=3)
-            row = dict(model=model, mesh=mesh, backend=backend, grad_reduction=reduction,
-                       error=repr(e)[:500])
+            row = dict(model=_register_variant(model, layers, args.max_experts or None), mesh=mesh,
+                       backend=backend, grad_reduction=reduction, error=repr(e)[:500])
           rows.append(row)
           print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
   det = []
