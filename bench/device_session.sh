@@ -18,7 +18,7 @@
 #            det_autotune0: no timing-based GEMM choices, $NO_AUTOTUNE; det_ordered:
 #            gradients summed in rank order by us, train --grad-reduction ordered)
 #   probe    each stage of the training loop timed and printed (bench/train_loop_probe.py;
-#            $GRAD_REDUCTION, default ordered; $PROBE_BACKENDS, default pallas,uniep)
+#            $PROBE_REDUCTION, default ordered; $PROBE_BACKENDS, default pallas,uniep)
 #   train    throughput (bench/train_throughput.py; $MODELS, $MESHES, $TRAIN_BACKENDS,
 #            $GRAD_REDUCTION e.g. xla,ordered, $DET_STEPS default 0, $XLA_DET=1: XLA's
 #            deterministic mode, the training CLI's default)
@@ -93,7 +93,7 @@ run_phase() {  # name seconds
                  ! -name "*after_optimizations.txt" -delete
              done; unset NCCL_ALGO ;;
     probe)   timeout -s USR1 -k 15 "$secs" python3 -m bench.train_loop_probe --xla-deterministic \
-               --grad-reduction "${GRAD_REDUCTION:-ordered}" --backends "${PROBE_BACKENDS:-pallas,uniep}" \
+               --grad-reduction "${PROBE_REDUCTION:-ordered}" --backends "${PROBE_BACKENDS:-pallas,uniep}" \
                > "$dir/log" 2>&1 ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;

@@ -76,6 +76,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   from bench import common
   common.dump_stacks_on_usr1()
+  from train.mesh import request_nccl_group_launch
+  request_nccl_group_launch()  # as the training CLI
   if args.xla_deterministic:
     from train.mesh import request_xla_determinism
     request_xla_determinism()

@@ -184,6 +184,8 @@ def main(argv=None):
   if not reductions or set(reductions) - {"xla", "ordered"}:
     ap.error(f"--grad-reduction {args.grad_reduction!r}: a comma list of xla, ordered")
   common.dump_stacks_on_usr1()
+  from train.mesh import request_nccl_group_launch
+  request_nccl_group_launch()  # as the training CLI
   from train.data import make_dataset
   if args.xla_deterministic:   # before the first jax computation starts the backends
     from train.mesh import request_xla_determinism

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from train import distributed
 from train.config import parse_args
 from train.mesh import (ConfigError, mesh_size, parse_mesh, request_host_devices,
-                        request_xla_determinism)
+                        request_xla_determinism, request_nccl_group_launch)
 
 
 def run(argv: Optional[Sequence[str]] = None) -> dict:
@@ -32,6 +32,7 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
   request_host_devices(n if spec is None else (spec.local_devices or n))
   if cfg.xla_deterministic:
     request_xla_determinism()
+  request_nccl_group_launch()
   if spec is not None:
     distributed.initialize(spec)  # imports jax
   from train.loop import train  # imports jax

@@ -90,6 +90,23 @@ def request_xla_determinism() -> None:
   default_xla_flag(_DETERMINISTIC_FLAG, "true")
 
 
+def request_nccl_group_launch() -> None:
+  """NCCL_LAUNCH_MODE=GROUP unless the environment sets NCCL_LAUNCH_MODE. Only
+  effective before the first collective creates NCCL's communicators.
+
+  One process driving several GPUs issues each GPU's NCCL kernels from its own thread.
+  A process-wide synchronising CUDA call on one GPU's thread (module loads, frees) while
+  another GPU's thread is inside a collective can then deadlock them; NVIDIA's JAX
+  guide (JAX-Toolbox GPU_performance.md, "Debugging Hangs in 1-process-multiple-device
+  set-up") gives GROUP launches as the remedy. Seen here: the training step with
+  `--grad-reduction ordered` (many all_to_all/all_gather pairs between Mosaic GPU
+  kernels) never finished its first step on 4x H200 (2026-11-26, bench/train_loop_probe
+  at f47d4c4), while the same gradients in a program without the optimizer did.
+  No effect on the CPU or with one process per GPU.
+  """
+  os.environ.setdefault("NCCL_LAUNCH_MODE", "GROUP")
+
+
 def make_mesh(shape: dict[str, int]):
   """A jax Mesh over the first prod(shape) devices with Auto axes named MESH_AXES."""
   import jax
