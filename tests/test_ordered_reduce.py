@@ -111,3 +111,38 @@ def test_ordered_train_step_matches_xla_and_sums_no_gradients_in_collectives():
 def test_grad_reduction_is_validated():
   with pytest.raises(ValueError, match="grad_reduction='sum'"):
     TrainConfig(grad_reduction="sum")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_ordered_psum_many_is_ordered_psum_per_value_in_one_chain(check_vma):
+  # values grouped by (axes, dtype) into one buffer each: the same bits as one
+  # ordered_psum per value, and one all_to_all per buffer and summed axis
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  from train.ordered_reduce import ordered_psum_many
+  ks = jax.random.split(jax.random.key(2), 4)
+  xs = [jax.random.normal(ks[0], (8, 5, 3), jnp.float32),
+        jax.random.normal(ks[1], (8, 7), jnp.float32),
+        jax.random.normal(ks[2], (8, 6), jnp.float32).astype(jnp.bfloat16),
+        jax.random.normal(ks[3], (8,), jnp.float32)]
+  axes = [("data", "expert"), ("data", "expert"), ("data", "expert"), ("expert",)]
+  spec = P(("data", "expert"))
+  outs = (P(), P(), P(), P("data"))
+
+  def many(*a):
+    return tuple(ordered_psum_many(list(zip(a, axes))))
+
+  def one_by_one(*a):
+    return tuple(ordered_psum(x, ax) for x, ax in zip(a, axes))
+
+  args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in xs]
+  results = []
+  for body in (many, one_by_one):
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=outs,
+                               check_vma=check_vma))
+    results.append(fn(*args))
+    if body is many:  # buffers: (data,expert) f32, (data,expert) bf16, (expert,) f32
+      hlo = fn.lower(*args).as_text()
+      assert hlo.count("all_to_all") == 2 + 2 + 1, hlo.count("all_to_all")
+      assert hlo.count("optimization_barrier") == 2
+  for a, b in zip(*results):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))

@@ -37,7 +37,7 @@ from train.config import TrainConfig
 from train.data import Dataset, make_dataset, unigram_entropy
 from train.distributed import from_local_rows, host_value, is_main_process, local_rows
 from train.mesh import MESH_AXES, ConfigError, make_mesh, parse_mesh, validate_mesh
-from train.ordered_reduce import ordered_psum
+from train.ordered_reduce import ordered_psum, ordered_psum_many
 from uniep_jax.moe import shard_map_type_checked
 
 LN2 = float(np.log(2.0))
@@ -181,7 +181,8 @@ def ordered_grads(s: Setup):
   aux losses) / shards; replicated parameters' gradients are then summed over the mesh
   axes they are replicated on with `ordered_psum` (rank order, float32), and the
   global norm (for clipping and the metric) is summed the same way, leaves in name
-  order. No float sum over devices is left to XLA or NCCL. The aux losses are computed
+  order. No float sum over devices is left to XLA or NCCL. The sums go in a few
+  buffers, one after the other (`ordered_psum_many`): one collective in flight at a time. The aux losses are computed
   from statistics psum'd over the mesh inside the MoE layer: each shard's gradient
   holds 1/shards of their derivative per shard, so the sum holds it once.
   """
@@ -204,17 +205,20 @@ def ordered_grads(s: Setup):
       return (ce + s.cfg.lb_weight * lb + s.cfg.z_weight * z) / shards, (ce, lb, z, aux)
 
     (_, (ce, lb, z, aux)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
-    grads = {k: ordered_psum(g, reduce_axes[k]) for k, g in grads.items()}
+    names = sorted(grads)
+    # one chain of collectives: the gradients (and ce) in buffers, then the norm's parts
+    *summed, ce = ordered_psum_many([(grads[k], reduce_axes[k]) for k in names] + [(ce, axes)])
+    grads = dict(zip(names, summed))
+    parts = ordered_psum_many([(jnp.sum(jnp.square(grads[k].astype(jnp.float32))),
+                                tuple(a for a in axes if a in _spec_axes(pspec[k]))) for k in names])
     sq = jnp.zeros((), jnp.float32)
-    for k in sorted(grads):
-      part = jnp.sum(jnp.square(grads[k].astype(jnp.float32)))
-      sq = sq + ordered_psum(part, tuple(a for a in axes if a in _spec_axes(pspec[k])))
+    for part in parts:  # leaves in name order
+      sq = sq + part
     norm = jnp.sqrt(sq)
     # optax.clip_by_global_norm's rule
     grads = {k: jnp.where(norm < s.cfg.clip, g, (g / norm.astype(g.dtype)) * s.cfg.clip).astype(g.dtype)
              for k, g in grads.items()}
-    ce = ordered_psum(ce, axes) / shards
-    return grads, ce, lb, z, aux, norm
+    return grads, ce / shards, lb, z, aux, norm
 
   scalar = P()
   aux_spec = P()  # per-layer arrays of global statistics, replicated

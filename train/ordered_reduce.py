@@ -13,6 +13,17 @@ float32, and an all_gather puts the summed chunks back together. Same traffic as
 ring all-reduce (each device sends and receives (R-1)/R of the value twice), and every
 output element is ((v_0 + v_1) + v_2) + ... in float32, on every device, in every
 program. Several axes are summed one after the other in the order given.
+
+`ordered_psum_many` sums many values in as few collectives as it can: values with the
+same axes and dtype are concatenated into one buffer (the elementwise sums, hence the
+bits, are those of one `ordered_psum` per value), and the buffers go one after the
+other: each buffer's collectives wait for the previous buffer's result
+(`lax.optimization_barrier`), so that no two of them are ever in flight at once. One
+process driving several GPUs could otherwise have XLA run independent collectives
+concurrently on different streams, and the training step that summed each gradient
+leaf on its own never finished its first step on 4x H200 (2026-11-26, commit 3214321,
+bench/train_loop_probe.py; the step holds 13 leaves' all_to_all/all_gather pairs),
+with NCCL_LAUNCH_MODE=GROUP too.
 """
 
 from __future__ import annotations
@@ -53,3 +64,30 @@ def ordered_psum(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   for axis in axes:
     x = _ordered_psum_axis(x, axis)
   return x
+
+
+def ordered_psum_many(items: Sequence[tuple[jax.Array, Sequence[str]]]) -> list[jax.Array]:
+  """[(x, axes), ...] -> [ordered_psum(x, axes), ...], bit for bit, in one buffer per
+  (axes, dtype) (first-appearance order), each buffer's collectives after the previous
+  buffer's result exists."""
+  groups: dict[tuple, list[int]] = {}
+  for i, (x, axes) in enumerate(items):
+    groups.setdefault((tuple(axes), jnp.dtype(x.dtype)), []).append(i)
+  out: list = [None] * len(items)
+  previous = None
+  for (axes, _), idx in groups.items():
+    parts = [items[i][0] for i in idx]
+    if not axes:  # nothing to sum
+      for i, x in zip(idx, parts):
+        out[i] = x
+      continue
+    flat = jnp.concatenate([x.reshape(-1) for x in parts])
+    if previous is not None:  # start this buffer's collectives after the last one's
+      previous, flat = jax.lax.optimization_barrier((previous, flat))
+    total = ordered_psum(flat, axes)
+    start = 0
+    for i, x in zip(idx, parts):
+      out[i] = total[start:start + x.size].reshape(x.shape)
+      start += x.size
+    previous = total
+  return out
