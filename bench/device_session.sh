@@ -11,7 +11,7 @@
 #   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
-#            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE"; $GRAD_REDUCTION: xla|ordered)
+#            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE"; $GRAD_REDUCTION: ordered (default) or xla)
 #   stepdiff one train step, pallas vs uniep, every gradient leaf bitwise
 #            (bench/train_step_diff.py), in XLA's deterministic mode plus the settings
 #            named in $STEPDIFF (default "deterministic det_nocombine_ring"; also
@@ -64,13 +64,13 @@ run_phase() {  # name seconds
                timeout -s USR1 -k 15 "$secs" python3 -m bench.train_throughput \
                --models "${MODELS:-mixtral-like,deepseek-like}" --budget-s $((secs - 90)) \
                ${MESHES:+--meshes "$MESHES"} ${TRAIN_BACKENDS:+--backends "$TRAIN_BACKENDS"} \
-               --grad-reduction "${GRAD_REDUCTION:-xla}" --det-steps "${DET_STEPS:-0}" \
+               --grad-reduction "${GRAD_REDUCTION:-ordered}" --det-steps "${DET_STEPS:-0}" \
                ${XLA_DET:+--xla-deterministic} \
                --out "$dir" > "$dir/log" 2>&1 ;;
     train_det) XLA_FLAGS="${DET_XLA_FLAGS:-}" timeout -s USR1 -k 15 "$secs" python3 -m bench.train_throughput --models mixtral-like --det-only \
                --xla-deterministic --backends pallas,uniep --det-steps 50 \
                --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
-               --grad-reduction "${GRAD_REDUCTION:-xla}" \
+               --grad-reduction "${GRAD_REDUCTION:-ordered}" \
                --out "$dir" > "$dir/log" 2>&1 ;;
     stepdiff) local settings=(${STEPDIFF:-deterministic det_nocombine_ring}) tag flags gr
              local each=$((secs / ${#settings[@]})) tsd=(python3 -m bench.train_step_diff --out "$dir")

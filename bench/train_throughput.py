@@ -174,8 +174,9 @@ def main(argv=None):
   ap.add_argument("--xla-deterministic", action="store_true",
                   help="XLA:GPU deterministic mode, no GEMM autotuning "
                        "(train.mesh.request_xla_determinism; the training CLI's default)")
-  ap.add_argument("--grad-reduction", default="xla",
-                  help="TrainConfig.grad_reduction (train --grad-reduction): xla, ordered, or "
+  ap.add_argument("--grad-reduction", default="ordered",
+                  help="TrainConfig.grad_reduction (train --grad-reduction): ordered (the "
+                       "CLI's default), xla, or "
                        "both as 'xla,ordered' (each backend timed in each mode; the "
                        "determinism runs take the last)")
   ap.add_argument("--out", default=None)

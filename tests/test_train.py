@@ -245,3 +245,13 @@ def test_embedding_backward_is_the_scatter_sum(mesh_factory, explicit, grad_dtyp
       jnp.take(t, np.asarray(tokens), axis=0).astype(dt) * ct.astype(dt)))(table)
   np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-6, atol=1e-6)
   assert np.all(np.asarray(ours)[12:] == 0)    # rows no token uses
+
+
+def test_nccl_group_launch_is_the_default_and_an_explicit_setting_wins(monkeypatch):
+  from train.mesh import request_nccl_group_launch
+  monkeypatch.delenv("NCCL_LAUNCH_MODE", raising=False)
+  request_nccl_group_launch()
+  assert os.environ["NCCL_LAUNCH_MODE"] == "GROUP"
+  monkeypatch.setenv("NCCL_LAUNCH_MODE", "PARALLEL")
+  request_nccl_group_launch()
+  assert os.environ["NCCL_LAUNCH_MODE"] == "PARALLEL"
