@@ -98,10 +98,11 @@ def request_nccl_group_launch() -> None:
   A process-wide synchronising CUDA call on one GPU's thread (module loads, frees) while
   another GPU's thread is inside a collective can then deadlock them; NVIDIA's JAX
   guide (JAX-Toolbox GPU_performance.md, "Debugging Hangs in 1-process-multiple-device
-  set-up") gives GROUP launches as the remedy. Seen here: the training step with
-  `--grad-reduction ordered` (many all_to_all/all_gather pairs between Mosaic GPU
-  kernels) never finished its first step on 4x H200 (2026-11-26, bench/train_loop_probe
-  at f47d4c4), while the same gradients in a program without the optimizer did.
+  set-up") gives GROUP launches as the remedy. What we saw (4x H200, 2026-11-26,
+  bench/results/train_loop_probe_NVIDIA_H200_x4.log): a training step with many
+  independent all_to_all/all_gather pairs never finished its first step, with GROUP
+  or without; chaining the collectives (train/ordered_reduce.ordered_psum_many) fixed
+  it. The GPU runs that passed since had GROUP set, so it stays the tested set-up.
   No effect on the CPU or with one process per GPU.
   """
   os.environ.setdefault("NCCL_LAUNCH_MODE", "GROUP")
