@@ -22,6 +22,9 @@
 #   train    throughput (bench/train_throughput.py; $MODELS, $MESHES, $TRAIN_BACKENDS,
 #            $GRAD_REDUCTION e.g. xla,ordered, $DET_STEPS default 0, $XLA_DET=1: XLA's
 #            deterministic mode, the training CLI's default)
+#   profile  kernel-level profile of one MoE layer call per backend (bench/profile_layer.py;
+#            $PROF_BACKENDS default uniep,uniep_fused, $PROF_SHAPE deepseek-like,
+#            $PROF_DIRECTION fwd; SECONDS is each backend's limit)
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
@@ -95,6 +98,11 @@ run_phase() {  # name seconds
     probe)   timeout -s USR1 -k 15 "$secs" python3 -m bench.train_loop_probe --xla-deterministic \
                --grad-reduction "${PROBE_REDUCTION:-ordered}" --backends "${PROBE_BACKENDS:-pallas,uniep}" \
                > "$dir/log" 2>&1 ;;
+    profile) local b; PROF_BACKENDS="${PROF_BACKENDS:-uniep,uniep_fused}"; for b in ${PROF_BACKENDS//,/ }; do
+               timeout -s USR1 -k 15 "$secs" python3 -m bench.profile_layer --backend "$b" \
+                 --shape "${PROF_SHAPE:-deepseek-like}" --direction "${PROF_DIRECTION:-fwd}" \
+                 --out "$dir" >> "$dir/log" 2>&1 || break
+             done ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;

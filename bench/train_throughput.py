@@ -11,7 +11,11 @@ reports, per case:
   mfu           model FLOPs per token (models/report.py, x3 for fwd+bwd) times
                 tokens/s over (dense bf16 matmul rate measured in this run x GPUs)
   peak_mem_gib  max over devices of peak_bytes_in_use
-  dropped       dropped assignments summed over the timed steps (0 = dropless)
+  dropped       dropped assignments summed over the timed steps (0 = dropless), and
+                dropped_fraction of all the timed steps' assignments
+  max_load      the most loaded expert's share over the mean (1 = balanced), mean of
+                the timed steps; the timed steps run at `--lr` (default 1e-5, see
+                TIMING_LR: the routing stays as at initialisation)
 Then the determinism checks of the issue: the same `--det-steps` training steps
 with "pallas" and "uniep" give bitwise identical losses and parameters, and two
 "uniep" runs give identical checksums.
@@ -59,6 +63,16 @@ def uniform_tokens(vocab: int, n: int, seed: int = 0):
                  description=f"uniform random ids over {vocab} (seed {seed})")
 
 
+# The timed steps run at this learning rate. At the training default (3e-3, warm-up
+# of one step in a 10-step schedule) the first update blew the 4096-wide models up
+# (loss 10.7 -> 28.6 at step 2, bench/results/train_loop_probe_NVIDIA_H200_x4.log),
+# the router collapsed onto few experts and xla_capacity dropped 62-76% of the
+# assignments in the timed steps, skipping that work (runs 1 and 2). At a small rate
+# the timed steps keep the routing of initialisation (near balanced on uniform
+# tokens); each row records it (dropped_fraction, max_load).
+TIMING_LR = 1e-5
+
+
 def _register_variant(model: str, layers: int | None, max_experts: int | None = None) -> str:
   """Registers `model` with `layers` layers and at most `max_experts` experts ("sized
   to fit": deepseek-like's 256 experts of 7168 x 2048 need ~45 GB of float32
@@ -83,8 +97,10 @@ def _register_variant(model: str, layers: int | None, max_experts: int | None = 
 
 def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
              steps: int, warmup: int, data, dense_tflops: float,
-             max_experts: int | None = None, grad_reduction: str = "xla") -> dict:
-  """Times `steps` train steps after `warmup`; returns the row for the JSON."""
+             max_experts: int | None = None, grad_reduction: str = "xla",
+             lr: float = TIMING_LR) -> dict:
+  """Times `steps` train steps after `warmup` at the learning rate `lr`; returns the row
+  for the JSON, with the routing state of the timed steps (dropped fraction, max load)."""
   from models.report import model_report
   from train import loop
   from train.config import TrainConfig
@@ -92,7 +108,7 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
   name = _register_variant(model, layers, max_experts)
   cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
                     steps=max(steps + warmup, 2), out="/tmp/train_throughput", progress=False,
-                    plot=False, grad_reduction=grad_reduction)
+                    plot=False, grad_reduction=grad_reduction, lr=lr)
   s = loop.make_setup(cfg)
   params, rest, opt_state = loop.init_state(s)
   step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, opt_state))
@@ -105,19 +121,24 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
   for i in range(1, warmup):
     params, rest, opt_state, m = step_fn(params, rest, opt_state, *batches[i])
   jax.block_until_ready(m)
-  times, dropped = [], 0
+  times, dropped, max_load, losses = [], 0, [], []
   for i in range(warmup, warmup + steps):
     t0 = time.perf_counter()
     params, rest, opt_state, m = step_fn(params, rest, opt_state, *batches[i])
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
     dropped += int(m["dropped"])
+    max_load.append(float(m["max_load"]))
+    losses.append(float(m["loss"]))
   step_s = statistics.median(times)
   rep = model_report(s.model_cfg, seq)
   flops_per_token = rep["train_flops_per_token"]             # fwd + bwd
   tokens_per_s = batch * seq / step_s
   n_gpu = len(s.mesh.devices.flat)
-  row = dict(model=name, mesh=mesh, backend=backend, grad_reduction=grad_reduction,
+  assignments = batch * seq * s.model_cfg.top_k * steps * len(s.model_cfg.moe_layers)
+  row = dict(model=name, mesh=mesh, backend=backend, grad_reduction=grad_reduction, lr=lr,
+             dropped_fraction=dropped / assignments, max_load=statistics.mean(max_load),
+             loss_first=losses[0], loss_last=losses[-1],
              batch=batch, seq=seq, steps=steps,
              compile_s=compile_s, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
              tokens_per_s=tokens_per_s, dropped=dropped, peak_mem_gib=_peak_mem_gib(),
@@ -164,11 +185,12 @@ def main(argv=None):
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--det-steps", type=int, default=50, help="0 skips the determinism runs")
   ap.add_argument("--tokens", default="uniform", choices=("uniform", "corpus"),
-                  help="timed batches: uniform random ids over the vocabulary (default: the "
-                       "router starts near balanced, as on real subword text) or the byte "
-                       "corpus (a few hundred distinct ids: at initialisation the router "
-                       "sends most tokens to few experts; xla_capacity dropped 62%% on "
-                       "mixtral-like in run 1)")
+                  help="timed batches: uniform random ids over the vocabulary (default, "
+                       "as subword text spreads over its vocabulary) or the byte corpus (a "
+                       "few hundred distinct ids)")
+  ap.add_argument("--lr", type=float, default=TIMING_LR,
+                  help="learning rate of the timed steps (small: the routing stays as at "
+                       "initialisation; the determinism runs keep the training default)")
   ap.add_argument("--budget-s", type=float, default=500.0)
   ap.add_argument("--det-only", action="store_true", help="only the determinism runs")
   ap.add_argument("--xla-deterministic", action="store_true",
@@ -221,7 +243,8 @@ def main(argv=None):
           try:
             row = run_case(model, mesh, backend, layers=layers, batch=args.batch, seq=args.seq,
                            steps=args.steps, warmup=args.warmup, data=data, dense_tflops=dense,
-                           max_experts=args.max_experts or None, grad_reduction=reduction)
+                           max_experts=args.max_experts or None, grad_reduction=reduction,
+                           lr=args.lr)
           except Exception as e:  # noqa: BLE001
             traceback.print_exc(limit=3)
             row = dict(model=_register_variant(model, layers, args.max_experts or None), mesh=mesh,
@@ -246,7 +269,7 @@ def main(argv=None):
                  determinism=det, skipped=skipped,
                  settings=dict(batch=args.batch, seq=args.seq, steps=args.steps, layers=layers,
                                max_experts=args.max_experts or None,
-                               det_steps=args.det_steps, tokens=args.tokens,
+                               det_steps=args.det_steps, tokens=args.tokens, lr=args.lr,
                                xla_flags=os.environ.get("XLA_FLAGS", ""),
                                xla_deterministic=args.xla_deterministic))
   out = common.out_dir(args.out)

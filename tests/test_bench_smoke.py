@@ -70,6 +70,8 @@ def test_train_throughput_times_a_case(tmp_path):
   assert row["tokens_per_s"] > 0 and row["dropped"] == 0 and "error" not in row
   assert row["grad_reduction"] == "ordered"
   assert payload["settings"]["tokens"] == "uniform"
+  assert row["lr"] == train_throughput.TIMING_LR and row["dropped_fraction"] == 0
+  assert row["max_load"] >= 1 and np.isfinite(row["loss_last"])
 
 
 def test_fused_check_driver_writes_every_case_and_fails_loudly(tmp_path):
@@ -114,3 +116,18 @@ def test_fused_check_scripts_lower_for_cuda(script):
   for fn in (v1, fused):
     with device_lib.lowering_for_gpu():
       assert "mosaic_gpu" in fn.trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_profile_summary_counts_time_and_cross_stream_overlap():
+  from bench.profile_layer import summarize
+  pnames = {1: "/device:GPU:0"}
+  ev = [dict(pid=1, tid=10, ts=0.0, dur=10.0, name="gemm"),      # stream 10
+        dict(pid=1, tid=11, ts=5.0, dur=10.0, name="send"),      # stream 11: overlaps 5
+        dict(pid=1, tid=10, ts=20.0, dur=4.0, name="gemm"),
+        dict(pid=2, tid=1, ts=0.0, dur=99.0, name="host")]      # not a device
+  (dev,) = summarize(ev, pnames, calls=2).values()
+  rows = {r["name"]: r for r in dev["kernels"]}
+  assert dev["span_us"] == 24.0 and dev["busy_us"] == 19.0 and dev["span_per_call_us"] == 12.0
+  assert rows["gemm"]["count"] == 2 and rows["gemm"]["total_us"] == 14.0
+  assert rows["gemm"]["overlap_us"] == 5.0 and rows["send"]["overlap_us"] == 5.0
+  assert rows["gemm"]["per_call_us"] == 7.0

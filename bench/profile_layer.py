@@ -1,0 +1,146 @@
+"""Where does one MoE layer call spend its time on the GPU? A kernel-level profile.
+
+Runs one case of bench/moe_layer.py (same inputs, `BACKEND_CONFIGS`, balanced or
+skewed routing) a few times under `jax.profiler.trace` and reduces the trace to a
+table per device: every kernel (Mosaic GPU kernels, XLA fusions, NCCL, cuBLAS) with
+its count, total and mean time, its share of the span of one call, and how much of
+it ran while another kernel was running on the same device (overlap). The first
+question it answers is pallas_kernels/NOTES_fused.md's: does Kernel A's transfer run
+under its GEMM, and what does the glue around the kernels cost?
+
+  python -m bench.profile_layer [--shape deepseek-like] [--backend uniep_fused]
+      [--direction fwd] [--routing balanced] [--reps 3] [--top 25] [--out DIR]
+
+Writes profile_<backend>_<shape>_<direction>.json (the table, metadata) and keeps the
+trace (trace.json.gz, viewable in Perfetto) under --out. On the CPU it runs on tiny
+shapes (`--shape tiny --backend xla_dropless`): the trace there holds XLA's CPU ops,
+enough to test the reduction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+
+
+def _events(trace_path: str) -> tuple[list[dict], dict]:
+  """The complete ('X') events of a Chrome/Perfetto trace and {pid: process name}. In
+  a GPU process only the CUDA streams' lines are kept (threads named "Stream ...");
+  its other lines ("XLA Modules", "XLA Ops", ...) restate the same time."""
+  with gzip.open(trace_path) as f:
+    t = json.load(f)
+  ev = t["traceEvents"] if isinstance(t, dict) else t
+  pnames = {e["pid"]: e["args"]["name"] for e in ev
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+  tnames = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  streams = {pid for (pid, _), name in tnames.items() if name.startswith("Stream")}
+
+  def keep(e):
+    return e["pid"] not in streams or tnames.get((e["pid"], e["tid"]), "").startswith("Stream")
+
+  return [e for e in ev if e.get("ph") == "X" and "dur" in e and keep(e)], pnames
+
+
+def _busy_union(intervals: list[tuple[float, float]]) -> float:
+  """Length of the union of [start, end) intervals."""
+  total, end = 0.0, None
+  for a, b in sorted(intervals):
+    if end is None or a > end:
+      total += b - a
+      end = b
+    elif b > end:
+      total += b - end
+      end = b
+  return total
+
+
+def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25) -> dict:
+  """Per device (trace process whose name holds 'GPU' or '/device:', else every
+  process): kernels by total time. overlap_us of a kernel = the part of its time
+  during which some other kernel event of the same device was running too."""
+  by_pid = collections.defaultdict(list)
+  for e in events:
+    by_pid[e["pid"]].append(e)
+  devices = [p for p in by_pid if any(k in pnames.get(p, "") for k in ("GPU", "/device:"))]
+  out = {}
+  for pid in devices or list(by_pid):
+    evs = sorted(by_pid[pid], key=lambda e: e["ts"])
+    if not evs:
+      continue
+    span = max(e["ts"] + e["dur"] for e in evs) - evs[0]["ts"]
+    rows = collections.OrderedDict()
+    for e in evs:
+      r = rows.setdefault(e["name"], dict(name=e["name"], count=0, total_us=0.0, overlap_us=0.0))
+      r["count"] += 1
+      r["total_us"] += e["dur"]
+    # overlap: for each event, the union of the other events' intersections with it
+    starts = [(e["ts"], e["ts"] + e["dur"], i) for i, e in enumerate(evs)]
+    for i, e in enumerate(evs):
+      a, b = e["ts"], e["ts"] + e["dur"]
+      cut = [(max(a, s), min(b, t)) for s, t, j in starts
+             if j != i and s < b and t > a and evs[j]["tid"] != e["tid"]]
+      rows[e["name"]]["overlap_us"] += _busy_union(cut)
+    table = sorted(rows.values(), key=lambda r: -r["total_us"])
+    busy = _busy_union([(e["ts"], e["ts"] + e["dur"]) for e in evs])
+    for r in table:
+      r["mean_us"] = r["total_us"] / r["count"]
+      r["per_call_us"] = r["total_us"] / calls
+    out[pnames.get(pid, str(pid))] = dict(
+        span_us=span, busy_us=busy, span_per_call_us=span / calls, busy_per_call_us=busy / calls,
+        kernels=table[:top], other_kernels=len(table) - min(top, len(table)))
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--shape", default="deepseek-like")
+  ap.add_argument("--backend", default="uniep_fused")
+  ap.add_argument("--direction", default="fwd", choices=("fwd", "fwdbwd"))
+  ap.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
+  ap.add_argument("--reps", type=int, default=3, help="profiled calls (after a warm-up call)")
+  ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  import jax
+
+  from bench import common, moe_layer
+
+  common.dump_stacks_on_usr1()
+  out = common.out_dir(args.out)
+  shape = {**common.SHAPES, **common.SMOKE_SHAPES}[args.shape]
+  r = len(jax.devices())
+  mesh = jax.make_mesh((1, r), ("data", "expert"))
+  x, p = moe_layer.make_inputs(shape, mesh, skewed=args.routing == "skewed")
+  f_fwd, f_bwd = moe_layer.layer_fns(mesh, shape, moe_layer.BACKEND_CONFIGS[args.backend])
+  fn = f_fwd if args.direction == "fwd" else f_bwd
+  common.block(fn(x, p))  # compile and warm up outside the trace
+  trace_dir = os.path.join(out, f"trace_{args.backend}_{args.shape}_{args.direction}")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(args.reps):
+      common.block(fn(x, p))
+  (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  events, pnames = _events(path)
+  table = summarize(events, pnames, calls=args.reps, top=args.top)
+  payload = dict(common.run_metadata(), benchmark="profile_layer", settings=vars(args),
+                 trace=os.path.relpath(path, out), devices=table)
+  name = f"profile_{args.backend}_{args.shape}_{args.direction}.json"
+  common.write_json(os.path.join(out, name), payload)
+  for dev, d in list(table.items())[:1] + list(table.items())[1:2]:
+    print(f"{dev}: span {d['span_per_call_us'] / 1e3:.2f} ms per call, busy "
+          f"{d['busy_per_call_us'] / 1e3:.2f} ms")
+    print(f"  {'kernel':60s} {'count':>6s} {'ms/call':>8s} {'mean us':>9s} {'overlap':>8s}")
+    for k in d["kernels"]:
+      print(f"  {k['name'][:60]:60s} {k['count']:6d} {k['per_call_us'] / 1e3:8.3f} "
+            f"{k['mean_us']:9.1f} {k['overlap_us'] / max(k['total_us'], 1e-9):8.0%}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
