@@ -104,16 +104,20 @@ def test_training_two_processes_match_one_with_resume(tmp_path):
 
   s, m = _metrics(tmp_path / "single"), _metrics(multi)
   assert [x["step"] for x in m] == [x["step"] for x in s] == [0, 1, 2, 3]
-  # identical initial params, but the mean loss is itself a float psum over the 8 devices
-  np.testing.assert_allclose(m[0]["heldout_loss"], s[0]["heldout_loss"], rtol=1e-6)
-  for a, b in zip(m[1:], s[1:]):
-    for k in ("loss", "ce", "grad_norm", "load_balance_loss"):
-      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=f"step {a['step']} {k}")
-    assert a["dropped"] == b["dropped"] == 0
-  np.testing.assert_allclose(m[-1]["heldout_loss"], s[-1]["heldout_loss"], rtol=1e-5)
+  # the default --grad-reduction ordered sums gradients, the clip norm and the losses
+  # over the 8 devices in rank order itself: the same bits in one process or two
+  for a, b in zip(m, s):
+    for k in ("heldout_loss", "loss", "ce", "grad_norm", "dropped", "max_load"):
+      assert a.get(k) == b.get(k), (a["step"], k, a.get(k), b.get(k))
+    # the aux-loss metrics are means psum'd inside the MoE layer (gloo between the
+    # processes, in-process otherwise): only their reported values may part bits
+    for k in ("load_balance_loss", "router_z_loss"):
+      if k in b:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, err_msg=f"step {a['step']} {k}")
+  assert m[-1]["dropped"] == 0
   ss = json.loads((tmp_path / "single" / "summary.json").read_text())
   ms = json.loads((multi / "summary.json").read_text())
-  np.testing.assert_allclose(ms["param_sum"], ss["param_sum"], rtol=1e-6)
+  assert ms["sha256"] == ss["sha256"]  # every parameter bit for bit
 
 
 def test_launcher_stops_all_when_one_fails(tmp_path):
