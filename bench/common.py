@@ -56,6 +56,17 @@ def dump_stacks_on_usr1() -> None:
   faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+def start_training_process(xla_deterministic: bool) -> None:
+  """What the training benches do before jax starts its backends, as the training CLI
+  (train/cli.py): stacks on SIGUSR1, NCCL group launches, and XLA's deterministic mode
+  when asked."""
+  from train.mesh import request_nccl_group_launch, request_xla_determinism
+  dump_stacks_on_usr1()
+  request_nccl_group_launch()
+  if xla_deterministic:
+    request_xla_determinism()
+
+
 def same_bits(a, b) -> bool:
   """Bitwise equality of two arrays or pytrees of arrays (dtype, shape and bytes)."""
   import numpy as np

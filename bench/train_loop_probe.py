@@ -75,12 +75,7 @@ def main(argv=None):
   ap.add_argument("--xla-deterministic", action="store_true")
   args = ap.parse_args(argv)
   from bench import common
-  common.dump_stacks_on_usr1()
-  from train.mesh import request_nccl_group_launch
-  request_nccl_group_launch()  # as the training CLI
-  if args.xla_deterministic:
-    from train.mesh import request_xla_determinism
-    request_xla_determinism()
+  common.start_training_process(args.xla_deterministic)
   import jax
 
   from train.data import make_dataset

@@ -101,17 +101,13 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--xla-deterministic", action="store_true")
-  ap.add_argument("--grad-reduction", default="xla", choices=("xla", "ordered"))
+  ap.add_argument("--grad-reduction", default="ordered", choices=("xla", "ordered"),
+                  help="as train --grad-reduction (default ordered)")
   ap.add_argument("--tag", default="default")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   from bench import common
-  common.dump_stacks_on_usr1()
-  from train.mesh import request_nccl_group_launch
-  request_nccl_group_launch()  # as the training CLI
-  if args.xla_deterministic:
-    from train.mesh import request_xla_determinism
-    request_xla_determinism()
+  common.start_training_process(args.xla_deterministic)
   import jax
 
   from train.data import make_dataset

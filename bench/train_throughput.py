@@ -206,13 +206,8 @@ def main(argv=None):
   reductions = args.grad_reduction.split(",")
   if not reductions or set(reductions) - {"xla", "ordered"}:
     ap.error(f"--grad-reduction {args.grad_reduction!r}: a comma list of xla, ordered")
-  common.dump_stacks_on_usr1()
-  from train.mesh import request_nccl_group_launch
-  request_nccl_group_launch()  # as the training CLI
+  common.start_training_process(args.xla_deterministic)  # before jax starts its backends
   from train.data import make_dataset
-  if args.xla_deterministic:   # before the first jax computation starts the backends
-    from train.mesh import request_xla_determinism
-    request_xla_determinism()
 
   t_start = time.time()
   r = len(jax.devices())
