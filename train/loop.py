@@ -182,9 +182,11 @@ def ordered_grads(s: Setup):
   axes they are replicated on with `ordered_psum` (rank order, float32), and the
   global norm (for clipping and the metric) is summed the same way, leaves in name
   order. No float sum over devices is left to XLA or NCCL. The sums go in a few
-  buffers, one after the other (`ordered_psum_many`): one collective in flight at a time. The aux losses are computed
-  from statistics psum'd over the mesh inside the MoE layer: each shard's gradient
-  holds 1/shards of their derivative per shard, so the sum holds it once.
+  buffers, one after the other (`ordered_psum_many`), after the whole backward pass:
+  one collective in flight at a time (2 per leaf, free to overlap, hung on 4x H200).
+  The aux losses are computed from statistics psum'd over the mesh inside the MoE
+  layer: each shard's gradient holds 1/shards of their derivative per shard, so the
+  sum holds it once.
   """
   axes = tuple(s.mesh.axis_names)
   shards = s.mesh.size
