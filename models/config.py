@@ -42,6 +42,11 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype; parameters are float32
   routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
   use_expert_bias: bool = False  # auxiliary-loss-free balancing
+  # peak AdamW learning rate of `python -m train` unless --lr. 3e-3 suits tiny; it blew
+  # the 4096-wide mixtral-like up on its first full update (loss 10.7 -> 28.6, 4x H200,
+  # bench/results/train_loop_probe_NVIDIA_H200_x4.log), so the GPU-sized configs take
+  # 3e-4, the usual peak at this size (not yet measured here).
+  learning_rate: float = 3e-3
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -52,6 +57,8 @@ class ModelConfig:
       raise ValueError(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
     if self.moe_every < 1 or self.first_dense < 0:
       raise ValueError(f"moe_every={self.moe_every} must be >= 1 and first_dense={self.first_dense} >= 0")
+    if not self.learning_rate > 0:
+      raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
 
@@ -80,17 +87,17 @@ CONFIGS: dict[str, ModelConfig] = {
                     use_expert_bias=True),
         ModelConfig(name="mixtral-like", vocab_size=32000, d_model=4096, n_layers=2, n_heads=32,
                     n_kv_heads=8, head_dim=128, d_ff=14336, n_experts=8, top_k=2, d_expert=14336,
-                    max_seq_len=4096, tie_embeddings=False, rope_theta=1e6, dtype="bfloat16"),
+                    max_seq_len=4096, tie_embeddings=False, rope_theta=1e6, dtype="bfloat16", learning_rate=3e-4),
         ModelConfig(name="deepseek-like", vocab_size=32000, d_model=7168, n_layers=2, n_heads=56,
                     n_kv_heads=8, head_dim=128, d_ff=18432, n_experts=256, top_k=8, d_expert=2048,
-                    n_shared=1, max_seq_len=4096, tie_embeddings=False, dtype="bfloat16",
+                    n_shared=1, max_seq_len=4096, tie_embeddings=False, dtype="bfloat16", learning_rate=3e-4,
                     routing=_DEEPSEEK_ROUTING, use_expert_bias=True),
         ModelConfig(name="qwen3-like", vocab_size=32000, d_model=2048, n_layers=4, n_heads=32,
                     n_kv_heads=4, head_dim=128, d_ff=6144, n_experts=128, top_k=8, d_expert=768,
-                    max_seq_len=4096, tie_embeddings=False, rope_theta=1e6, dtype="bfloat16"),
+                    max_seq_len=4096, tie_embeddings=False, rope_theta=1e6, dtype="bfloat16", learning_rate=3e-4),
         ModelConfig(name="small-experts", vocab_size=32000, d_model=1536, n_layers=4, n_heads=12,
                     n_kv_heads=4, head_dim=128, d_ff=4096, n_experts=64, top_k=8, d_expert=480,
-                    max_seq_len=4096, tie_embeddings=False, dtype="bfloat16"),
+                    max_seq_len=4096, tie_embeddings=False, dtype="bfloat16", learning_rate=3e-4),
     )
 }
 

@@ -255,3 +255,16 @@ def test_nccl_group_launch_is_the_default_and_an_explicit_setting_wins(monkeypat
   monkeypatch.setenv("NCCL_LAUNCH_MODE", "PARALLEL")
   request_nccl_group_launch()
   assert os.environ["NCCL_LAUNCH_MODE"] == "PARALLEL"
+
+
+def test_peak_learning_rate_is_the_model_configs_unless_given():
+  from models.config import get_config
+  assert get_config("tiny").learning_rate == 3e-3
+  assert all(get_config(n).learning_rate == 3e-4
+             for n in ("mixtral-like", "deepseek-like", "qwen3-like", "small-experts"))
+  for lr, peak in ((None, 3e-3), (1e-3, 1e-3)):
+    s = loop.make_setup(TrainConfig(config="tiny", steps=20, warmup=4, lr=lr, progress=False, plot=False))
+    assert abs(float(s.schedule(4)) - peak) < 1e-6 * peak, (lr, float(s.schedule(4)))  # float32
+  with pytest.raises(ValueError, match="lr=0"):
+    TrainConfig(lr=0.0)
+  assert parse_args(["--lr", "2e-4"]).lr == 2e-4 and parse_args([]).lr is None

@@ -28,7 +28,7 @@ class TrainConfig:
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
   seq: int = 128
-  lr: float = 3e-3
+  lr: Optional[float] = None  # peak; None: the model config's learning_rate
   min_lr_ratio: float = 0.1
   warmup: Optional[int] = None  # None: min(30, steps // 10)
   weight_decay: float = 0.1
@@ -70,6 +70,8 @@ class TrainConfig:
       raise ValueError(f"stop_after={self.stop_after} must be in [1, steps={self.steps}]")
     if self.warmup is not None and not 0 <= self.warmup < self.steps:
       raise ValueError(f"warmup={self.warmup} must be in [0, steps={self.steps})")
+    if self.lr is not None and not self.lr > 0:
+      raise ValueError(f"lr={self.lr} must be > 0")
     if self.resume and not self.ckpt_dir:
       raise ValueError("--resume needs --ckpt-dir")
     if not 0 < self.heldout_fraction < 1:
@@ -101,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")
   a("--seq", type=int, default=d.seq, help="sequence length")
-  a("--lr", type=float, default=d.lr, help="peak learning rate (AdamW, warmup + cosine)")
+  a("--lr", type=float, default=d.lr, help="peak learning rate (AdamW, warmup + cosine; default: "
+    "the model config's, 3e-3 for tiny, 3e-4 for the GPU-sized configs)")
   a("--min-lr-ratio", type=float, default=d.min_lr_ratio)
   a("--warmup", type=int, default=None, help="warmup steps (default min(30, steps // 10))")
   a("--weight-decay", type=float, default=d.weight_decay)

@@ -101,9 +101,10 @@ def make_setup(cfg: TrainConfig) -> Setup:
   if bias_rate and not model_cfg.use_expert_bias:
     raise ConfigError(f"--aux-free-bias-rate={bias_rate} but model {model_cfg.name!r} has no expert biases")
 
+  lr = model_cfg.learning_rate if cfg.lr is None else cfg.lr
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
-      end_value=cfg.lr * cfg.min_lr_ratio)
+      init_value=0.0, peak_value=lr, warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
+      end_value=lr * cfg.min_lr_ratio)
   decay_mask = {k: v.ndim >= 2 for k, v in flat_arrays(params_tmpl).items()}  # no decay on norm scales
   # "ordered" clips inside the per-shard gradient step, on its ordered norm (the chain
   # keeps its shape, so checkpoints load in either mode)
