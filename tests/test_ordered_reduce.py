@@ -85,27 +85,44 @@ def _float_all_reduce_sizes(hlo: str) -> list[int]:
   return sizes
 
 
-def test_ordered_train_step_matches_xla_and_sums_no_gradients_in_collectives():
-  steps, metrics = {}, {}
-  for mode in ("xla", "ordered"):
-    s = loop.make_setup(TrainConfig(**{**SMALL, "mesh": "data=2,expert=4", "grad_reduction": mode}))
-    params, rest, opt_state = loop.init_state(s)
-    opt_sh = jax.tree.map(lambda a: a.sharding, opt_state)
-    step = loop.make_train_step(s, opt_sh)
-    rng = np.random.default_rng(0)
-    x, y = (jax.device_put(rng.integers(0, 256, (8, 32)).astype(np.int32), s.batch_sh) for _ in range(2))
-    hlo = step.lower(params, rest, opt_state, x, y).compile().as_text()
-    steps[mode] = _float_all_reduce_sizes(hlo)
-    new_params, _, _, m = step(params, rest, opt_state, x, y)
-    metrics[mode] = (jax.device_get(new_params), jax.device_get(m))
-  # XLA's all-reduces sum whole gradients; the ordered step leaves only the MoE
-  # layer's router statistics ([experts] floats) and scalars to them
-  assert max(steps["xla"]) >= 16 * 16
-  assert max(steps["ordered"]) <= 64, steps["ordered"]
-  (pa, ma), (pb, mb) = metrics["xla"], metrics["ordered"]
+def _one_step(mode: str):
+  """(float all-reduce sizes, new params, metrics) of one train step of the small config."""
+  s = loop.make_setup(TrainConfig(**{**SMALL, "mesh": "data=2,expert=4", "grad_reduction": mode}))
+  params, rest, opt_state = loop.init_state(s)
+  opt_sh = jax.tree.map(lambda a: a.sharding, opt_state)
+  step = loop.make_train_step(s, opt_sh)
+  rng = np.random.default_rng(0)
+  x, y = (jax.device_put(rng.integers(0, 256, (8, 32)).astype(np.int32), s.batch_sh) for _ in range(2))
+  hlo = step.lower(params, rest, opt_state, x, y).compile().as_text()
+  new_params, _, _, m = step(params, rest, opt_state, x, y)
+  return _float_all_reduce_sizes(hlo), jax.device_get(new_params), jax.device_get(m)
+
+
+def _assert_same_step(a, b):
+  (_, pa, ma), (_, pb, mb) = a, b
   for k in ("loss", "ce", "grad_norm", "load_balance_loss"):
     np.testing.assert_allclose(mb[k], ma[k], rtol=2e-6, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6), pa, pb)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6), pa, pb)
+
+
+def test_ordered_train_step_matches_xla_and_sums_no_gradients_in_collectives():
+  xla, ordered = _one_step("xla"), _one_step("ordered")
+  # XLA's all-reduces sum whole gradients; the ordered step leaves only the MoE
+  # layer's router statistics ([experts] floats) and scalars to them
+  assert max(xla[0]) >= 16 * 16
+  assert max(ordered[0]) <= 64, ordered[0]
+  _assert_same_step(xla, ordered)
+
+
+def test_ordered_train_step_without_type_checks_matches_xla(monkeypatch):
+  # "pallas" and "uniep" run their shard_maps unchecked (check_vma=False), where a
+  # psum's transpose is a psum: the ordered step's aux-loss weighting must hold there
+  # too. The same maths with xla_dropless, its shard_maps forced unchecked.
+  import uniep_jax.moe
+  xla = _one_step("xla")
+  monkeypatch.setattr(uniep_jax.moe, "shard_map_type_checked", lambda backend: False)
+  monkeypatch.setattr(loop, "shard_map_type_checked", lambda backend: False)
+  _assert_same_step(xla, _one_step("ordered"))
 
 
 def test_grad_reduction_is_validated():
