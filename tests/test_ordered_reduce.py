@@ -105,8 +105,13 @@ def _assert_same_step(a, b):
   jax.tree.map(lambda u, v: np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6), pa, pb)
 
 
-def test_ordered_train_step_matches_xla_and_sums_no_gradients_in_collectives():
-  xla, ordered = _one_step("xla"), _one_step("ordered")
+@pytest.fixture(scope="module")
+def xla_step():
+  return _one_step("xla")
+
+
+def test_ordered_train_step_matches_xla_and_sums_no_gradients_in_collectives(xla_step):
+  xla, ordered = xla_step, _one_step("ordered")
   # XLA's all-reduces sum whole gradients; the ordered step leaves only the MoE
   # layer's router statistics ([experts] floats) and scalars to them
   assert max(xla[0]) >= 16 * 16
@@ -114,12 +119,12 @@ def test_ordered_train_step_matches_xla_and_sums_no_gradients_in_collectives():
   _assert_same_step(xla, ordered)
 
 
-def test_ordered_train_step_without_type_checks_matches_xla(monkeypatch):
+def test_ordered_train_step_without_type_checks_matches_xla(monkeypatch, xla_step):
   # "pallas" and "uniep" run their shard_maps unchecked (check_vma=False), where a
   # psum's transpose is a psum: the ordered step's aux-loss weighting must hold there
   # too. The same maths with xla_dropless, its shard_maps forced unchecked.
   import uniep_jax.moe
-  xla = _one_step("xla")
+  xla = xla_step
   monkeypatch.setattr(uniep_jax.moe, "shard_map_type_checked", lambda backend: False)
   monkeypatch.setattr(loop, "shard_map_type_checked", lambda backend: False)
   _assert_same_step(xla, _one_step("ordered"))
