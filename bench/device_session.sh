@@ -98,11 +98,12 @@ run_phase() {  # name seconds
     probe)   timeout -s USR1 -k 15 "$secs" python3 -m bench.train_loop_probe --xla-deterministic \
                --grad-reduction "${PROBE_REDUCTION:-ordered}" --backends "${PROBE_BACKENDS:-pallas,uniep}" \
                > "$dir/log" 2>&1 ;;
-    profile) local b; PROF_BACKENDS="${PROF_BACKENDS:-uniep,uniep_fused}"; for b in ${PROF_BACKENDS//,/ }; do
+    profile) local b prc=0; PROF_BACKENDS="${PROF_BACKENDS:-uniep,uniep_fused}"
+             for b in ${PROF_BACKENDS//,/ }; do
                timeout -s USR1 -k 15 "$secs" python3 -m bench.profile_layer --backend "$b" \
                  --shape "${PROF_SHAPE:-deepseek-like}" --direction "${PROF_DIRECTION:-fwd}" \
-                 --out "$dir" >> "$dir/log" 2>&1 || break
-             done ;;
+                 --out "$dir" >> "$dir/log" 2>&1 || { prc=$?; break; }
+             done; (exit $prc) ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;

@@ -126,6 +126,8 @@ def main(argv=None):
     for _ in range(args.reps):
       common.block(fn(x, p))
   (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  for raw in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+    os.remove(raw)  # the trace.json.gz holds what we read; keep what comes back small
   events, pnames = _events(path)
   table = summarize(events, pnames, calls=args.reps, top=args.top)
   payload = dict(common.run_metadata(), benchmark="profile_layer", settings=vars(args),
