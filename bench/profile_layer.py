@@ -122,7 +122,7 @@ def main(argv=None):
   fn = f_fwd if args.direction == "fwd" else f_bwd
   common.block(fn(x, p))  # compile and warm up outside the trace
   trace_dir = os.path.join(out, f"trace_{args.backend}_{args.shape}_{args.direction}")
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+  with jax.profiler.trace(trace_dir):
     for _ in range(args.reps):
       common.block(fn(x, p))
   (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
