@@ -75,7 +75,7 @@ run_phase() {  # name seconds
                --meshes "data=1,expert=$(nvidia-smi -L | wc -l)" --budget-s $((secs - 30)) \
                --grad-reduction "${GRAD_REDUCTION:-ordered}" \
                --out "$dir" > "$dir/log" 2>&1 ;;
-    stepdiff) local settings=(${STEPDIFF:-deterministic det_nocombine_ring}) tag flags gr
+    stepdiff) local settings=(${STEPDIFF:-deterministic det_nocombine_ring}) tag flags gr src=0
              local each=$((secs / ${#settings[@]})) tsd=(python3 -m bench.train_step_diff --out "$dir")
              for tag in "${settings[@]}"; do
                gr=xla
@@ -91,10 +91,10 @@ run_phase() {  # name seconds
                [ -n "${HLO_DUMP:-}" ] && flags="$flags --xla_dump_to=$dir/hlo_$tag --xla_dump_hlo_as_text"
                XLA_FLAGS="$flags" timeout -s USR1 -k 15 "$each" "${tsd[@]}" --xla-deterministic --tag "$tag" \
                  --grad-reduction "$gr" \
-                 >> "$dir/log" 2>&1
+                 >> "$dir/log" 2>&1 || src=$?
                [ -d "$dir/hlo_$tag" ] && find "$dir/hlo_$tag" -type f \
                  ! -name "*after_optimizations.txt" -delete
-             done; unset NCCL_ALGO ;;
+             done; unset NCCL_ALGO; (exit $src) ;;
     probe)   timeout -s USR1 -k 15 "$secs" python3 -m bench.train_loop_probe --xla-deterministic \
                --grad-reduction "${PROBE_REDUCTION:-ordered}" --backends "${PROBE_BACKENDS:-pallas,uniep}" \
                > "$dir/log" 2>&1 ;;
@@ -118,7 +118,7 @@ run_phase() {  # name seconds
 # STOP_ON_FAIL=1: a phase that fails (or runs past its limit) skips the phases after it
 for spec in "$@"; do
   run_phase "${spec%%:*}" "${spec##*:}" && continue
-  [ -n "${STOP_ON_FAIL:-}" ] && { echo "== stopping: ${spec%%:*} failed" | tee -a "$LOG"; break; }
+  [ "${STOP_ON_FAIL:-0}" != 0 ] && { echo "== stopping: ${spec%%:*} failed" | tee -a "$LOG"; break; }
 done
 find "$WORK" -name "*.npz" -delete
 tar czf "$FINAL/results.tgz" -C "$WORK" .

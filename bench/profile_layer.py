@@ -125,7 +125,9 @@ def main(argv=None):
   with jax.profiler.trace(trace_dir):
     for _ in range(args.reps):
       common.block(fn(x, p))
-  (path,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+  # the newest trace (an earlier run into the same --out leaves its own)
+  path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+             key=os.path.getmtime)
   for raw in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
     os.remove(raw)  # the trace.json.gz holds what we read; keep what comes back small
   events, pnames = _events(path)

@@ -204,7 +204,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   reductions = args.grad_reduction.split(",")
-  if not reductions or set(reductions) - {"xla", "ordered"}:
+  if set(reductions) - {"xla", "ordered"}:
     ap.error(f"--grad-reduction {args.grad_reduction!r}: a comma list of xla, ordered")
   common.start_training_process(args.xla_deterministic)  # before jax starts its backends
   from train.data import make_dataset

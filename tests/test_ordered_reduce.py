@@ -168,3 +168,26 @@ def test_ordered_psum_many_is_ordered_psum_per_value_in_one_chain(check_vma):
       assert hlo.count("optimization_barrier") == 2
   for a, b in zip(*results):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_ordered_psum_many_keeps_each_values_type_and_passes_empty_arrays():
+  # a: varying over data only; b: over data and expert; both summed over data. One
+  # shared buffer would come back varying over expert and fail a's out_specs P().
+  from train.ordered_reduce import ordered_psum_many
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  a = jax.device_put(jnp.arange(2 * 3, dtype=jnp.float32).reshape(2, 3), NamedSharding(mesh, P("data")))
+  b = jax.device_put(jnp.arange(8 * 5, dtype=jnp.float32).reshape(8, 5),
+                     NamedSharding(mesh, P(("data", "expert"))))
+
+  def body(xa, xb):
+    sa, sb, empty = ordered_psum_many([(xa, ("data",)), (xb, ("data",)),
+                                       (jnp.zeros((0,), jnp.float32) + xa[0, 0], ("data",))])
+    return sa, sb, empty
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(("data", "expert"))),
+                             out_specs=(P(), P("expert"), P()), check_vma=True))
+  sa, sb, empty = fn(a, b)
+  np.testing.assert_array_equal(np.asarray(sa), np.asarray(a).sum(0, keepdims=True))
+  bb = np.asarray(b).reshape(2, 4, 1, 5)
+  np.testing.assert_array_equal(np.asarray(sb), (bb[0] + bb[1]).reshape(4, 5))
+  assert empty.shape == (0,)

@@ -79,6 +79,7 @@ class Setup:
   tx: optax.GradientTransformation
   schedule: Any  # step -> learning rate
   bias_rate: float
+  lr: float  # peak learning rate (cfg.lr, else the model config's)
 
 
 def make_setup(cfg: TrainConfig) -> Setup:
@@ -111,7 +112,7 @@ def make_setup(cfg: TrainConfig) -> Setup:
   clip = optax.identity() if cfg.grad_reduction == "ordered" else optax.clip_by_global_norm(cfg.clip)
   tx = optax.chain(clip,
                    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask))
-  return Setup(cfg=cfg, model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, params_tmpl=params_tmpl,
+  return Setup(cfg=cfg, model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, params_tmpl=params_tmpl, lr=lr,
                rest_tmpl=rest_tmpl, param_sh=flat_shardings(params_tmpl, mesh),
                rest_sh=flat_shardings(rest_tmpl, mesh),
                batch_sh=NamedSharding(mesh, P(MESH_AXES, None)), tx=tx, schedule=schedule,
@@ -213,7 +214,8 @@ def ordered_grads(s: Setup):
     *summed, ce = ordered_psum_many([(grads[k], reduce_axes[k]) for k in names] + [(ce, axes)])
     grads = dict(zip(names, summed))
     parts = ordered_psum_many([(jnp.sum(jnp.square(grads[k].astype(jnp.float32))),
-                                tuple(a for a in axes if a in _spec_axes(pspec[k]))) for k in names])
+                                tuple(a for a in axes if a in _spec_axes(pspec[k]))) for k in names],
+                              after=summed)
     sq = jnp.zeros((), jnp.float32)
     for part in parts:  # leaves in name order
       sq = sq + part
@@ -434,6 +436,7 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   steady = step_times[1:] or step_times
   summary = dict(
       config=cfg.config, mesh=dict(s.mesh.shape), backend=cfg.backend, steps=cfg.last_step,
+      peak_lr=s.lr, grad_reduction=cfg.grad_reduction,
       start_step=start, unigram_entropy_nats=h_uni, unigram_entropy_bits=h_uni / LN2,
       final_train_loss_nats=final_train, final_heldout_loss_nats=final_held,
       final_train_loss_bits=final_train / LN2, final_heldout_loss_bits=final_held / LN2,

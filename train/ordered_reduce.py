@@ -38,6 +38,8 @@ from uniep_jax.dispatch import varying_axes
 
 def _ordered_psum_axis(x: jax.Array, axis: str) -> jax.Array:
   r = jax.lax.axis_size(axis)
+  if x.size == 0:  # nothing to add (a zero-size all_gather does not compile)
+    return x
   if r == 1:  # nothing to add; a value typed varying over the axis is retyped invariant
     if axis not in varying_axes(x):
       return x
@@ -66,16 +68,20 @@ def ordered_psum(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   return x
 
 
-def ordered_psum_many(items: Sequence[tuple[jax.Array, Sequence[str]]]) -> list[jax.Array]:
+def ordered_psum_many(items: Sequence[tuple[jax.Array, Sequence[str]]], *,
+                      after=None) -> list[jax.Array]:
   """[(x, axes), ...] -> [ordered_psum(x, axes), ...], bit for bit, in one buffer per
-  (axes, dtype) (first-appearance order), each buffer's collectives after the previous
-  buffer's result exists."""
+  (axes, dtype, varying mesh axes) (first-appearance order; values typed alike inside
+  a type-checked shard_map, so that no value comes back typed more varying than it
+  went in), each buffer's collectives after the previous buffer's result exists, the
+  first one's after `after` (any pytree of arrays; None: no wait)."""
   groups: dict[tuple, list[int]] = {}
   for i, (x, axes) in enumerate(items):
-    groups.setdefault((tuple(axes), jnp.dtype(x.dtype)), []).append(i)
+    key = (tuple(axes), jnp.dtype(x.dtype), frozenset(varying_axes(x)))
+    groups.setdefault(key, []).append(i)
   out: list = [None] * len(items)
-  previous = None
-  for (axes, _), idx in groups.items():
+  previous = after
+  for (axes, _, _), idx in groups.items():
     parts = [items[i][0] for i in idx]
     if not axes:  # nothing to sum
       for i, x in zip(idx, parts):
