@@ -242,8 +242,12 @@ def main(argv=None):
                            lr=args.lr)
           except Exception as e:  # noqa: BLE001
             traceback.print_exc(limit=3)
-            row = dict(model=_register_variant(model, layers, args.max_experts or None), mesh=mesh,
-                       backend=backend, grad_reduction=reduction, error=repr(e)[:500])
+            try:  # the registered variant's name, if the model itself is known
+              name = _register_variant(model, layers, args.max_experts or None)
+            except Exception:  # noqa: BLE001
+              name = model
+            row = dict(model=name, mesh=mesh, backend=backend, grad_reduction=reduction,
+                       error=repr(e)[:500])
           rows.append(row)
           print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
   det = []
