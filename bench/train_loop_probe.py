@@ -19,6 +19,8 @@ import argparse
 import sys
 import time
 
+from train.config import GRAD_REDUCTIONS
+
 
 def _stage(name: str, t0: float) -> float:
   t = time.perf_counter()
@@ -68,7 +70,7 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=1, help="0: the config's own")
   ap.add_argument("--mesh", default="")
   ap.add_argument("--backends", default="pallas,uniep")
-  ap.add_argument("--grad-reduction", default="ordered", choices=("xla", "ordered"))
+  ap.add_argument("--grad-reduction", default="ordered", choices=GRAD_REDUCTIONS)
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--steps", type=int, default=3)

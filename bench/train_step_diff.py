@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from train.config import GRAD_REDUCTIONS
+
 
 def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: int, data,
                  grad_reduction: str = "xla"):
@@ -55,7 +57,7 @@ def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: i
 
     def fn(p):
       grads, ce, lb, z, aux, _ = per_shard(p, rest, x, y)
-      return (ce + cfg.lb_weight * lb + cfg.z_weight * z, (ce, lb, z, aux)), grads
+      return (loop.total_loss(cfg, ce, lb, z), (ce, lb, z, aux)), grads
   else:
     fn = jax.jit(jax.value_and_grad(lambda p: loop.loss_fn(s, p, rest, x, y), has_aux=True))
   runs = []
@@ -101,7 +103,7 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--xla-deterministic", action="store_true")
-  ap.add_argument("--grad-reduction", default="ordered", choices=("xla", "ordered"),
+  ap.add_argument("--grad-reduction", default="ordered", choices=GRAD_REDUCTIONS,
                   help="as train --grad-reduction (default ordered)")
   ap.add_argument("--tag", default="default")
   ap.add_argument("--out", default=None)

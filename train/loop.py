@@ -150,13 +150,18 @@ def _model(s: Setup, params: dict, rest: dict) -> Transformer:
   return nnx.merge(s.graphdef, unflatten(s.params_tmpl, params), unflatten(s.rest_tmpl, rest))
 
 
+def total_loss(cfg: TrainConfig, ce, lb, z):
+  """Training loss = cross entropy + the weighted MoE aux losses."""
+  return ce + cfg.lb_weight * lb + cfg.z_weight * z
+
+
 def loss_fn(s: Setup, params: dict, rest: dict, inputs, targets):
-  """Training loss = cross entropy + weighted MoE aux losses (means over the MoE layers)."""
+  """(training loss, (ce, lb, z, aux)); lb and z are means over the MoE layers."""
   logits, aux = _model(s, params, rest)(inputs)
   ce = cross_entropy(logits, targets)
   lb = jnp.mean(aux["load_balance_loss"])
   z = jnp.mean(aux["router_z_loss"])
-  return ce + s.cfg.lb_weight * lb + s.cfg.z_weight * z, (ce, lb, z, aux)
+  return total_loss(s.cfg, ce, lb, z), (ce, lb, z, aux)
 
 
 def _spec_axes(spec) -> set:
@@ -201,12 +206,9 @@ def ordered_grads(s: Setup):
       params = {k: jax.lax.pcast(v, reduce_axes[k], to="varying") if reduce_axes[k] else v
                 for k, v in params.items()}
 
-    def local_loss(p):
-      logits, aux = _model(s, p, rest)(inputs)
-      ce = cross_entropy(logits, targets)  # this shard's mean
-      lb = jnp.mean(aux["load_balance_loss"])
-      z = jnp.mean(aux["router_z_loss"])
-      return (ce + s.cfg.lb_weight * lb + s.cfg.z_weight * z) / shards, (ce, lb, z, aux)
+    def local_loss(p):  # ce: this shard's mean
+      loss, stats = loss_fn(s, p, rest, inputs, targets)
+      return loss / shards, stats
 
     (_, (ce, lb, z, aux)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
     names = sorted(grads)
@@ -240,7 +242,7 @@ def make_train_step(s: Setup, opt_sh):
       grad_norm = optax.tree.norm(grads)
     else:
       grads, ce, lb, z, aux, grad_norm = grad_fn(params, rest, inputs, targets)
-      loss = ce + s.cfg.lb_weight * lb + s.cfg.z_weight * z
+      loss = total_loss(s.cfg, ce, lb, z)
     updates, opt_state = s.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     if s.bias_rate:
