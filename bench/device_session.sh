@@ -25,6 +25,9 @@
 #   profile  kernel-level profile of one MoE layer call per backend (bench/profile_layer.py;
 #            $PROF_BACKENDS default uniep,uniep_fused, $PROF_SHAPE deepseek-like,
 #            $PROF_DIRECTION fwd; SECONDS is each backend's limit)
+#   tune     the autotuner on one shape and direction (python -m uniep_jax.tune; $TUNE_SHAPE
+#            default deepseek-like, $TUNE_DIRECTION default fwd, $TUNE_ARGS extra flags;
+#            continues from bench/results/tune; copy back tune/* and tuned_configs.json)
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
@@ -104,6 +107,11 @@ run_phase() {  # name seconds
                  --shape "${PROF_SHAPE:-deepseek-like}" --direction "${PROF_DIRECTION:-fwd}" \
                  --out "$dir" >> "$dir/log" 2>&1 || { prc=$?; break; }
              done; (exit $prc) ;;
+    tune)    cp uniep_jax/tuned_configs.json "$dir/" && timeout -s USR1 -k 15 "$secs" \
+               python3 -m uniep_jax.tune --moe-config "${TUNE_SHAPE:-deepseek-like}" \
+               --ep "$(nvidia-smi -L | wc -l)" --direction "${TUNE_DIRECTION:-fwd}" \
+               --budget-s $((secs - 60)) --cache "$dir/tuned_configs.json" --out "$dir/tune" \
+               --resume bench/results/tune --no-progress ${TUNE_ARGS:-} > "$dir/log" 2>&1 ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;
@@ -122,4 +130,9 @@ for spec in "$@"; do
 done
 find "$WORK" -name "*.npz" -delete
 tar czf "$FINAL/results.tgz" -C "$WORK" .
+# the device tool brings back files of at most 16 MiB: drop the profiler traces if over
+if [ "$(stat -c %s "$FINAL/results.tgz")" -gt 15000000 ]; then
+  echo "== results.tgz over 15 MB: packed again without *.trace.json.gz" | tee -a "$LOG"
+  tar czf "$FINAL/results.tgz" --exclude="*.trace.json.gz" -C "$WORK" .
+fi
 ls -la "$FINAL" | tee -a "$LOG"
