@@ -8,6 +8,8 @@
 #   fused_b  v2 Kernel B bring-up (bench/check_fused_return_gpu.py, same)
 #   layer    MoE layer bench, fwd+bwd, balanced (bench/gpu_suite.sh; $SHAPES, $BACKENDS,
 #            $ROUTINGS, $DIRECTIONS override)
+#   check    correctness and determinism of every backend on small shapes, all EP meshes
+#            (bench/check_moe_gpu.py --quick)
 #   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
@@ -64,6 +66,7 @@ run_phase() {  # name seconds
                BACKENDS="${BACKENDS:-xla_capacity,pallas}" \
                bash bench/gpu_suite.sh "${SHAPES:-mixtral-like,deepseek-like,qwen3-like,small-experts}" \
                "${ROUTINGS:-balanced}" "${DIRECTIONS:-fwdbwd}" 0 > "$dir/log" 2>&1 ;;
+    check)   timeout "$secs" python3 -m bench.check_moe_gpu --quick --out "$dir" > "$dir/log" 2>&1 ;;
     sweep)   timeout "$secs" python3 -m bench.determinism_sweep --budget-s $((secs - 40)) \
                --out "$dir" > "$dir/log" 2>&1 ;;
     train)   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
