@@ -82,6 +82,9 @@ Partial row ranges are stored with a ladder of power-of-two-row TMA stores
 Row behaviour (documented contract):
   * rows [0, sum(group_sizes)) get their group's product;
   * dead rows [sum(group_sizes), M) come back ZERO (a store of zeros, no MMA);
+    with `zero_window` W (the MoE layer's FFN, whose receive buffer is sized for
+    the worst case and mostly dead) only those before round_up(sum, W) do, and
+    the rest are not touched at all (undefined);
   * group sizes past M are clipped to M.
   * A row's result depends only on that row, its group's weights and the fixed
     block_k: no M-dependent split (row-split invariance), and every reduction is
@@ -231,8 +234,11 @@ def num_row_tiles(m: int, num_groups: int, block_m: int) -> int:
   return -(-m // block_m) + num_groups
 
 
-def _row_tile_plan(group_sizes, m: int, block_m: int):
-  """Flat int32 [5 * T] work list: group, load_row, lo, hi, kind (see module doc)."""
+def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int] = None):
+  """Flat int32 [5 * T] work list: group, load_row, lo, hi, kind (see module doc).
+  zero_window=None: every dead row gets a ZERO tile. zero_window=W: only the dead
+  row blocks starting before round_up(sum(group_sizes), W) do; the later ones are
+  NONE, so those rows of the outputs are left undefined (not written at all)."""
   g = group_sizes.shape[0]
   starts, ends = _group_bounds(group_sizes, m)
   total = ends[-1]
@@ -245,7 +251,10 @@ def _row_tile_plan(group_sizes, m: int, block_m: int):
   lo = jnp.maximum(starts_x[gi], row0)
   hi = jnp.minimum(ends_x[gi], row0 + block_m)
   load_row = row0  # m is a multiple of block_m (the wrapper pads), so loads stay inside
-  kind = jnp.where(valid, jnp.where(gi < g, _COMPUTE, _ZERO), _NONE)
+  dead_kind = _ZERO
+  if zero_window is not None:
+    dead_kind = jnp.where(row0 < -(-total // zero_window) * zero_window, _ZERO, _NONE)
+  kind = jnp.where(valid, jnp.where(gi < g, _COMPUTE, dead_kind), _NONE)
   group = jnp.where(gi < g, gi, 0)
   lo = jnp.where(valid, lo, 0)
   hi = jnp.where(valid, hi, 0)
@@ -482,8 +491,10 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
 
 
 def _row_tiled_call(lhs, rhs, group_sizes, *, mode: str, transpose_b: bool, out_dtype,
-                    save_hu: bool, config: KernelConfig, interpret):
+                    save_hu: bool, config: KernelConfig, interpret,
+                    zero_window: Optional[int] = None):
   """Launch the row-tiled kernel on operands already padded to the tile grid.
+  zero_window: see `_row_tile_plan` (None: dead rows come back zero).
 
   lhs [M, K]; rhs [G, K, N] (or [G, N, K] with transpose_b). Returns a tuple:
   "plain": (out [M, N],); "gu" (rhs = `interleave_gate_up(w_gate, w_up)`, N = 2F):
@@ -497,7 +508,7 @@ def _row_tiled_call(lhs, rhs, group_sizes, *, mode: str, transpose_b: bool, out_
     raise ValueError(f"lhs and rhs must share one dtype, got {lhs.dtype} and {rhs.dtype}")
   params = row_tiled_params(m, k, n, g, mode=mode, transpose_b=transpose_b, out_dtype=out_dtype,
                             in_dtype=in_dtype, save_hu=save_hu, config=config)
-  plan = _row_tile_plan(group_sizes, m, config.block_m)
+  plan = _row_tile_plan(group_sizes, m, config.block_m, zero_window)
   if mode == "gu":
     out_shapes = [(m, n // 2)] + ([(m, n)] if save_hu else [])
   else:
@@ -818,29 +829,49 @@ def gate_up_weights(w_gate, w_up, config: KernelConfig, pad_hidden: bool = True)
   return interleave_gate_up(pad(w_gate), pad(w_up))
 
 
-def gate_up_forward(x_p, w_gu, group_sizes, *, config: KernelConfig, save: bool, interpret):
+def gate_up_forward(x_p, w_gu, group_sizes, *, config: KernelConfig, save: bool, interpret,
+                    zero_window: Optional[int] = None):
   """The gate/up kernel: x_p [M_p, H_p] (rows padded to block_m, columns to H_p),
   w_gu from `gate_up_weights` -> (a [M_p, F_p],) or with save (a, hu [M_p, 2 F_p])."""
   return _row_tiled_call(x_p, w_gu, group_sizes, mode="gu", transpose_b=False,
-                         out_dtype=x_p.dtype, save_hu=save, config=config, interpret=interpret)
+                         out_dtype=x_p.dtype, save_hu=save, config=config, interpret=interpret,
+                         zero_window=zero_window)
 
 
-def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save: bool):
+def _swiglu_grad_interleaved(da, hu, dtype):
+  """dhu = interleave(dh, du) from da [M, F] (f32) and hu [M, 2F] in ONE elementwise
+  pass over the interleaved shape (a select on the gate/up position, sigmoid
+  recomputed per element rather than materialised):
+    dh = da * u * s * (1 + h (1 - s)),  du = da * h * s,  s = sigmoid(h)."""
+  m, n = hu.shape
+  pairs = hu.reshape(m, n // (2 * _EPI_N), 2, _EPI_N).astype(jnp.float32)
+  h, u = pairs[:, :, :1, :], pairs[:, :, 1:, :]
+  d = da.reshape(m, n // (2 * _EPI_N), 1, _EPI_N)
+  s = jax.nn.sigmoid(h)
+  is_gate = lax.broadcasted_iota(jnp.int32, pairs.shape, 2) == 0
+  dhu = jnp.where(is_gate, d * u * s * (1.0 + h * (1.0 - s)), d * h * s)
+  return dhu.astype(dtype).reshape(m, n)
+
+
+def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save: bool,
+                    zero_window=None):
   m, h_dim = x.shape
   w_gu = gate_up_weights(w_gate, w_up, config)
   h_p, f_p = w_gu.shape[1], w_gu.shape[2] // 2
   x_p = _pad_axis(_pad_axis(x, 1, h_p), 0, _padded_rows(m, config))
-  outs = gate_up_forward(x_p, w_gu, group_sizes, config=config, save=save, interpret=interpret)
+  outs = gate_up_forward(x_p, w_gu, group_sizes, config=config, save=save, interpret=interpret,
+                         zero_window=zero_window)
   a = outs[0]  # [m_p, F_p]
   wd_p = _pad_axis(_pad_axis(w_down, 1, f_p), 2, h_p)
   (y,) = _row_tiled_call(a, wd_p, group_sizes, mode="plain", transpose_b=False,
-                         out_dtype=x.dtype, save_hu=False, config=config, interpret=interpret)
+                         out_dtype=x.dtype, save_hu=False, config=config, interpret=interpret,
+                         zero_window=zero_window)
   y = y[:m, :h_dim] if y.shape != (m, h_dim) else y
   return y, outs
 
 
 def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, hu, dy, *, config: KernelConfig,
-                    interpret=None):
+                    interpret=None, zero_window: Optional[int] = None):
   """The backward pass of `grouped_swiglu_ffn` (formulas in its docstring) from its
   saved residuals a [m_p, F_p] and hu [m_p, 2 F_p] (the gate/up epilogue's outputs,
   gate/up-interleaved). Returns (dx [M, H], dw_gate, dw_up, dw_down). Also the
@@ -857,16 +888,11 @@ def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, hu, dy, *, config: 
   # da = dy @ w_down^T, float32 out: [m_p, f_p]
   wd_p = _pad_axis(_pad_axis(w_down, 1, f_p), 2, h_p)
   (da,) = _row_tiled_call(dy_p, wd_p, group_sizes, mode="plain", transpose_b=True,
-                          out_dtype=jnp.float32, save_hu=False, **kw)
-  h, u = split_gate_up(hu)
-  hf, uf = h.astype(jnp.float32), u.astype(jnp.float32)
-  s = jax.nn.sigmoid(hf)
-  dh = (da * uf * s * (1.0 + hf * (1.0 - s))).astype(x.dtype)
-  du = (da * hf * s).astype(x.dtype)
-  dhu = interleave_gate_up(dh, du)                # [m_p, 2 f_p]
+                          out_dtype=jnp.float32, save_hu=False, zero_window=zero_window, **kw)
+  dhu = _swiglu_grad_interleaved(da, hu, x.dtype)  # [m_p, 2 f_p]
   # dx = dh @ w_gate^T + du @ w_up^T = dhu @ w_gu^T: one plain dgrad over K = 2 F_p
   (dx,) = _row_tiled_call(dhu, w_gu, group_sizes, mode="plain", transpose_b=True,
-                          out_dtype=x.dtype, save_hu=False, **kw)
+                          out_dtype=x.dtype, save_hu=False, zero_window=zero_window, **kw)
   dx = dx[:m, :h_dim]
   m_w = _round_up(m_p, config.block_k)   # the wgrad walks block_k row blocks
   x_w = _pad_axis(_pad_axis(x, 0, m_w), 1, _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_m))
@@ -878,29 +904,33 @@ def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, hu, dy, *, config: 
 
 
 @functools.lru_cache(maxsize=None)
-def _swiglu_fn(config: KernelConfig, interpret):
+def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool):
+  # the wgrad reads up to block_k rows past a group's end: those stay zero
+  zw = None if zero_dead_rows else config.block_k
 
   @jax.custom_vjp
   def f(x, w_gate, w_up, w_down, group_sizes):
-    y, _ = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save=False)
+    y, _ = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save=False,
+                           zero_window=zw)
     return y
 
   def fwd(x, w_gate, w_up, w_down, group_sizes):
     y, (a, hu) = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret,
-                                 save=True)
+                                 save=True, zero_window=zw)
     return y, (x, w_gate, w_up, w_down, group_sizes, a, hu)
 
   def bwd(res, dy):
     x, w_gate, w_up, w_down, group_sizes, a, hu = res
     return swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, hu, dy, config=config,
-                           interpret=interpret) + (None,)
+                           interpret=interpret, zero_window=zw) + (None,)
 
   f.defvjp(fwd, bwd)
   return f
 
 
 def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
-                       config: KernelConfig = KernelConfig(), interpret=None):
+                       config: KernelConfig = KernelConfig(), interpret=None,
+                       zero_dead_rows: bool = True):
   """SwiGLU expert FFN over grouped rows, differentiable (custom_vjp).
 
   x [M, H], w_gate/w_up [G, H, F], w_down [G, F, H], group_sizes [G] -> y [M, H]:
@@ -908,7 +938,13 @@ def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
                                           interleaved weights, one f32 accumulator)
     a = (silu(h) * u) in f32, cast to x.dtype
     y = a @ w_down[g] (f32 accumulation), cast to x.dtype.
-  Rows past sum(group_sizes) come back zero. F need not be a multiple of 64.
+  Rows past sum(group_sizes) come back zero; with zero_dead_rows=False only the
+  first ones, up to round_up(sum(group_sizes), block_k), do (also in dx), and the
+  later rows of y and dx are undefined, never written: the MoE layer's receive
+  buffer is sized for the worst case (R*T*K rows, ~1/R of them live), and every
+  kernel then skips its dead tiles instead of storing zeros. The backward needs
+  the cotangent dy finite in that window (the wgrad multiplies it by zeros).
+  F need not be a multiple of 64.
 
   Saved for the backward pass: a and hu (x.dtype, h and u interleaved, written by
   the gate/up epilogue; no recompute of the gate/up GEMMs). Backward (dh, du are
@@ -922,7 +958,8 @@ def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
   The gate/up weights are interleaved by a copy in each direction
   (`gate_up_weights`), the price of N = 128 wgmma tiles (module doc).
   """
-  return _swiglu_fn(config, resolve_interpret(interpret))(x, w_gate, w_up, w_down, group_sizes)
+  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows)(
+      x, w_gate, w_up, w_down, group_sizes)
 
 
 # ----------------------------------------------------------------------------

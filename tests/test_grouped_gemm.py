@@ -209,6 +209,40 @@ def test_swiglu_ffn_forward_and_gradients():
     assert rel < 1e-2, (name, rel)
 
 
+def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit():
+  """zero_dead_rows=False (the MoE layer's mode): the kernels skip the dead row
+  tiles past a block_k window. Live rows of y and dx and every weight gradient are
+  bitwise those of the zeroing mode; the window rows are zero; the cotangent's
+  dead rows past the window are never read (NaN there changes nothing)."""
+  m, h, f = 384, 128, 96                      # 196 dead rows of 384
+  g = len(GROUP_SIZES)
+  total = int(GROUP_SIZES.sum())
+  window_end = -(-total // CONFIG.block_k) * CONFIG.block_k
+  ks = jax.random.split(jax.random.key(9), 5)
+  x = rand(ks[0], (m, h))
+  w_gate, w_up = rand(ks[1], (g, h, f), h**-0.5), rand(ks[2], (g, h, f), h**-0.5)
+  w_down = rand(ks[3], (g, f, h), f**-0.5)
+  dy = rand(ks[4], (m, h)).at[total:].set(0.0)
+  dy_nan = dy.at[window_end:].set(jnp.nan)
+  gs = jnp.asarray(GROUP_SIZES)
+
+  def run(zero, cot):
+    ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
+                                           zero_dead_rows=zero)
+    y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
+    return y, vjp(cot)
+
+  y0, g0 = run(True, dy)
+  y1, g1 = run(False, dy_nan)
+  bits = lambda v: np.asarray(v).view(np.uint16)  # noqa: E731
+  np.testing.assert_array_equal(bits(y1[:total]), bits(y0[:total]))
+  np.testing.assert_array_equal(bits(g1[0][:total]), bits(g0[0][:total]))
+  for a, b in zip(g1[1:], g0[1:]):
+    np.testing.assert_array_equal(bits(a), bits(b))
+  np.testing.assert_array_equal(f32(y1[total:window_end]), 0.0)
+  np.testing.assert_array_equal(f32(g1[0][total:window_end]), 0.0)
+
+
 def test_row_split_invariance_bitwise():
   """The same rows give the same bits whether launched together or split."""
   m, k, n = 256, 128, 128

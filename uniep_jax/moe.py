@@ -199,8 +199,11 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
     else:
       recv = dispatch(x, plan, **kw)                                     # [R*T*K, H]
       if config.backend in ("pallas", "uniep"):
+        # the receive layout holds the worst case (R*T*K rows); its dead rows are
+        # never read back (collect takes the live rows only): the kernels skip them
         y_recv = swiglu_pallas(recv, params.w_gate, params.w_up, params.w_down,
-                               plan.recv_group_sizes, kernel_config=config.kernel)
+                               plan.recv_group_sizes, kernel_config=config.kernel,
+                               zero_dead_rows=False)
       else:
         y_recv = swiglu_ragged_dot(recv, params.w_gate, params.w_up, params.w_down,
                                    plan.recv_group_sizes)
