@@ -4,9 +4,9 @@
 
 On all local GPUs (mesh data=1, expert=R), per case (shape x config):
   v1     recv = dispatch._send_nvlink(rows)  (ep_transfer, launch 1)
-         a, hu = grouped_gemm gate/up "gu"(recv)  (launch 2), same KernelConfig
-  fused  recv, a, hu = fused_dispatch_gemm.fused_dispatch_gate_up(...)  (one launch)
-checks (a, hu) bitwise over all rows, recv bitwise over the rows v1 defines
+         a, h, u = grouped_gemm swiglu(recv)  (launch 2), same KernelConfig
+  fused  recv, a, h, u = fused_dispatch_gemm.fused_dispatch_gate_up(...)  (one launch)
+checks (a, h, u) bitwise over all rows, recv bitwise over the rows v1 defines
 (live rows + the zeroed window), a second fused launch bitwise, then times both
 (median ms). Writes check_fused_gpu_<device>.json to --out (default $OUT) after
 every case (the driver: bench/fused_check.py). Exits 1 if any check fails.
@@ -48,19 +48,22 @@ def _fns(mesh, r, t, k, el, kernel, transfer, fused):
   def v1(rows, topk, w_gate, w_up):
     plan, _ = fused_check.plan_of(topk, e)
     recv = _send_nvlink(rows, plan, "expert", el, transfer)                  # [R*T*K, H]
-    w_gu = gg.gate_up_weights(w_gate, w_up, kernel, pad_hidden=False)
-    a, hu = gg.gate_up_forward(gg._pad_axis(recv, 0, m_p), w_gu, plan.recv_group_sizes,
-                               config=kernel, save=True, interpret=False)
-    return recv, a, hu, plan.num_received[None]
+    f_p = gg._round_up(w_gate.shape[2], fdg._f_multiple(kernel))
+    a, h, u = gg._row_tiled_call(
+        [gg._pad_axis(recv, 0, m_p)],
+        [gg._pad_axis(w_gate, 2, f_p), gg._pad_axis(w_up, 2, f_p)], plan.recv_group_sizes,
+        mode="swiglu", transpose_b=False, out_dtype=rows.dtype, save_hu=True, config=kernel,
+        interpret=False)
+    return recv, a, h, u, plan.num_received[None]
 
   def fused_fn(rows, topk, w_gate, w_up):
     plan, rank = fused_check.plan_of(topk, e)
     seg = layout.dispatch_segments(plan, rank)
-    recv, a, hu = fdg.fused_dispatch_gate_up(
+    recv, a, h, u = fdg.fused_dispatch_gate_up(
         rows, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate, w_up,
         out_rows=out_rows, axis_name="expert", kernel=kernel, transfer=transfer, fused=fused)
     recv = _zero_rows_from(recv[:out_rows], plan.num_received, ZERO_WINDOW_ROWS)  # as v1
-    return recv, a, hu, plan.num_received[None]
+    return recv, a, h, u, plan.num_received[None]
 
   return fused_check.per_rank(v1, mesh, 4), fused_check.per_rank(fused_fn, mesh, 4)
 
@@ -95,15 +98,15 @@ def _build(mesh, r, case, kernel, transfer):
 
 
 def _compare(ya, yb, yc, r) -> dict:
-  """ya, yb, yc: (recv, a, hu, num_received) of v1, fused, fused again."""
-  res = dict(num_received=[int(v) for v in np.asarray(ya[3])])
-  res["a_hu_bitwise"] = all(common.same_bits(p, q) for p, q in zip(ya[1:3], yb[1:3]))
-  res["recv_bitwise"], res["recv_bad_rows"] = _recv_defined_equal(ya[0], yb[0], ya[3], r)
-  res["fused_repeat_bitwise"] = all(common.same_bits(p, q) for p, q in zip(yb[1:3], yc[1:3]))
-  if not res["a_hu_bitwise"]:
-    res["a_hu_bad_rows"] = [int(np.sum(np.any(np.asarray(p) != np.asarray(q), axis=1)))
-                            for p, q in zip(ya[1:3], yb[1:3])]
-  res["ok"] = res["a_hu_bitwise"] and res["recv_bitwise"] and res["fused_repeat_bitwise"]
+  """ya, yb, yc: (recv, a, h, u, num_received) of v1, fused, fused again."""
+  res = dict(num_received=[int(v) for v in np.asarray(ya[4])])
+  res["a_h_u_bitwise"] = all(common.same_bits(p, q) for p, q in zip(ya[1:4], yb[1:4]))
+  res["recv_bitwise"], res["recv_bad_rows"] = _recv_defined_equal(ya[0], yb[0], ya[4], r)
+  res["fused_repeat_bitwise"] = all(common.same_bits(p, q) for p, q in zip(yb[1:4], yc[1:4]))
+  if not res["a_h_u_bitwise"]:
+    res["a_h_u_bad_rows"] = [int(np.sum(np.any(np.asarray(p) != np.asarray(q), axis=1)))
+                             for p, q in zip(ya[1:4], yb[1:4])]
+  res["ok"] = res["a_h_u_bitwise"] and res["recv_bitwise"] and res["fused_repeat_bitwise"]
   return res
 
 

@@ -47,7 +47,7 @@ def _fns(mesh, r, t, k, el, kernel, transfer):
 
   def v1(a, topk, w_down):
     plan, _ = fused_check.plan_of(topk, e)
-    (y,) = gg._row_tiled_call(a, w_down, plan.recv_group_sizes, mode="plain",
+    (y,) = gg._row_tiled_call([a], [w_down], plan.recv_group_sizes, mode="plain",
                               transpose_b=False, out_dtype=a.dtype, save_hu=False, config=kernel,
                               interpret=False)                             # [M_p, H]
     return _return_nvlink(y, plan, "expert", el, transfer), plan.num_received[None]

@@ -1,25 +1,25 @@
-"""A/B of the expert FFN's grouped-GEMM launches on ONE GPU, at the MoE layer's shapes.
+"""The expert FFN's grouped-GEMM launches on ONE GPU, at the MoE layer's shapes, with
+an optional A/B against another version of pallas_kernels/grouped_gemm.py.
 
 The MoE layer runs the FFN over its receive layout: R*T*K rows sized for the worst
-case, of which ~T*K are live (EP = R = 4: three quarters dead). This bench times,
-per shape, with the live rows balanced over the E/R local experts and M = live
-rows ("no dead rows") or M = R * live ("layer"):
+case, of which ~T*K are live (EP = R = 4: three quarters dead). Per shape, with the
+live rows balanced over the E/R local experts and M = factor x live rows
+(--dead-factors; 4 = the layer at EP 4, 1 = no dead rows), it times:
 
-  plain_fwd       one plain forward x @ w_gate (N = F): the kernel's own rate
-  gu_fwd          the gate/up launch ("gu" mode, N = 2F) incl. saving hu
-  gu_fwd_skip     the same with dead tiles skipped (zero_window = block_k)
-  interleave      gate_up_weights: the per-call copy of the gate/up weights
-  ffn_fwdbwd      the whole FFN forward + backward (grouped_swiglu_ffn, VJP)
-  ffn_fwdbwd_skip the same with zero_dead_rows=False (the layer's mode)
-  dense           jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
-and, if a v1 copy of pallas_kernels/grouped_gemm.py is given (--v1 PATH, e.g.
-`git show 7907917:pallas_kernels/grouped_gemm.py > abtmp/grouped_gemm_v1.py`), the
-v1 launches in the same run: v1_swiglu_fwd (two 128x64 accumulators) and
-v1_ffn_fwdbwd.
+  plain_fwd        one plain forward x @ w_gate (N = F): the kernel's own rate
+  gate_up_fwd      the fused gate/up launch (mode "swiglu", saving h and u)
+  gate_up_fwd_skip the same with the dead tiles skipped (zero_window = block_k)
+  ffn_fwdbwd       the whole FFN forward + backward (grouped_swiglu_ffn, VJP)
+  ffn_fwdbwd_skip  the same with zero_dead_rows=False (the MoE layer's mode)
+  dense            jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
+  alt_ffn_fwdbwd   with --alt PATH: that module's grouped_swiglu_ffn fwd+bwd (its
+                   defaults), e.g. an earlier version:
+                   `git show REV:pallas_kernels/grouped_gemm.py > abtmp/gg_alt.py`
+                   (abtmp/ in .git/info/exclude, carried to the device)
 
-  python -m bench.ffn_ab [--shapes deepseek-like,mixtral-like] [--v1 abtmp/grouped_gemm_v1.py]
+  python -m bench.ffn_ab [--shapes deepseek-like,mixtral-like] [--alt abtmp/gg_alt.py]
 
-Writes ffn_ab_<device>.json (median ms, TFLOP/s) under --out.
+Writes ffn_ab_<device>.json (median ms, TFLOP/s per row) under --out.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench import common
 from bench.grouped_gemm import CONFIGS, group_sizes_for, time_fn
@@ -40,15 +39,22 @@ from pallas_kernels import grouped_gemm as gg
 from uniep_jax.config import KernelConfig
 
 
-def _load_v1(path):
-  spec = importlib.util.spec_from_file_location("grouped_gemm_v1", path)
+def _load_module(path):
+  spec = importlib.util.spec_from_file_location("grouped_gemm_alt", path)
   mod = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = mod   # dataclasses look their module up
   spec.loader.exec_module(mod)
   return mod
 
 
-def run_shape(shape, dead_factor: int, v1, reps: int, trials: int) -> dict:
+def _fwdbwd(ffn):
+  def fn(x, wg, wu, wd, s, dy):
+    y, vjp = jax.vjp(lambda *a: ffn(*a, s), x, wg, wu, wd)
+    return y, vjp(dy)
+  return fn
+
+
+def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
   cfg = KernelConfig()
   g = shape.local_experts
   live = shape.rows
@@ -62,8 +68,8 @@ def run_shape(shape, dead_factor: int, v1, reps: int, trials: int) -> dict:
   wd = (jax.random.normal(ks[3], (g, f, h)) * f ** -0.5).astype(bf)
   dy = jax.random.normal(ks[4], (m, h), bf).at[live:].set(0)
   gs = jnp.asarray(group_sizes_for(live, g, "balanced"))
-  w_gu = gg.gate_up_weights(wg, wu, cfg)
-  flop_gemm = 2.0 * live * h * f
+  f_p = gg._round_up(f, 2 * cfg.block_n)
+  wg_p, wu_p = gg._pad_axis(wg, 2, f_p), gg._pad_axis(wu, 2, f_p)
   ms = {}
 
   def t(name, fn, *args):
@@ -74,42 +80,31 @@ def run_shape(shape, dead_factor: int, v1, reps: int, trials: int) -> dict:
       print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     print(f"  {name:18s} {ms[name] if ms[name] is None else round(ms[name], 3)}", flush=True)
 
-  t("plain_fwd", lambda a, b, s: gg.gmm(a, b, s, config=cfg, interpret=False), x, wg, gs)
-  t("gu_fwd", lambda a, b, s: gg.gate_up_forward(a, b, s, config=cfg, save=True,
-                                                  interpret=False), x, w_gu, gs)
-  t("gu_fwd_skip", lambda a, b, s: gg.gate_up_forward(a, b, s, config=cfg, save=True,
-                                                       interpret=False,
-                                                       zero_window=cfg.block_k), x, w_gu, gs)
-  t("interleave", lambda a, b: gg.gate_up_weights(a, b, cfg), wg, wu)
-
-  def fwdbwd(ffn):
-    def fn(x, wg, wu, wd, s, dy):
-      y, vjp = jax.vjp(lambda *a: ffn(*a, s), x, wg, wu, wd)
-      return y, vjp(dy)
-    return fn
-
-  t("ffn_fwdbwd", fwdbwd(lambda *a: gg.grouped_swiglu_ffn(*a, config=cfg, interpret=False)),
-    x, wg, wu, wd, gs, dy)
-  t("ffn_fwdbwd_skip", fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
-      *a, config=cfg, interpret=False, zero_dead_rows=False)), x, wg, wu, wd, gs, dy)
-  if v1 is not None:
-    f_p = gg.ffn_padded_ffn(f, cfg)
-    wg_p, wu_p = gg._pad_axis(wg, 2, f_p), gg._pad_axis(wu, 2, f_p)
-    t("v1_swiglu_fwd", lambda a, b, c, s: v1._row_tiled_call(
+  def gate_up(zero_window):
+    return lambda a, b, c, s: gg._row_tiled_call(
         [a], [b, c], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
-        config=cfg, interpret=False), x, wg_p, wu_p, gs)
-    t("v1_ffn_fwdbwd", fwdbwd(lambda *a: v1.grouped_swiglu_ffn(*a, config=cfg,
-                                                                  interpret=False)),
+        config=cfg, interpret=False, zero_window=zero_window)
+
+  t("plain_fwd", lambda a, b, s: gg.gmm(a, b, s, config=cfg, interpret=False), x, wg, gs)
+  t("gate_up_fwd", gate_up(None), x, wg_p, wu_p, gs)
+  t("gate_up_fwd_skip", gate_up(cfg.block_k), x, wg_p, wu_p, gs)
+  t("ffn_fwdbwd", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(*a, config=cfg, interpret=False)),
+    x, wg, wu, wd, gs, dy)
+  t("ffn_fwdbwd_skip", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
+      *a, config=cfg, interpret=False, zero_dead_rows=False)), x, wg, wu, wd, gs, dy)
+  if alt is not None:
+    t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, config=cfg,
+                                                                     interpret=False)),
       x, wg, wu, wd, gs, dy)
   xd = jax.random.normal(ks[0], (live, h), bf)
   wdense = (jax.random.normal(ks[1], (h, f)) * h ** -0.5).astype(bf)
   t("dense", lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(bf),
     xd, wdense)
-  flops = dict(plain_fwd=flop_gemm, gu_fwd=2 * flop_gemm, gu_fwd_skip=2 * flop_gemm,
-               v1_swiglu_fwd=2 * flop_gemm, ffn_fwdbwd=9 * flop_gemm,
-               ffn_fwdbwd_skip=9 * flop_gemm, v1_ffn_fwdbwd=9 * flop_gemm, dense=flop_gemm)
-  tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v and k in flops else None)
-            for k, v in ms.items()}
+  gemm = 2.0 * live * h * f   # FLOPs of one of the FFN's GEMMs over the live rows
+  flops = dict(plain_fwd=gemm, gate_up_fwd=2 * gemm, gate_up_fwd_skip=2 * gemm,
+               ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, alt_ffn_fwdbwd=9 * gemm,
+               dense=gemm)
+  tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
               median_ms=ms, tflops=tflops)
 
@@ -118,23 +113,23 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--shapes", default="deepseek-like,mixtral-like")
-  ap.add_argument("--dead-factors", default="4,1", help="M = factor x live rows")
-  ap.add_argument("--v1", default=None)
+  ap.add_argument("--dead-factors", default="4", help="M = factor x live rows")
+  ap.add_argument("--alt", default=None)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--trials", type=int, default=3)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
-  v1 = _load_v1(args.v1) if args.v1 and os.path.exists(args.v1) else None
-  meta = common.run_metadata()
-  print(meta, "v1:", v1 is not None, flush=True)
+  alt = _load_module(args.alt) if args.alt and os.path.exists(args.alt) else None
+  meta = dict(common.run_metadata(), alt=args.alt if alt is not None else None)
+  print(meta, flush=True)
   rows = []
   path = os.path.join(out, f"ffn_ab_{device_lib.device_name()}.json")
   for name in args.shapes.split(","):
     for factor in (int(v) for v in args.dead_factors.split(",")):
       print(f"[{name}] rows x{factor}", flush=True)
-      rows.append(run_shape(CONFIGS[name], factor, v1, args.reps, args.trials))
+      rows.append(run_shape(CONFIGS[name], factor, alt, args.reps, args.trials))
       common.write_json(path, dict(meta, benchmark="ffn_ab", rows=rows))
   return 0
 

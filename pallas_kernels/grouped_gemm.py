@@ -11,25 +11,15 @@ Rows of `lhs` [M, K] are ordered by group: group g owns rows
   dgrad    dlhs[rows of g] = dout[rows of g] @ rhs[g]^T       (transposed SMEM view)
   wgrad    drhs[g]         = lhs[rows of g]^T @ dout[rows of g]   -> [G, K, N]
 
-plus the SwiGLU expert FFN's gate/up launch, mode "gu": the rhs is
-w_gu = `interleave_gate_up(w_gate, w_up)` [G, K, 2F], whose 64-column blocks
-alternate gate, up, gate, up (gate block j at columns [128 j, 128 j + 64), up
-block j right after it). A plain tile of 128 columns thus holds h and u of the
-same 64 F columns in ONE accumulator, and the epilogue writes a = silu(h) * u
-(F columns), optionally the accumulator itself as hu (the backward's residual).
-Why not two accumulators against w_gate and w_up (v1, modes "swiglu"/"sum2")?
-Each then had to be 128 x 64 per warpgroup to fit the registers, and wgmma
-m64n64k16 with both operands in SMEM is shared-memory bound: 4 KiB read per
-131 kFLOP, about what an SM's SMEM delivers in the MMA's own time, so those
-kernels ran at 51-62% of the plain kernel's rate in the MoE layer (H100
-profile, NOTES). The backward is plain launches in the same layout: dx = dhu @
-w_gu^T (one dgrad over K = 2F) and [dw_gate | dw_up] = x^T dhu (one wgrad whose
-epilogue sends the chunks alternately to the two outputs).
+plus two fused variants used by the SwiGLU expert FFN: "swiglu" (one pass over
+the rows computes h = x @ w_gate[g] and u = x @ w_up[g] into two accumulators and
+writes a = silu(h) * u, optionally h and u too) and "sum2" (acc = a0 @ b0 + a1 @ b1,
+the FFN's dx = dh @ w_gate^T + du @ w_up^T in one kernel).
 
 All products accumulate in float32 (wgmma); outputs are cast once at the end.
 
-Row-tiled kernel (forward, dgrad, gu)
--------------------------------------
+Row-tiled kernel (forward, dgrad, swiglu, sum2)
+-----------------------------------------------
 Work list. Before the launch, plain JAX turns `group_sizes` into a static-size
 list of T = cdiv(M, block_m) + G row tiles (`_row_tile_plan`). A row tile is the
 intersection of one group (or of the dead rows, treated as a pseudo-group
@@ -48,12 +38,14 @@ stores a zero accumulator (no MMA, no operand loads).
 
 CTA = 3 warpgroups ("wg"): 2 compute warpgroups and 1 memory (TMA) warpgroup
 (`emit_pipeline_warp_specialized`). The CTA tile is block_m x (2 * wg_n);
-compute warpgroup w owns output columns [w * wg_n, (w + 1) * wg_n), wg_n = block_n
-(a multiple of 128 in mode "gu": whole gate/up pairs per warpgroup).
+compute warpgroup w owns output columns [w * wg_n, (w + 1) * wg_n).
+wg_n = block_n ("plain") or block_n // 2 ("swiglu", "sum2": each warpgroup keeps
+two accumulators, or two operand pairs, so a stage stays 48 KiB for 128/128/64).
 
 SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 4 stages):
-  per stage  A [block_m, block_k] (16 KiB) and B [block_k, 2 wg_n] (32 KiB),
-             128B swizzle: 48 KiB;
+  per stage  A [block_m, block_k] per lhs operand (16 KiB) and
+             B [block_k, 2 wg_n] per rhs operand (16 or 32 KiB), 128B swizzle;
+             48 KiB ("plain", "swiglu") or 64 KiB ("sum2");
   epilogue   [2 warpgroups, block_m, 64] in the output dtype, unswizzled so a
              row range can start anywhere (16 KiB per warpgroup in bf16).
   `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB).
@@ -187,11 +179,12 @@ class _Launch:
 
 
 def smem_bytes(config: KernelConfig, dtype=jnp.bfloat16, out_dtype=None, mode: str = "plain") -> int:
-  """Shared memory of one CTA of the row-tiled kernel for `config` (all stages);
-  "plain" and "gu" launches have the same stages and epilogue."""
+  """Shared memory of one CTA of the row-tiled kernel for `config` (all stages)."""
   out_dtype = out_dtype or dtype
-  launch = _Launch(config.block_m, config.block_k, config.block_n, 1, 1, 2 * config.block_n,
-                   config.block_k, jnp.dtype(out_dtype).itemsize, jnp.dtype(dtype).itemsize)
+  wg_n = config.block_n if mode == "plain" else config.block_n // 2
+  num_a, num_b = {"plain": (1, 1), "swiglu": (1, 2), "sum2": (2, 2)}[mode]
+  launch = _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
+                   jnp.dtype(out_dtype).itemsize, jnp.dtype(dtype).itemsize)
   return (config.max_concurrent_steps * launch.stage_bytes()
           + launch.epilogue_bytes(config.block_m) + _SMEM_RESERVE)
 
@@ -267,48 +260,22 @@ def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int]
 # ----------------------------------------------------------------------------
 
 
-def _store_chunks(chunks, epi_smem, *, smem_row, gmem_row, count, rows: int, ragged: bool):
-  """Each compute warpgroup stores [rows, _EPI_N] chunks through its own SMEM slot
-  (see the module doc, "epilogue"). chunks: (make_value, out_gmem [*, N], col) in
-  store order; make_value() is traced just before its store (registers)."""
+def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, rows: int,
+                    col0, ragged: bool):
+  """Each compute warpgroup stores its [rows, wg_n] values through its own
+  [rows, _EPI_N] SMEM slot, chunk by chunk (see the module doc, "epilogue")."""
   wg = lax.axis_index("wg")
   slot = epi_smem.at[wg]
-  for make_value, out_gmem, col in chunks:
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
-    slot[...] = make_value().astype(slot.dtype)
-    plgpu.commit_smem()
-    dst = out_gmem.at[:, pl.ds(col, _EPI_N)]
-    if ragged:
-      ladder_store(slot, dst, smem_row, gmem_row, count, rows)
-    else:
-      plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)])
-
-
-def _column_chunks(val, out_gmem, col0):
-  """[rows, n] -> its _EPI_N-column chunks stored at columns col0, col0 + 64, ..."""
-  return [(lambda c=c: val[:, c * _EPI_N:(c + 1) * _EPI_N], out_gmem, col0 + c * _EPI_N)
-          for c in range(val.shape[1] // _EPI_N)]
-
-
-def _store_epilogue(vals, out_gmems, epi_smem, *, col0, **kw):
-  """Each value [rows, wg_n] to its output at columns [col0, col0 + wg_n)."""
-  chunks = [ch for val, out in zip(vals, out_gmems) for ch in _column_chunks(val, out, col0)]
-  _store_chunks(chunks, epi_smem, **kw)
-
-
-def _gate_up_chunks(val, a_gmem, hu_gmem, col0):
-  """The "gu" epilogue: val [rows, wg_n] holds gate/up-interleaved columns
-  [col0, col0 + wg_n) (pairs of 64: gate, then up, of the same 64 F columns).
-  a = silu(h) * u goes to a_gmem at F columns col0 / 2 + ...; hu_gmem (if given)
-  gets val itself."""
-  chunks = []
-  for p in range(val.shape[1] // (2 * _EPI_N)):
-    h = lambda p=p: val[:, 2 * p * _EPI_N:(2 * p + 1) * _EPI_N]
-    u = lambda p=p: val[:, (2 * p + 1) * _EPI_N:(2 * p + 2) * _EPI_N]
-    chunks.append((lambda h=h, u=u: _silu_mul(h(), u()), a_gmem, col0 // 2 + p * _EPI_N))
-    if hu_gmem is not None:
-      chunks += [(h, hu_gmem, col0 + 2 * p * _EPI_N), (u, hu_gmem, col0 + (2 * p + 1) * _EPI_N)]
-  return chunks
+  for val, out_gmem in zip(vals, out_gmems):
+    for c in range(val.shape[1] // _EPI_N):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+      slot[...] = val[:, c * _EPI_N:(c + 1) * _EPI_N].astype(slot.dtype)
+      plgpu.commit_smem()
+      dst = out_gmem.at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)]
+      if ragged:
+        ladder_store(slot, dst, smem_row, gmem_row, count, rows)
+      else:
+        plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)])
 
 
 def _silu_mul(h, u):
@@ -316,7 +283,7 @@ def _silu_mul(h, u):
 
 
 # ----------------------------------------------------------------------------
-# Row-tiled kernel: forward / dgrad / gate-up ("gu")
+# Row-tiled kernel: forward / dgrad / swiglu / sum2
 # ----------------------------------------------------------------------------
 
 
@@ -344,22 +311,32 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         `remote_ref`), gmem_row the first output row of the tile's rows
         [lo, hi) (default lo). Used by `fused_gemm_return.py`.
   """
-  if mode not in ("plain", "gu"):
-    raise ValueError(f"{mode=} must be 'plain' or 'gu'")
-  a_gmem, b_gmem, *out_gmems = refs
+  num_a = 2 if mode == "sum2" else 1
+  num_b = 1 if mode == "plain" else 2
+  a_gmems = refs[:num_a]
+  b_gmems = refs[num_a:num_a + num_b]
+  out_gmems = refs[num_a + num_b:]
   cta_n = _NUM_COMPUTE_WGS * wg_n
   k_iters = k // block_k
   n_tiles = n // cta_n
+  pairs = {"plain": ((0, 0, 0),), "swiglu": ((0, 0, 0), (0, 1, 1)), "sum2": ((0, 0, 0), (1, 1, 0))}[mode]
+  num_acc = 2 if mode == "swiglu" else 1
 
   a_transforms = _swizzle_transforms(in_dtype, block_k)
   b_transforms = _swizzle_transforms(in_dtype, block_k if transpose_b else cta_n)
 
-  def mma_step(_, a_smem, b_smem, acc):
+  def mma_step(_, *args):
+    *smems, accs = args
+    a_smems, b_smems = smems[:num_a], smems[num_a:]
     wg_cols = pl.ds(lax.axis_index("wg") * wg_n, wg_n)
-    b = b_smem.at[wg_cols, :].T if transpose_b else b_smem.at[:, wg_cols]
-    plgpu.wgmma(acc, a_smem, b)
+    for ai, bi, ci in pairs:
+      if transpose_b:
+        b = b_smems[bi].at[wg_cols, :].T
+      else:
+        b = b_smems[bi].at[:, wg_cols]
+      plgpu.wgmma(accs[ci], a_smems[ai], b)
     plgpu.wgmma_wait(0)  # the stage is released (consumed) after this step
-    return acc
+    return accs
 
   def make_pipeline(compute_context, k_steps):
     a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms)
@@ -371,7 +348,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         mma_step,
         grid=(k_steps,),
         memory_registers=_MEMORY_REGISTERS,
-        in_specs=[a_spec, b_spec],
+        in_specs=[a_spec] * num_a + [b_spec] * num_b,
         wg_axis="wg",
         num_compute_wgs=_NUM_COMPUTE_WGS,
         max_concurrent_steps=stages,
@@ -379,9 +356,13 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
     )
 
   def operand_views(group, load_row, nt):
+    a_views = [a.at[pl.ds(load_row, block_m), :] for a in a_gmems]
     cols = pl.ds(nt * cta_n, cta_n)
-    b_view = b_gmem.at[group, cols, :] if transpose_b else b_gmem.at[group, :, cols]
-    return a_gmem.at[pl.ds(load_row, block_m), :], b_view
+    if transpose_b:
+      b_views = [b.at[group, cols, :] for b in b_gmems]
+    else:
+      b_views = [b.at[group, :, cols] for b in b_gmems]
+    return a_views, b_views
 
   a0, b0 = operand_views(0, 0, 0)
   ignore = lambda *_, **__: None
@@ -390,7 +371,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
 
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=alloc_pipeline.get_allocations(a0, b0),
+      pipeline_allocs=alloc_pipeline.get_allocations(*a0, *b0),
       epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmems[0].dtype),
       collective_axes="wg",
   )
@@ -414,22 +395,21 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         k_steps = jnp.where(kind == _COMPUTE, k_iters, 0)
 
         def compute_context(eval_pipeline):
-          def acc_scope(acc):
-            eval_pipeline(acc)
-            val = acc[...]
-            outs = out_gmems if out_gmems_ is None else out_gmems_
-            col0 = nt * cta_n + lax.axis_index("wg") * wg_n
-            if mode == "gu":
-              chunks = _gate_up_chunks(val, outs[0], outs[1] if save_hu else None, col0)
+          def acc_scope(*accs):
+            eval_pipeline(tuple(accs))
+            vals = [acc[...] for acc in accs]
+            if mode == "swiglu":
+              outs = [_silu_mul(vals[0], vals[1])] + (vals if save_hu else [])
             else:
-              chunks = _column_chunks(val, outs[0], col0)
-            _store_chunks(chunks, epi_smem, smem_row=lo - load_row,
-                          gmem_row=lo if gmem_row is None else gmem_row, count=hi - lo,
-                          rows=block_m, ragged=True)
-          pl.run_scoped(acc_scope, plgpu.ACC((block_m, wg_n), jnp.float32))
+              outs = vals
+            col0 = nt * cta_n + lax.axis_index("wg") * wg_n
+            _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
+                            smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
+                            count=hi - lo, rows=block_m, col0=col0, ragged=True)
+          pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
 
-        a_view, b_view = operand_views(group, load_row, nt)
-        make_pipeline(compute_context, k_steps)(a_view, b_view, allocations=pipeline_allocs)
+        a_views, b_views = operand_views(group, load_row, nt)
+        make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
 
     if walk is not None:
       walk(lambda lin, out_gmems=None, gmem_row=None: tile(lin, out_gmems, gmem_row))
@@ -465,13 +445,9 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
   returns the static keyword arguments of `_row_tiled_kernel` (one source of
   truth for the standalone launch and for kernels that embed the body).
   Raises ValueError if the tile does not fit in `smem` bytes."""
-  if mode not in ("plain", "gu"):
-    raise ValueError(f"{mode=} must be 'plain' or 'gu'")
-  wg_n = config.block_n
-  if wg_n % (2 * _EPI_N if mode == "gu" else _EPI_N):
-    raise ValueError(f"block_n={wg_n} must be a multiple of {2 * _EPI_N if mode == 'gu' else _EPI_N}"
-                     f" in mode {mode!r} (the epilogue's {_EPI_N}-column chunks"
-                     f"{', in gate/up pairs' if mode == 'gu' else ''})")
+  wg_n = config.block_n if mode == "plain" else config.block_n // 2
+  if wg_n % _EPI_N:
+    raise ValueError(f"per-warpgroup tile width {wg_n=} must be a multiple of {_EPI_N}")
   cta_n = _NUM_COMPUTE_WGS * wg_n
   block_m, block_k = config.block_m, config.block_k
   if block_m & (block_m - 1):
@@ -482,7 +458,9 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raise ValueError(f"{n=} must be divisible by the CTA tile width {cta_n}")
   if m % block_m:
     raise ValueError(f"{m=} must be divisible by {block_m=}")
-  launch = _Launch(block_m, block_k, wg_n, 1, 1, cta_n, block_k,
+  num_a = 2 if mode == "sum2" else 1
+  num_b = 1 if mode == "plain" else 2
+  launch = _Launch(block_m, block_k, wg_n, num_a, num_b, cta_n, block_k,
                    jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize)
   stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, m=m, k=k, n=n,
@@ -490,33 +468,30 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)
 
 
-def _row_tiled_call(lhs, rhs, group_sizes, *, mode: str, transpose_b: bool, out_dtype,
-                    save_hu: bool, config: KernelConfig, interpret,
+def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool,
+                    out_dtype, save_hu: bool, config: KernelConfig, interpret,
                     zero_window: Optional[int] = None):
   """Launch the row-tiled kernel on operands already padded to the tile grid.
   zero_window: see `_row_tile_plan` (None: dead rows come back zero).
 
-  lhs [M, K]; rhs [G, K, N] (or [G, N, K] with transpose_b). Returns a tuple:
-  "plain": (out [M, N],); "gu" (rhs = `interleave_gate_up(w_gate, w_up)`, N = 2F):
-  (a [M, F],) or, with save_hu, (a [M, F], hu [M, N]).
+  a_list: [M, K] each; b_list: [G, K, N] (or [G, N, K] with transpose_b).
+  Returns a tuple of [M, N] outputs.
   """
-  m, k = lhs.shape
-  g = rhs.shape[0]
-  n = rhs.shape[1] if transpose_b else rhs.shape[2]
-  in_dtype = lhs.dtype
-  if rhs.dtype != in_dtype:
-    raise ValueError(f"lhs and rhs must share one dtype, got {lhs.dtype} and {rhs.dtype}")
+  m, k = a_list[0].shape
+  g = b_list[0].shape[0]
+  n = b_list[0].shape[1] if transpose_b else b_list[0].shape[2]
+  in_dtype = a_list[0].dtype
+  for x in (*a_list, *b_list):
+    if x.dtype != in_dtype:
+      raise ValueError(f"all operands must share one dtype, got {x.dtype} and {in_dtype}")
   params = row_tiled_params(m, k, n, g, mode=mode, transpose_b=transpose_b, out_dtype=out_dtype,
                             in_dtype=in_dtype, save_hu=save_hu, config=config)
   plan = _row_tile_plan(group_sizes, m, config.block_m, zero_window)
-  if mode == "gu":
-    out_shapes = [(m, n // 2)] + ([(m, n)] if save_hu else [])
-  else:
-    out_shapes = [(m, n)]
+  num_out = 3 if (mode == "swiglu" and save_hu) else 1
   body = functools.partial(_row_tiled_kernel, **params)
   kernel = plgpu.kernel(
       body,
-      out_type=tuple(jax.ShapeDtypeStruct(shape, out_dtype) for shape in out_shapes),
+      out_type=tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for _ in range(num_out)),
       grid=(device_lib.num_sms(config.num_sms),),
       grid_names=("sm",),
       num_threads=_NUM_COMPUTE_WGS + 1,
@@ -524,7 +499,7 @@ def _row_tiled_call(lhs, rhs, group_sizes, *, mode: str, transpose_b: bool, out_
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=resolve_interpret(interpret),
   )
-  return kernel(plan, lhs, rhs)
+  return kernel(plan, *a_list, *b_list)
 
 
 # ----------------------------------------------------------------------------
@@ -532,10 +507,8 @@ def _row_tiled_call(lhs, rhs, group_sizes, *, mode: str, transpose_b: bool, out_
 # ----------------------------------------------------------------------------
 
 
-def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, *out_gmems, num_groups: int,
+def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int,
                   block_m: int, block_n: int, block_k: int, stages: int, in_dtype):
-  """out_gmems: (drhs,) or, for gate/up-interleaved dout, (drhs_gate, drhs_up): the
-  epilogue sends the 64-column chunks alternately to the two (`split_gate_up`)."""
   _, k_out = lhs_gmem.shape
   _, n_out = dout_gmem.shape
   cta_k = _NUM_COMPUTE_WGS * block_m
@@ -585,7 +558,7 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, *out_gmems, num_groups: int,
       pl.run_scoped,
       pipeline_allocs=alloc_pipeline.get_allocations(
           lhs_gmem.at[:, pl.ds(0, cta_k)], dout_gmem.at[:, pl.ds(0, block_n)]),
-      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmems[0].dtype),
+      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmem.dtype),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epi_smem):
@@ -604,14 +577,9 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, *out_gmems, num_groups: int,
         def acc_scope(acc):
           eval_pipeline(acc)
           wg = lax.axis_index("wg")
-          val = acc[...]
-          if len(out_gmems) == 1:
-            chunks = _column_chunks(val, out_gmems[0].at[g], nt * block_n)
-          else:   # chunk c of the tile: gate if c is even, up if odd (block_n % 128 == 0)
-            chunks = [(make, out_gmems[c % 2].at[g], nt * block_n // 2 + (c // 2) * _EPI_N)
-                      for c, (make, _, _) in enumerate(_column_chunks(val, None, 0))]
-          _store_chunks(chunks, epi_smem, smem_row=0, gmem_row=kt * cta_k + wg * block_m,
-                        count=block_m, rows=block_m, ragged=False)
+          _store_epilogue([acc[...]], [out_gmem.at[g]], epi_smem, smem_row=0,
+                          gmem_row=kt * cta_k + wg * block_m, count=block_m, rows=block_m,
+                          col0=nt * block_n, ragged=False)
         pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n), jnp.float32))
 
       make_pipeline(compute_context, num_blocks, first_block, start, end)(
@@ -622,11 +590,8 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, *out_gmems, num_groups: int,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, interpret,
-                split_gate_up: bool = False):
-  """drhs[g] = lhs[rows g]^T @ dout[rows g] on operands padded to the tile grid.
-  split_gate_up: dout is gate/up-interleaved ([M, 2F], `interleave_gate_up`'s column
-  order); returns (drhs_gate, drhs_up) [G, K, F] each instead of one [G, K, 2F]."""
+def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, interpret):
+  """drhs[g] = lhs[rows g]^T @ dout[rows g] on operands padded to the tile grid."""
   m, k_out = lhs.shape
   _, n_out = dout.shape
   g = group_sizes.shape[0]
@@ -636,8 +601,6 @@ def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, inte
     raise ValueError(f"{k_out=} must be divisible by the CTA tile {cta_k}")
   if n_out % block_n:
     raise ValueError(f"{n_out=} must be divisible by {block_n=}")
-  if split_gate_up and block_n % (2 * _EPI_N):
-    raise ValueError(f"{block_n=} must be a multiple of {2 * _EPI_N} to split gate/up columns")
   if m % block_k:
     raise ValueError(f"{m=} must be divisible by {block_k=}")
   in_dtype = lhs.dtype
@@ -653,8 +616,7 @@ def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, inte
                            block_k=block_k, stages=stages, in_dtype=in_dtype)
   kernel = plgpu.kernel(
       body,
-      out_type=(tuple(jax.ShapeDtypeStruct((g, k_out, n_out // 2), out_dtype) for _ in range(2))
-                if split_gate_up else jax.ShapeDtypeStruct((g, k_out, n_out), out_dtype)),
+      out_type=jax.ShapeDtypeStruct((g, k_out, n_out), out_dtype),
       grid=(device_lib.num_sms(config.num_sms),),
       grid_names=("sm",),
       num_threads=_NUM_COMPUTE_WGS + 1,
@@ -695,7 +657,7 @@ def gmm(lhs, rhs, group_sizes, *, out_dtype=None, config: KernelConfig = KernelC
   m_p = _padded_rows(m, config)
   lhs_p = _pad_axis(_pad_axis(lhs, 1, k_p), 0, m_p)
   rhs_p = _pad_axis(_pad_axis(rhs, 1, k_p), 2, n_p)
-  (out,) = _row_tiled_call(lhs_p, rhs_p, group_sizes, mode="plain", transpose_b=False,
+  (out,) = _row_tiled_call([lhs_p], [rhs_p], group_sizes, mode="plain", transpose_b=False,
                            out_dtype=out_dtype or lhs.dtype, save_hu=False, config=config,
                            interpret=interpret)
   return out[:m, :n] if (m_p, n_p) != (m, n) else out
@@ -716,7 +678,7 @@ def gmm_dgrad(dout, rhs, group_sizes, *, out_dtype=None, config: KernelConfig = 
   m_p = _padded_rows(m, config)
   dout_p = _pad_axis(_pad_axis(dout, 1, n_p), 0, m_p)
   rhs_p = _pad_axis(_pad_axis(rhs, 2, n_p), 1, k_p)
-  (out,) = _row_tiled_call(dout_p, rhs_p, group_sizes, mode="plain", transpose_b=True,
+  (out,) = _row_tiled_call([dout_p], [rhs_p], group_sizes, mode="plain", transpose_b=True,
                            out_dtype=out_dtype or dout.dtype, save_hu=False, config=config,
                            interpret=interpret)
   return out[:m, :k] if (m_p, k_p) != (m, k) else out
@@ -784,123 +746,77 @@ def grouped_matmul(lhs, rhs, group_sizes, *, config: KernelConfig = KernelConfig
   return _grouped_matmul_fn(config, resolve_interpret(interpret))(lhs, rhs, group_sizes)
 
 
-def interleave_gate_up(gate, up):
-  """[..., F] x 2 -> [..., 2F], F a multiple of 64: 64-column blocks alternate, gate
-  block j at columns [128 j, 128 j + 64), up block j at [128 j + 64, 128 j + 128).
-  The "gu" layout: one plain GEMM against it puts each tile's gate and up columns of
-  the same F block into one accumulator (see the module doc)."""
-  *lead, f = gate.shape
-  if f % _EPI_N or up.shape != gate.shape:
-    raise ValueError(f"gate {gate.shape} and up {up.shape} must match, last dim a multiple "
-                     f"of {_EPI_N}")
-  blocks = lambda x: x.reshape(*lead, f // _EPI_N, 1, _EPI_N)  # noqa: E731
-  return jnp.concatenate([blocks(gate), blocks(up)], axis=-2).reshape(*lead, 2 * f)
+def _swiglu_padded_weights(w_gate, w_up, w_down, config: KernelConfig):
+  """Pad F to the CTA tile of the fused gate/up kernel (block_n) with zeros.
 
-
-def split_gate_up(gu):
-  """The inverse of `interleave_gate_up`: [..., 2F] -> (gate, up) [..., F] each."""
-  *lead, n = gu.shape
-  blocks = gu.reshape(*lead, n // (2 * _EPI_N), 2, _EPI_N)
-  return blocks[..., 0, :].reshape(*lead, n // 2), blocks[..., 1, :].reshape(*lead, n // 2)
-
-
-def ffn_padded_ffn(f: int, config: KernelConfig) -> int:
-  """F padded for the FFN's launches: an output dim of the gate/up kernel (CTA tile
-  block_n of F), of the da dgrad (2 block_n) and of the dw_down wgrad (2 block_m),
-  a contraction dim (block_k), and 64-column gate/up blocks."""
-  return _round_up(f, math.lcm(2 * config.block_n, 2 * config.block_m, config.block_k, _EPI_N))
-
-
-def ffn_padded_hidden(h: int, config: KernelConfig) -> int:
-  """H padded for the FFN's launches: a contraction dim of the gate/up kernel
-  (block_k) and an output dim of the down GEMM and of the dx dgrad (2 block_n)."""
-  return _round_up(h, math.lcm(config.block_k, _NUM_COMPUTE_WGS * config.block_n))
-
-
-def gate_up_weights(w_gate, w_up, config: KernelConfig, pad_hidden: bool = True):
-  """w_gate, w_up [G, H, F] -> w_gu [G, H_p, 2 F_p] (zero-padded, then
-  `interleave_gate_up`): the rhs of the "gu" forward and of the dx dgrad. Zero
-  columns give h = u = 0, so a = silu(0) * 0 = 0 in the padded F columns; the zero
-  H rows meet zero x columns. pad_hidden=False keeps H (a caller that has checked
-  H against block_k). A copy of the gate/up weights per call."""
-  h_p = ffn_padded_hidden(w_gate.shape[1], config) if pad_hidden else w_gate.shape[1]
-  f_p = ffn_padded_ffn(w_gate.shape[2], config)
-  pad = lambda w: _pad_axis(_pad_axis(w, 1, h_p), 2, f_p)  # noqa: E731
-  return interleave_gate_up(pad(w_gate), pad(w_up))
-
-
-def gate_up_forward(x_p, w_gu, group_sizes, *, config: KernelConfig, save: bool, interpret,
-                    zero_window: Optional[int] = None):
-  """The gate/up kernel: x_p [M_p, H_p] (rows padded to block_m, columns to H_p),
-  w_gu from `gate_up_weights` -> (a [M_p, F_p],) or with save (a, hu [M_p, 2 F_p])."""
-  return _row_tiled_call(x_p, w_gu, group_sizes, mode="gu", transpose_b=False,
-                         out_dtype=x_p.dtype, save_hu=save, config=config, interpret=interpret,
-                         zero_window=zero_window)
-
-
-def _swiglu_grad_interleaved(da, hu, dtype):
-  """dhu = interleave(dh, du) from da [M, F] (f32) and hu [M, 2F] in ONE elementwise
-  pass over the interleaved shape (a select on the gate/up position, sigmoid
-  recomputed per element rather than materialised):
-    dh = da * u * s * (1 + h (1 - s)),  du = da * h * s,  s = sigmoid(h)."""
-  m, n = hu.shape
-  pairs = hu.reshape(m, n // (2 * _EPI_N), 2, _EPI_N).astype(jnp.float32)
-  h, u = pairs[:, :, :1, :], pairs[:, :, 1:, :]
-  d = da.reshape(m, n // (2 * _EPI_N), 1, _EPI_N)
-  s = jax.nn.sigmoid(h)
-  is_gate = lax.broadcasted_iota(jnp.int32, pairs.shape, 2) == 0
-  dhu = jnp.where(is_gate, d * u * s * (1.0 + h * (1.0 - s)), d * h * s)
-  return dhu.astype(dtype).reshape(m, n)
+  Zero columns of w_gate/w_up give h = u = 0, so a = silu(0) * 0 = 0 in the
+  padded columns, and the zero rows of w_down add nothing: the FFN is exact in
+  the padded space and only the (small) weights are copied.
+  """
+  f = w_gate.shape[2]
+  # F is an output dim of the gate/up kernel (CTA tile block_n), of the da dgrad
+  # (2 block_n) and of the dw_down wgrad (2 block_m), and a contraction dim (block_k).
+  f_p = _round_up(f, math.lcm(2 * config.block_n, 2 * config.block_m, config.block_k))
+  return (_pad_axis(w_gate, 2, f_p), _pad_axis(w_up, 2, f_p), _pad_axis(w_down, 1, f_p), f_p)
 
 
 def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save: bool,
                     zero_window=None):
   m, h_dim = x.shape
-  w_gu = gate_up_weights(w_gate, w_up, config)
-  h_p, f_p = w_gu.shape[1], w_gu.shape[2] // 2
-  x_p = _pad_axis(_pad_axis(x, 1, h_p), 0, _padded_rows(m, config))
-  outs = gate_up_forward(x_p, w_gu, group_sizes, config=config, save=save, interpret=interpret,
+  wg_p, wu_p, wd_p, _ = _swiglu_padded_weights(w_gate, w_up, w_down, config)
+  h_p = _round_up(h_dim, config.block_k)
+  h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)
+  m_p = _padded_rows(m, config)
+  x_p = _pad_axis(_pad_axis(x, 1, h_p), 0, m_p)
+  wg_p = _pad_axis(wg_p, 1, h_p)
+  wu_p = _pad_axis(wu_p, 1, h_p)
+  wd_p = _pad_axis(wd_p, 2, h_out)
+  outs = _row_tiled_call([x_p], [wg_p, wu_p], group_sizes, mode="swiglu", transpose_b=False,
+                         out_dtype=x.dtype, save_hu=save, config=config, interpret=interpret,
                          zero_window=zero_window)
   a = outs[0]  # [m_p, F_p]
-  wd_p = _pad_axis(_pad_axis(w_down, 1, f_p), 2, h_p)
-  (y,) = _row_tiled_call(a, wd_p, group_sizes, mode="plain", transpose_b=False,
+  (y,) = _row_tiled_call([a], [wd_p], group_sizes, mode="plain", transpose_b=False,
                          out_dtype=x.dtype, save_hu=False, config=config, interpret=interpret,
                          zero_window=zero_window)
   y = y[:m, :h_dim] if y.shape != (m, h_dim) else y
   return y, outs
 
 
-def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, hu, dy, *, config: KernelConfig,
+def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
                     interpret=None, zero_window: Optional[int] = None):
   """The backward pass of `grouped_swiglu_ffn` (formulas in its docstring) from its
-  saved residuals a [m_p, F_p] and hu [m_p, 2 F_p] (the gate/up epilogue's outputs,
-  gate/up-interleaved). Returns (dx [M, H], dw_gate, dw_up, dw_down). Also the
-  backward pass of the fused uniep forward (uniep_jax/fused.py), whose Kernel A
-  writes the same a, hu."""
+  saved residuals a, h, u ([m_p, F_p], the gate/up epilogue's outputs). Returns
+  (dx [M, H], dw_gate, dw_up, dw_down). Also the backward pass of the fused uniep
+  forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u."""
   interpret = resolve_interpret(interpret)
   m, h_dim = x.shape
   f_dim = w_gate.shape[2]
   kw = dict(config=config, interpret=interpret)
-  w_gu = gate_up_weights(w_gate, w_up, config)   # [G, H_p, 2 F_p]
-  h_p, f_p = w_gu.shape[1], w_gu.shape[2] // 2
+  wg_p, wu_p, wd_p, f_p = _swiglu_padded_weights(w_gate, w_up, w_down, config)
   m_p = a.shape[0]
-  dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_p), 0, m_p)
+  h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
+  h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
+  dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
   # da = dy @ w_down^T, float32 out: [m_p, f_p]
-  wd_p = _pad_axis(_pad_axis(w_down, 1, f_p), 2, h_p)
-  (da,) = _row_tiled_call(dy_p, wd_p, group_sizes, mode="plain", transpose_b=True,
-                          out_dtype=jnp.float32, save_hu=False, zero_window=zero_window, **kw)
-  dhu = _swiglu_grad_interleaved(da, hu, x.dtype)  # [m_p, 2 f_p]
-  # dx = dh @ w_gate^T + du @ w_up^T = dhu @ w_gu^T: one plain dgrad over K = 2 F_p
-  (dx,) = _row_tiled_call(dhu, w_gu, group_sizes, mode="plain", transpose_b=True,
-                          out_dtype=x.dtype, save_hu=False, zero_window=zero_window, **kw)
+  (da,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="plain",
+                          transpose_b=True, out_dtype=jnp.float32, save_hu=False,
+                          zero_window=zero_window, **kw)
+  hf = h.astype(jnp.float32)
+  uf = u.astype(jnp.float32)
+  s = jax.nn.sigmoid(hf)
+  dh = (da * uf * s * (1.0 + hf * (1.0 - s))).astype(x.dtype)
+  du = (da * hf * s).astype(x.dtype)
+  # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
+  (dx,) = _row_tiled_call([dh, du], [_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)],
+                          group_sizes, mode="sum2", transpose_b=True, out_dtype=x.dtype,
+                          save_hu=False, zero_window=zero_window, **kw)
   dx = dx[:m, :h_dim]
-  m_w = _round_up(m_p, config.block_k)   # the wgrad walks block_k row blocks
-  x_w = _pad_axis(_pad_axis(x, 0, m_w), 1, _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_m))
-  dw_gate, dw_up = _wgrad_call(x_w, _pad_axis(dhu, 0, m_w), group_sizes,
-                               out_dtype=w_gate.dtype, split_gate_up=True, **kw)
+  x_w = _pad_axis(x, 0, m_p)
+  dw_gate = gmm_wgrad(x_w, dh, group_sizes, out_dtype=w_gate.dtype, **kw)[:, :, :f_dim]
+  dw_up = gmm_wgrad(x_w, du, group_sizes, out_dtype=w_up.dtype, **kw)[:, :, :f_dim]
   dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
                       out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
-  return (dx, dw_gate[:, :h_dim, :f_dim], dw_up[:, :h_dim, :f_dim], dw_down)
+  return dx, dw_gate, dw_up, dw_down
 
 
 @functools.lru_cache(maxsize=None)
@@ -915,13 +831,13 @@ def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool):
     return y
 
   def fwd(x, w_gate, w_up, w_down, group_sizes):
-    y, (a, hu) = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret,
-                                 save=True, zero_window=zw)
-    return y, (x, w_gate, w_up, w_down, group_sizes, a, hu)
+    y, (a, h, u) = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret,
+                                   save=True, zero_window=zw)
+    return y, (x, w_gate, w_up, w_down, group_sizes, a, h, u)
 
   def bwd(res, dy):
-    x, w_gate, w_up, w_down, group_sizes, a, hu = res
-    return swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, hu, dy, config=config,
+    x, w_gate, w_up, w_down, group_sizes, a, h, u = res
+    return swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, config=config,
                            interpret=interpret, zero_window=zw) + (None,)
 
   f.defvjp(fwd, bwd)
@@ -934,29 +850,24 @@ def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
   """SwiGLU expert FFN over grouped rows, differentiable (custom_vjp).
 
   x [M, H], w_gate/w_up [G, H, F], w_down [G, F, H], group_sizes [G] -> y [M, H]:
-    h = x @ w_gate[g], u = x @ w_up[g]   (one "gu" kernel against the gate/up-
-                                          interleaved weights, one f32 accumulator)
+    h = x @ w_gate[g], u = x @ w_up[g]      (one kernel, two f32 accumulators)
     a = (silu(h) * u) in f32, cast to x.dtype
     y = a @ w_down[g] (f32 accumulation), cast to x.dtype.
   Rows past sum(group_sizes) come back zero; with zero_dead_rows=False only the
   first ones, up to round_up(sum(group_sizes), block_k), do (also in dx), and the
   later rows of y and dx are undefined, never written: the MoE layer's receive
   buffer is sized for the worst case (R*T*K rows, ~1/R of them live), and every
-  kernel then skips its dead tiles instead of storing zeros. The backward needs
-  the cotangent dy finite in that window (the wgrad multiplies it by zeros).
-  F need not be a multiple of 64.
+  kernel then skips its dead tiles instead of storing zeros (measured:
+  NOTES_grouped_gemm.md). The backward needs the cotangent dy finite in that window (the wgrad multiplies it
+  by zeros). F need not be a multiple of 64.
 
-  Saved for the backward pass: a and hu (x.dtype, h and u interleaved, written by
-  the gate/up epilogue; no recompute of the gate/up GEMMs). Backward (dh, du are
-  cast to x.dtype before the GEMMs that consume them; h and u are the saved values):
+  Saved for the backward pass: a, h, u (x.dtype, written by the gate/up
+  epilogue; no recompute of the gate/up GEMMs). Backward (dh, du are cast to
+  x.dtype before the GEMMs that consume them; h and u are the saved x.dtype values):
     da = dy @ w_down^T (f32 output);  s = sigmoid(h)
     dh = da * u * s * (1 + h (1 - s)),  du = da * silu(h)
-    dx = dh @ w_gate^T + du @ w_up^T  (one plain dgrad of dhu = interleave(dh, du)
-                                       against w_gu over K = 2F)
-    dw_gate, dw_up = x^T dhu (one wgrad kernel, its epilogue splitting the columns),
-    dw_down = a^T dy.
-  The gate/up weights are interleaved by a copy in each direction
-  (`gate_up_weights`), the price of N = 128 wgmma tiles (module doc).
+    dx = dh @ w_gate^T + du @ w_up^T (one "sum2" kernel)
+    dw_gate = x^T dh, dw_up = x^T du, dw_down = a^T dy (wgrad kernel).
   """
   return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows)(
       x, w_gate, w_up, w_down, group_sizes)

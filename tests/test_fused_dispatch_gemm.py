@@ -127,28 +127,26 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
   w_gate = (jax.random.normal(ks[1], (g, kdim, n)) * kdim**-0.5).astype(jnp.bfloat16)
   w_up = (jax.random.normal(ks[2], (g, kdim, n)) * kdim**-0.5).astype(jnp.bfloat16)
   cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
-  w_gu = gg.interleave_gate_up(w_gate, w_up)
-  ref = gg._row_tiled_call(x, w_gu, gs, mode="gu", transpose_b=False,
+  ref = gg._row_tiled_call([x], [w_gate, w_up], gs, mode="swiglu", transpose_b=False,
                            out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET)
-  params = gg.row_tiled_params(m, kdim, 2 * n, g, mode="gu", transpose_b=False,
+  params = gg.row_tiled_params(m, kdim, n, g, mode="swiglu", transpose_b=False,
                                out_dtype=jnp.bfloat16, in_dtype=jnp.bfloat16, save_hu=True,
                                config=cfg)
   offset, count = 1, 2          # CTA 0 idles (stands for a transfer CTA)
 
-  def body(plan_gmem, x_gmem, wgu_gmem, a_gmem, hu_gmem):
+  def body(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem):
     @jax.experimental.pallas.when(jax.lax.axis_index("sm") >= offset)
     def _():
-      gg._row_tiled_kernel(plan_gmem, x_gmem, wgu_gmem, a_gmem, hu_gmem,
+      gg._row_tiled_kernel(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem,
                            cta_offset=offset, num_ctas=count,
                            before_tile=lambda load_row: plgpu.commit_smem(), **params)
 
   kernel = plgpu.kernel(
-      body, out_type=(jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-                      jax.ShapeDtypeStruct((m, 2 * n), jnp.bfloat16)),
+      body, out_type=tuple(jax.ShapeDtypeStruct((m, n), jnp.bfloat16) for _ in range(3)),
       grid=(offset + count,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=gg.resolve_interpret(INTERPRET))
-  got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), x, w_gu)
+  got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), x, w_gate, w_up)
   assert_no_races()
   for a, b in zip(got, ref):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))

@@ -102,7 +102,7 @@ def test_local_form_is_bitwise_grouped_gemm_plus_return():
                               seg.dst_start + window * jnp.arange(r)[:, None], seg.rows,
                               out_rows=out_rows, rank=rank, kernel=cfg, interpret=INTERPRET)
   assert_no_races()
-  (y,) = gg._row_tiled_call(a, w_down, plan.recv_group_sizes, mode="plain",
+  (y,) = gg._row_tiled_call([a], [w_down], plan.recv_group_sizes, mode="plain",
                             transpose_b=False, out_dtype=jnp.bfloat16, save_hu=False,
                             config=cfg, interpret=INTERPRET)
   got16 = np.asarray(got).view(np.uint16)

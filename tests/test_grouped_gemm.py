@@ -107,61 +107,36 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
     np.testing.assert_array_equal(f32(out[g]), 0.0)
 
 
-def test_gate_up_interleave_round_trip():
-  ks = jax.random.split(jax.random.key(7), 2)
-  gate, up = rand(ks[0], (3, 5, 192)), rand(ks[1], (3, 5, 192))
-  gu = gg.interleave_gate_up(gate, up)
-  assert gu.shape == (3, 5, 384)
-  # 64-column blocks alternate: gate block j at [128 j, 128 j + 64), up right after
-  np.testing.assert_array_equal(f32(gu[..., 128:192]), f32(gate[..., 64:128]))
-  np.testing.assert_array_equal(f32(gu[..., 192:256]), f32(up[..., 64:128]))
-  g2, u2 = gg.split_gate_up(gu)
-  np.testing.assert_array_equal(f32(g2), f32(gate))
-  np.testing.assert_array_equal(f32(u2), f32(up))
-  with pytest.raises(ValueError, match="multiple of 64"):
-    gg.interleave_gate_up(gate[..., :96], up[..., :96])
-
-
-def test_gate_up_mode_no_races():
-  """The "gu" launch against its definition: a = silu(h) * u and hu = [h | u]
-  interleaved, h = x @ w_gate[g], u = x @ w_up[g]."""
-  m, k, f = 256, 128, 128
-  ks = jax.random.split(jax.random.key(3), 3)
+@pytest.mark.parametrize("mode", ["swiglu", "sum2"])
+def test_fused_modes_no_races(mode):
+  """The two fused variants of the row-tiled kernel against their definition."""
+  m, k, n = 256, 128, 128
+  ks = jax.random.split(jax.random.key(3), 4)
   gs = jnp.asarray(GROUP_SIZES)
   g = len(GROUP_SIZES)
-  x = rand(ks[0], (m, k))
-  wg_, wu_ = rand(ks[1], (g, k, f), k**-0.5), rand(ks[2], (g, k, f), k**-0.5)
-  a, hu = gg._row_tiled_call(x, gg.interleave_gate_up(wg_, wu_), gs, mode="gu",
-                             transpose_b=False, out_dtype=BF16, save_hu=True, config=CONFIG,
-                             interpret=INTERPRET)
-  assert_no_races()
-  assert a.shape == (m, f) and hu.shape == (m, 2 * f)
-  h, u = gg.split_gate_up(hu)
-  xf = x.astype(jnp.float32)
-  h_ref = gg.reference_gmm(xf, wg_.astype(jnp.float32), gs, jnp.float32)
-  u_ref = gg.reference_gmm(xf, wu_.astype(jnp.float32), gs, jnp.float32)
-  assert_bf16_close(h, h_ref)
-  assert_bf16_close(u, u_ref)
-  assert_bf16_close(a, jax.nn.silu(h_ref) * u_ref)
-  np.testing.assert_array_equal(f32(hu[int(GROUP_SIZES.sum()):]), 0.0)
-  with pytest.raises(ValueError, match="multiple of 128"):
-    gg.row_tiled_params(m, k, 2 * f, g, mode="gu", transpose_b=False, out_dtype=BF16,
-                        in_dtype=BF16, save_hu=True, config=KernelConfig(block_n=64))
-
-
-def test_wgrad_split_gate_up_equals_split_of_wgrad():
-  """The wgrad epilogue that sends gate/up chunks to two outputs = the plain wgrad
-  of the interleaved columns, split afterwards (bit for bit)."""
-  m, k, f = 256, 256, 128
-  ks = jax.random.split(jax.random.key(8), 2)
-  gs = jnp.asarray(GROUP_SIZES)
-  x, dhu = rand(ks[0], (m, k)), rand(ks[1], (m, 2 * f))
-  dg, du = gg._wgrad_call(x, dhu, gs, out_dtype=BF16, config=CONFIG, interpret=INTERPRET,
-                          split_gate_up=True)
-  full = gg._wgrad_call(x, dhu, gs, out_dtype=BF16, config=CONFIG, interpret=INTERPRET)
-  ref_g, ref_u = gg.split_gate_up(full)
-  np.testing.assert_array_equal(np.asarray(dg).view(np.uint16), np.asarray(ref_g).view(np.uint16))
-  np.testing.assert_array_equal(np.asarray(du).view(np.uint16), np.asarray(ref_u).view(np.uint16))
+  if mode == "swiglu":
+    x = rand(ks[0], (m, k))
+    wg_, wu_ = rand(ks[1], (g, k, n), k**-0.5), rand(ks[2], (g, k, n), k**-0.5)
+    a, h, u = gg._row_tiled_call([x], [wg_, wu_], gs, mode="swiglu", transpose_b=False,
+                                 out_dtype=BF16, save_hu=True, config=CONFIG, interpret=INTERPRET)
+    assert_no_races()
+    xf = x.astype(jnp.float32)
+    h_ref = gg.reference_gmm(xf, wg_.astype(jnp.float32), gs, jnp.float32)
+    u_ref = gg.reference_gmm(xf, wu_.astype(jnp.float32), gs, jnp.float32)
+    assert_bf16_close(h, h_ref)
+    assert_bf16_close(u, u_ref)
+    assert_bf16_close(a, jax.nn.silu(h_ref) * u_ref)
+  else:
+    a0, a1 = rand(ks[0], (m, k)), rand(ks[1], (m, k))
+    b0, b1 = rand(ks[2], (g, n, k), k**-0.5), rand(ks[3], (g, n, k), k**-0.5)
+    (out,) = gg._row_tiled_call([a0, a1], [b0, b1], gs, mode="sum2", transpose_b=True,
+                                out_dtype=jnp.float32, save_hu=False, config=CONFIG,
+                                interpret=INTERPRET)
+    assert_no_races()
+    ref = (gg.reference_gmm_dgrad(a0.astype(jnp.float32), b0.astype(jnp.float32), gs, jnp.float32)
+           + gg.reference_gmm_dgrad(a1.astype(jnp.float32), b1.astype(jnp.float32), gs,
+                                    jnp.float32))
+    np.testing.assert_allclose(f32(out), f32(ref), rtol=1e-5, atol=1e-4)
 
 
 def test_grouped_matmul_gradients():

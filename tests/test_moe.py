@@ -368,16 +368,20 @@ def test_uniep_layer_lowers_for_cuda(bound, fused):
 def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
                                       w_gate, w_up, *, out_rows, axis_name, kernel, transfer,
                                       fused):
-  """Kernel A's contract in plain JAX + the grouped GEMM's gate/up ("gu") body: recv rows no
+  """Kernel A's contract in plain JAX + the grouped GEMM's swiglu body: recv rows no
   segment covers hold garbage, as in the kernel."""
+  from pallas_kernels import fused_dispatch_gemm as fdg
   from pallas_kernels import grouped_gemm as gg
   recv = _simulated_transfer(rows_sorted, seg_src, seg_dst, seg_len, out_rows=out_rows,
                              config=transfer, axis_name=axis_name)
   m_p = gg._round_up(out_rows, kernel.block_m)
   recv = jnp.pad(recv, ((0, m_p - out_rows), (0, 0)), constant_values=1e4)
-  a, hu = gg.gate_up_forward(recv, gg.gate_up_weights(w_gate, w_up, kernel, pad_hidden=False), group_sizes,
-                             config=kernel, save=True, interpret=None)
-  return recv, a, hu
+  f_p = gg._round_up(w_gate.shape[2], fdg._f_multiple(kernel))
+  a, h, u = gg._row_tiled_call([recv], [gg._pad_axis(w_gate, 2, f_p), gg._pad_axis(w_up, 2, f_p)],
+                               group_sizes, mode="swiglu", transpose_b=False,
+                               out_dtype=rows_sorted.dtype, save_hu=True, config=kernel,
+                               interpret=None)
+  return recv, a, h, u
 
 
 def _simulated_fused_gemm_return(a, w_down, seg_src, seg_dst, seg_len, *, out_rows, axis_name,
@@ -387,7 +391,7 @@ def _simulated_fused_gemm_return(a, w_down, seg_src, seg_dst, seg_len, *, out_ro
   hidden = w_down.shape[2]
   h_out = gg._round_up(hidden, 2 * kernel.block_n)
   wd = gg._pad_axis(gg._pad_axis(w_down, 1, a.shape[1]), 2, h_out)
-  (y,) = gg._row_tiled_call(a, wd, jnp.sum(seg_len, axis=0), mode="plain", transpose_b=False,
+  (y,) = gg._row_tiled_call([a], [wd], jnp.sum(seg_len, axis=0), mode="plain", transpose_b=False,
                             out_dtype=a.dtype, save_hu=False, config=kernel, interpret=None)
   return _simulated_transfer(y[:, :hidden], seg_src, seg_dst, seg_len, out_rows=out_rows,
                              config=None, axis_name=axis_name)

@@ -35,11 +35,11 @@ def _reasons(enum):
 # Enumeration and pruning
 # ---------------------------------------------------------------------------
 def test_default_tiling_stages_match_the_kernel_docstring():
-  # grouped_gemm.py: a 128/128/64 stage is 48 KiB ("plain", "gu"), epilogue
-  # 2 x 16 KiB (bf16), 227 KiB per block: 4 stages fit; the float32-output da
-  # (64 KiB epilogue) clamps to 3.
+  # grouped_gemm.py: a 128/128/64 stage is 48 KiB ("plain", "swiglu") or 64 KiB
+  # ("sum2"), epilogue 2 x 16 KiB (bf16), 227 KiB per block: 4 stages fit the
+  # 48 KiB launches; sum2 and the float32-output da (64 KiB epilogue) clamp to 3.
   stages = T.kernel_launch_stages(KernelConfig(), DEEPSEEK_BWD, HOPPER.smem_bytes)
-  assert stages == (4, 4, 3, 4, 4)   # gate/up, down, da (f32), dx, wgrad
+  assert stages == (4, 4, 3, 3, 4)   # swiglu, down, da (f32), dx (sum2), wgrad
   fwd = T.kernel_launch_stages(KernelConfig(), T.TuneProblem(8192, 7168, 2048, 256, 8, 4,
                                                              direction="fwd"), HOPPER.smem_bytes)
   assert fwd == (4, 4)
@@ -60,7 +60,7 @@ def test_pruning_rejects_with_reasons():
   assert some("block_m=192 must be a power of two")
   assert some("block_n=64 must be a multiple of 128")
   assert some("TransferConfig: chunk_rows=48 must be a power of two")
-  assert some("shared memory: fwd gate/up (gu) with block_m=256 block_n=256 block_k=128")
+  assert some("shared memory: fwd gate/up (swiglu) with block_m=256 block_n=256 block_k=128")
   assert some("shared memory: transfer stages 2 x 256 x 256")
   assert some("H=7168 is not divisible by col_tile=192")
   assert some("num_ctas=200 exceeds the 132 SMs")

@@ -4,16 +4,16 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
 
   forward   rows_sorted --Kernel A: NVLink dispatch + gate/up GEMM, one launch,
                           each GEMM tile waiting only for its chunk's rows-->
-              recv, a, hu       (pallas_kernels/fused_dispatch_gemm.py)
+              recv, a, h, u     (pallas_kernels/fused_dispatch_gemm.py)
             a --Kernel B: down GEMM whose epilogue stores each tile straight
                           into the source rank's sorted rows--> y_sorted
                                 (pallas_kernels/fused_gemm_return.py)
   backward  v1's, kernel for kernel:
             dy_sorted --send over NVLink (the transpose of the return)--> dy_recv
-            --grouped_gemm.swiglu_backward (residuals recv, a, hu)--> d_recv, dW
+            --grouped_gemm.swiglu_backward (residuals recv, a, h, u)--> d_recv, dW
             --return over NVLink (the transpose of the dispatch)--> d_rows_sorted
 
-Bits. Kernel A runs the grouped GEMM's own body on v1's tile plan, so a, hu
+Bits. Kernel A runs the grouped GEMM's own body on v1's tile plan, so a, h, u
 equal v1's; Kernel B runs v1's down-GEMM tiles and stores each row where v1's
 return transfer puts it; the receive buffer kept for the backward pass gets
 v1's zeroed window; the backward pass is v1's. So outputs and gradients equal
@@ -41,7 +41,7 @@ def _forward(rows_sorted, w_gate, w_up, w_down, plan: DispatchPlan, axis_name, e
   rank = jax.lax.axis_index(axis_name)
   recv_rows = plan.recv_valid.shape[0]
   seg = dispatch_segments(plan, rank)
-  recv, a, hu = fused_dispatch_gemm.fused_dispatch_gate_up(
+  recv, a, h, u = fused_dispatch_gemm.fused_dispatch_gate_up(
       rows_sorted, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate, w_up,
       out_rows=recv_rows, axis_name=axis_name, kernel=kernel, transfer=transfer, fused=fused)
   # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
@@ -51,7 +51,7 @@ def _forward(rows_sorted, w_gate, w_up, w_down, plan: DispatchPlan, axis_name, e
   y_sorted = fused_gemm_return.fused_gemm_return(
       a, w_down, seg.src_start, seg.dst_start, seg.rows, out_rows=rows_sorted.shape[0],
       axis_name=axis_name, kernel=kernel)
-  return zero_dropped_rows(y_sorted, plan, el), (recv, a, hu)
+  return zero_dropped_rows(y_sorted, plan, el), (recv, a, h, u)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -62,18 +62,18 @@ def _fused_ffn(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el, kernel, t
 
 def _fused_ffn_fwd(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el, kernel, transfer,
                    fused):
-  y_sorted, (recv, a, hu) = _forward(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el,
+  y_sorted, (recv, a, h, u) = _forward(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el,
                                        kernel, transfer, fused)
-  return y_sorted, (recv, a, hu, w_gate, w_up, w_down, plan)
+  return y_sorted, (recv, a, h, u, w_gate, w_up, w_down, plan)
 
 
 def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, res, dy_sorted):
   from pallas_kernels.grouped_gemm import swiglu_backward
 
-  recv, a, hu, w_gate, w_up, w_down, plan = res
+  recv, a, h, u, w_gate, w_up, w_down, plan = res
   dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)     # the return's transpose
   d_recv, dw_gate, dw_up, dw_down = swiglu_backward(
-      recv, w_gate, w_up, w_down, plan.recv_group_sizes, a, hu, dy_recv, config=kernel)
+      recv, w_gate, w_up, w_down, plan.recv_group_sizes, a, h, u, dy_recv, config=kernel)
   d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)       # the dispatch's transpose
   return d_rows, dw_gate, dw_up, dw_down, _zero_plan_cotangent(plan)
 

@@ -19,10 +19,11 @@ Pruning, before anything is compiled (`check_candidate`, raises
 `InvalidCandidate` with the reason; `enumerate_candidates` collects them):
   * the dataclasses' own shape-free checks (multiples of 64, powers of two, ...);
   * block_m a power of two (the grouped GEMM's ragged TMA store ladder);
-  * block_n a multiple of 128 (the gate/up kernel gives each compute warpgroup
-    whole (gate, up) pairs of 64-column epilogue chunks);
-  * shared memory: for every launch the layer makes (gate/up "gu", down
-    "plain", and for "bwd" da "plain" with a float32 output, dx "plain" and the
+  * block_n a multiple of 128 (the fused SwiGLU and dx kernels give each compute
+    warpgroup block_n / 2 columns, which must be a multiple of the 64-column
+    epilogue);
+  * shared memory: for every launch the layer makes (gate/up "swiglu", down
+    "plain", and for "bwd" da "plain" with a float32 output, dx "sum2" and the
     three wgrads), the kernel's own `grouped_gemm.smem_bytes` (row-tiled) and
     `grouped_gemm._Launch` (wgrad) at ONE stage must fit the device's capacity
     (`pallas_kernels.device.smem_capacity`), else the kernel cannot run. Above
@@ -306,26 +307,27 @@ def _fit_stages(bytes_at: Callable[[int], int], requested: int, k_iters: int, ca
 def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capacity: int) -> tuple:
   """Per launch of the layer's grouped GEMMs, the stage count the kernel will use.
 
-  Mirrors grouped_gemm's padding (`ffn_padded_ffn`, `ffn_padded_hidden`, M to
-  block_m, and to block_k for wgrad) and sizes each launch with the kernel's own
-  smem functions. Raises InvalidCandidate."""
+  Mirrors grouped_gemm's padding (F to lcm(2 block_n, 2 block_m, block_k), H to
+  block_k as a contraction, M to block_m, and to block_k for wgrad) and sizes
+  each launch with the kernel's own smem functions. Raises InvalidCandidate."""
   from pallas_kernels import grouped_gemm as gg
   import jax.numpy as jnp
   if kernel.block_m & (kernel.block_m - 1):
     raise InvalidCandidate(f"block_m={kernel.block_m} must be a power of two "
                            "(ragged TMA store ladder of the grouped GEMM)")
-  if kernel.block_n % 128:
-    raise InvalidCandidate(f"block_n={kernel.block_n} must be a multiple of 128: the gate/up "
-                           "kernel gives each warpgroup whole (gate, up) pairs of 64 columns")
+  if (kernel.block_n // 2) % 64:
+    raise InvalidCandidate(f"block_n={kernel.block_n} must be a multiple of 128: the SwiGLU "
+                           "and dx kernels give each warpgroup block_n/2 columns, a multiple "
+                           "of the 64-column epilogue")
   p, bm, bn, bk = problem, kernel.block_m, kernel.block_n, kernel.block_k
   dt = jnp.dtype(p.dtype)
-  f_p = gg.ffn_padded_ffn(p.ffn, kernel)
-  h_p = gg.ffn_padded_hidden(p.hidden, kernel)
-  launches = [("fwd gate/up (gu)", "gu", dt, h_p // bk),
+  f_p = _round_up(p.ffn, math.lcm(2 * bn, 2 * bm, bk))
+  h_k = _round_up(p.hidden, bk)
+  launches = [("fwd gate/up (swiglu)", "swiglu", dt, h_k // bk),
               ("fwd down (plain)", "plain", dt, f_p // bk)]
   if p.direction == "bwd":
-    launches += [("bwd da (plain, f32 out)", "plain", jnp.dtype(jnp.float32), h_p // bk),
-                 ("bwd dx (plain, K = 2F)", "plain", dt, 2 * f_p // bk)]
+    launches += [("bwd da (plain, f32 out)", "plain", jnp.dtype(jnp.float32), h_k // bk),
+                 ("bwd dx (sum2)", "sum2", dt, f_p // bk)]
   stages = []
   for what, mode, out_dt, k_iters in launches:
     def bytes_at(s, mode=mode, out_dt=out_dt):
