@@ -363,7 +363,7 @@ def test_moe_ffn_auto_uses_the_cache(tmp_path, monkeypatch):
   from uniep_jax import moe as moe_lib
   seen = []
 
-  def fake_swiglu(x, w_gate, w_up, w_down, group_sizes, *, kernel_config):
+  def fake_swiglu(x, w_gate, w_up, w_down, group_sizes, *, kernel_config, zero_dead_rows=True):
     seen.append(kernel_config)
     return moe_lib.swiglu_ragged_dot(x, w_gate, w_up, w_down, group_sizes)
 
