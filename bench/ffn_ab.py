@@ -11,6 +11,7 @@ live rows balanced over the E/R local experts and M = factor x live rows
   gate_up_fwd_skip the same with the dead tiles skipped (zero_window = block_k)
   ffn_fwdbwd       the whole FFN forward + backward (grouped_swiglu_ffn, VJP)
   ffn_fwdbwd_skip  the same with zero_dead_rows=False (the MoE layer's mode)
+  ffn_fwdbwd_skip_fused_da  and with fuse_da_epilogue=True (dh, du in da's epilogue)
   dense            jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
   alt_ffn_fwdbwd   with --alt PATH: that module's grouped_swiglu_ffn fwd+bwd (its
                    defaults), e.g. an earlier version:
@@ -92,6 +93,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
     x, wg, wu, wd, gs, dy)
   t("ffn_fwdbwd_skip", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
       *a, config=cfg, interpret=False, zero_dead_rows=False)), x, wg, wu, wd, gs, dy)
+  t("ffn_fwdbwd_skip_fused_da", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
+      *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True)),
+    x, wg, wu, wd, gs, dy)
   if alt is not None:
     t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, config=cfg,
                                                                      interpret=False)),
@@ -102,7 +106,8 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
     xd, wdense)
   gemm = 2.0 * live * h * f   # FLOPs of one of the FFN's GEMMs over the live rows
   flops = dict(plain_fwd=gemm, gate_up_fwd=2 * gemm, gate_up_fwd_skip=2 * gemm,
-               ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, alt_ffn_fwdbwd=9 * gemm,
+               ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
+               alt_ffn_fwdbwd=9 * gemm,
                dense=gemm)
   tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,

@@ -14,7 +14,10 @@ Rows of `lhs` [M, K] are ordered by group: group g owns rows
 plus two fused variants used by the SwiGLU expert FFN: "swiglu" (one pass over
 the rows computes h = x @ w_gate[g] and u = x @ w_up[g] into two accumulators and
 writes a = silu(h) * u, optionally h and u too) and "sum2" (acc = a0 @ b0 + a1 @ b1,
-the FFN's dx = dh @ w_gate^T + du @ w_up^T in one kernel).
+the FFN's dx = dh @ w_gate^T + du @ w_up^T in one kernel), and "dswiglu" for the
+backward's da = dy @ w_down^T: a plain launch whose epilogue TMA-loads the saved h, u
+of its tile and writes dh, du instead of da (the SwiGLU derivative, module function
+`_dswiglu_epilogue`; da never leaves the registers).
 
 All products accumulate in float32 (wgmma); outputs are cast once at the end.
 
@@ -161,13 +164,14 @@ class _Launch:
   a_cols: int  # columns of each lhs stage tile
   out_itemsize: int
   in_itemsize: int
+  epi_buffers: int = 1  # epilogue slots per warpgroup (2 in "dswiglu": h and u)
 
   def stage_bytes(self) -> int:
     return self.in_itemsize * (
         self.num_a * self.block_m * self.a_cols + self.num_b * self.block_k * self.b_cols)
 
   def epilogue_bytes(self, epi_rows: int) -> int:
-    return _NUM_COMPUTE_WGS * epi_rows * _EPI_N * self.out_itemsize
+    return _NUM_COMPUTE_WGS * self.epi_buffers * epi_rows * _EPI_N * self.out_itemsize
 
   def stages(self, requested: int, k_iters: int, epi_rows: int, smem: int) -> int:
     fit = (smem - _SMEM_RESERVE - self.epilogue_bytes(epi_rows)) // self.stage_bytes()
@@ -181,12 +185,17 @@ class _Launch:
 def smem_bytes(config: KernelConfig, dtype=jnp.bfloat16, out_dtype=None, mode: str = "plain") -> int:
   """Shared memory of one CTA of the row-tiled kernel for `config` (all stages)."""
   out_dtype = out_dtype or dtype
-  wg_n = config.block_n if mode == "plain" else config.block_n // 2
-  num_a, num_b = {"plain": (1, 1), "swiglu": (1, 2), "sum2": (2, 2)}[mode]
-  launch = _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
-                   jnp.dtype(out_dtype).itemsize, jnp.dtype(dtype).itemsize)
+  launch = _launch_of(config, mode, dtype, out_dtype)
   return (config.max_concurrent_steps * launch.stage_bytes()
           + launch.epilogue_bytes(config.block_m) + _SMEM_RESERVE)
+
+
+def _launch_of(config: KernelConfig, mode: str, in_dtype, out_dtype) -> "_Launch":
+  wg_n = config.block_n if mode in ("plain", "dswiglu") else config.block_n // 2
+  num_a, num_b = {"plain": (1, 1), "dswiglu": (1, 1), "swiglu": (1, 2), "sum2": (2, 2)}[mode]
+  return _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
+                 jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize,
+                 epi_buffers=2 if mode == "dswiglu" else 1)
 
 
 def _swizzle_transforms(dtype, minor: int):
@@ -282,6 +291,36 @@ def _silu_mul(h, u):
   return h * jax.nn.sigmoid(h) * u
 
 
+def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier, *, load_row,
+                      smem_row, gmem_row, count, rows: int, col0):
+  """The "dswiglu" epilogue of one compute warpgroup: da [rows, wg_n] (f32, the
+  accumulator) -> dh, du of the same rows and F columns, chunk by chunk:
+    TMA-load h, u [rows, 64] (rows load_row.., the saved residuals) into this
+    warpgroup's buffer pair, wait its barrier, read them (each thread reads the
+    elements it later overwrites: same layout, no cross-thread hazard), compute
+      s = sigmoid(h), dh = da * u * s * (1 + h (1 - s)), du = da * h * s   (f32)
+    write dh, du over h, u, fence, and store rows [lo, hi) with the TMA ladder.
+  Before each chunk's loads, the previous chunk's stores must have read the buffer."""
+  wg = lax.axis_index("wg")
+  buf = hu_smem.at[wg]
+  bar = hu_barrier.at[wg]
+  for c in range(da.shape[1] // _EPI_N):
+    col = col0 + c * _EPI_N
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for i, src in enumerate((h_gmem, u_gmem)):
+      plgpu.copy_gmem_to_smem(src.at[pl.ds(load_row, rows), pl.ds(col, _EPI_N)], buf.at[i], bar)
+    plgpu.barrier_wait(bar)
+    h = buf.at[0][...].astype(jnp.float32)
+    u = buf.at[1][...].astype(jnp.float32)
+    d = da[:, c * _EPI_N:(c + 1) * _EPI_N]
+    s = jax.nn.sigmoid(h)
+    buf.at[0][...] = (d * u * s * (1.0 + h * (1.0 - s))).astype(buf.dtype)
+    buf.at[1][...] = (d * h * s).astype(buf.dtype)
+    plgpu.commit_smem()
+    for i, dst in enumerate((dh_gmem, du_gmem)):
+      ladder_store(buf.at[i], dst.at[:, pl.ds(col, _EPI_N)], smem_row, gmem_row, count, rows)
+
+
 # ----------------------------------------------------------------------------
 # Row-tiled kernel: forward / dgrad / swiglu / sum2
 # ----------------------------------------------------------------------------
@@ -312,14 +351,16 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         [lo, hi) (default lo). Used by `fused_gemm_return.py`.
   """
   num_a = 2 if mode == "sum2" else 1
-  num_b = 1 if mode == "plain" else 2
+  num_b = 2 if mode in ("swiglu", "sum2") else 1
   a_gmems = refs[:num_a]
   b_gmems = refs[num_a:num_a + num_b]
-  out_gmems = refs[num_a + num_b:]
+  epi_in_gmems = refs[num_a + num_b:num_a + num_b + 2] if mode == "dswiglu" else ()
+  out_gmems = refs[num_a + num_b + len(epi_in_gmems):]
   cta_n = _NUM_COMPUTE_WGS * wg_n
   k_iters = k // block_k
   n_tiles = n // cta_n
-  pairs = {"plain": ((0, 0, 0),), "swiglu": ((0, 0, 0), (0, 1, 1)), "sum2": ((0, 0, 0), (1, 1, 0))}[mode]
+  pairs = {"plain": ((0, 0, 0),), "dswiglu": ((0, 0, 0),), "swiglu": ((0, 0, 0), (0, 1, 1)),
+           "sum2": ((0, 0, 0), (1, 1, 0))}[mode]
   num_acc = 2 if mode == "swiglu" else 1
 
   a_transforms = _swizzle_transforms(in_dtype, block_k)
@@ -369,13 +410,20 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   # Dynamic grid (k_steps is traced) so the allocation matches every tile's pipeline.
   alloc_pipeline = make_pipeline(ignore, jnp.int32(k_iters))
 
+  if mode == "dswiglu":   # h, u buffer pairs (also the output staging) + their barriers
+    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, block_m, _EPI_N),
+                                      out_gmems[0].dtype),
+                  hu_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=_NUM_COMPUTE_WGS))
+  else:
+    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmems[0].dtype))
+
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=alloc_pipeline.get_allocations(*a0, *b0),
-      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmems[0].dtype),
       collective_axes="wg",
+      **scoped,
   )
-  def _scope(pipeline_allocs, epi_smem):
+  def _scope(pipeline_allocs, epi_smem, hu_barrier=None):
     def tile(lin, out_gmems_=None, gmem_row=None):
       t = lin // n_tiles
       nt = lin % n_tiles
@@ -403,6 +451,11 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
             else:
               outs = vals
             col0 = nt * cta_n + lax.axis_index("wg") * wg_n
+            if mode == "dswiglu":
+              _dswiglu_epilogue(vals[0], *epi_in_gmems, *out_gmems, epi_smem, hu_barrier,
+                                load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
+                                count=hi - lo, rows=block_m, col0=col0)
+              return
             _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
                             count=hi - lo, rows=block_m, col0=col0, ragged=True)
@@ -445,7 +498,10 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
   returns the static keyword arguments of `_row_tiled_kernel` (one source of
   truth for the standalone launch and for kernels that embed the body).
   Raises ValueError if the tile does not fit in `smem` bytes."""
-  wg_n = config.block_n if mode == "plain" else config.block_n // 2
+  if mode not in ("plain", "dswiglu", "swiglu", "sum2"):
+    raise ValueError(f"unknown {mode=}")
+  launch = _launch_of(config, mode, in_dtype, out_dtype)
+  wg_n = launch.wg_n
   if wg_n % _EPI_N:
     raise ValueError(f"per-warpgroup tile width {wg_n=} must be a multiple of {_EPI_N}")
   cta_n = _NUM_COMPUTE_WGS * wg_n
@@ -458,10 +514,6 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raise ValueError(f"{n=} must be divisible by the CTA tile width {cta_n}")
   if m % block_m:
     raise ValueError(f"{m=} must be divisible by {block_m=}")
-  num_a = 2 if mode == "sum2" else 1
-  num_b = 1 if mode == "plain" else 2
-  launch = _Launch(block_m, block_k, wg_n, num_a, num_b, cta_n, block_k,
-                   jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize)
   stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m), block_m=block_m, block_k=block_k,
@@ -470,13 +522,16 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
 
 def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool,
                     out_dtype, save_hu: bool, config: KernelConfig, interpret,
-                    zero_window: Optional[int] = None):
+                    zero_window: Optional[int] = None, epi_inputs: Sequence = ()):
   """Launch the row-tiled kernel on operands already padded to the tile grid.
   zero_window: see `_row_tile_plan` (None: dead rows come back zero).
 
   a_list: [M, K] each; b_list: [G, K, N] (or [G, N, K] with transpose_b).
-  Returns a tuple of [M, N] outputs.
+  Returns a tuple of [M, N] outputs. Mode "dswiglu": epi_inputs = (h, u) [M, N]
+  (x.dtype), read by the epilogue; returns (dh, du) [M, N] in out_dtype.
   """
+  if (mode == "dswiglu") != (len(epi_inputs) == 2):
+    raise ValueError(f"mode {mode!r} takes epi_inputs=(h, u) exactly when it is 'dswiglu'")
   m, k = a_list[0].shape
   g = b_list[0].shape[0]
   n = b_list[0].shape[1] if transpose_b else b_list[0].shape[2]
@@ -487,7 +542,10 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
   params = row_tiled_params(m, k, n, g, mode=mode, transpose_b=transpose_b, out_dtype=out_dtype,
                             in_dtype=in_dtype, save_hu=save_hu, config=config)
   plan = _row_tile_plan(group_sizes, m, config.block_m, zero_window)
-  num_out = 3 if (mode == "swiglu" and save_hu) else 1
+  num_out = 3 if (mode == "swiglu" and save_hu) else 2 if mode == "dswiglu" else 1
+  for x in epi_inputs:
+    if x.shape != (m, n) or x.dtype != out_dtype:
+      raise ValueError(f"epilogue input {x.shape} {x.dtype} must be {(m, n)} {out_dtype}")
   body = functools.partial(_row_tiled_kernel, **params)
   kernel = plgpu.kernel(
       body,
@@ -499,7 +557,7 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=resolve_interpret(interpret),
   )
-  return kernel(plan, *a_list, *b_list)
+  return kernel(plan, *a_list, *b_list, *epi_inputs)
 
 
 # ----------------------------------------------------------------------------
@@ -783,7 +841,8 @@ def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, sav
 
 
 def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
-                    interpret=None, zero_window: Optional[int] = None):
+                    interpret=None, zero_window: Optional[int] = None,
+                    fuse_da_epilogue: bool = False):
   """The backward pass of `grouped_swiglu_ffn` (formulas in its docstring) from its
   saved residuals a, h, u ([m_p, F_p], the gate/up epilogue's outputs). Returns
   (dx [M, H], dw_gate, dw_up, dw_down). Also the backward pass of the fused uniep
@@ -797,15 +856,21 @@ def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config
   h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
   h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
   dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
-  # da = dy @ w_down^T, float32 out: [m_p, f_p]
-  (da,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="plain",
-                          transpose_b=True, out_dtype=jnp.float32, save_hu=False,
-                          zero_window=zero_window, **kw)
-  hf = h.astype(jnp.float32)
-  uf = u.astype(jnp.float32)
-  s = jax.nn.sigmoid(hf)
-  dh = (da * uf * s * (1.0 + hf * (1.0 - s))).astype(x.dtype)
-  du = (da * hf * s).astype(x.dtype)
+  if fuse_da_epilogue:
+    # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, dh and du: [m_p, f_p]
+    dh, du = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="dswiglu",
+                             transpose_b=True, out_dtype=x.dtype, save_hu=False,
+                             zero_window=zero_window, epi_inputs=(h, u), **kw)
+  else:
+    # da = dy @ w_down^T, float32 out: [m_p, f_p]; dh, du by XLA over all m_p rows
+    (da,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="plain",
+                            transpose_b=True, out_dtype=jnp.float32, save_hu=False,
+                            zero_window=zero_window, **kw)
+    hf = h.astype(jnp.float32)
+    uf = u.astype(jnp.float32)
+    s = jax.nn.sigmoid(hf)
+    dh = (da * uf * s * (1.0 + hf * (1.0 - s))).astype(x.dtype)
+    du = (da * hf * s).astype(x.dtype)
   # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
   (dx,) = _row_tiled_call([dh, du], [_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)],
                           group_sizes, mode="sum2", transpose_b=True, out_dtype=x.dtype,
@@ -820,7 +885,7 @@ def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config
 
 
 @functools.lru_cache(maxsize=None)
-def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool):
+def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_epilogue: bool):
   # the wgrad reads up to block_k rows past a group's end: those stay zero
   zw = None if zero_dead_rows else config.block_k
 
@@ -838,7 +903,8 @@ def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool):
   def bwd(res, dy):
     x, w_gate, w_up, w_down, group_sizes, a, h, u = res
     return swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, config=config,
-                           interpret=interpret, zero_window=zw) + (None,)
+                           interpret=interpret, zero_window=zw,
+                           fuse_da_epilogue=fuse_da_epilogue) + (None,)
 
   f.defvjp(fwd, bwd)
   return f
@@ -846,7 +912,7 @@ def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool):
 
 def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
                        config: KernelConfig = KernelConfig(), interpret=None,
-                       zero_dead_rows: bool = True):
+                       zero_dead_rows: bool = True, fuse_da_epilogue: bool = False):
   """SwiGLU expert FFN over grouped rows, differentiable (custom_vjp).
 
   x [M, H], w_gate/w_up [G, H, F], w_down [G, F, H], group_sizes [G] -> y [M, H]:
@@ -858,18 +924,20 @@ def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
   later rows of y and dx are undefined, never written: the MoE layer's receive
   buffer is sized for the worst case (R*T*K rows, ~1/R of them live), and every
   kernel then skips its dead tiles instead of storing zeros (measured:
-  NOTES_grouped_gemm.md). The backward needs the cotangent dy finite in that window (the wgrad multiplies it
-  by zeros). F need not be a multiple of 64.
+  NOTES_grouped_gemm.md). The backward needs the cotangent dy finite in that
+  window (the wgrad multiplies it by zeros). F need not be a multiple of 64.
 
   Saved for the backward pass: a, h, u (x.dtype, written by the gate/up
   epilogue; no recompute of the gate/up GEMMs). Backward (dh, du are cast to
   x.dtype before the GEMMs that consume them; h and u are the saved x.dtype values):
-    da = dy @ w_down^T (f32 output);  s = sigmoid(h)
-    dh = da * u * s * (1 + h (1 - s)),  du = da * silu(h)
+    da = dy @ w_down^T (f32);  s = sigmoid(h)
+    dh = da * u * s * (1 + h (1 - s)),  du = da * h * s   (XLA, over all rows; with
+        fuse_da_epilogue=True, EXPERIMENTAL, not yet run on a GPU: in da's epilogue,
+        mode "dswiglu", da never stored)
     dx = dh @ w_gate^T + du @ w_up^T (one "sum2" kernel)
     dw_gate = x^T dh, dw_up = x^T du, dw_down = a^T dy (wgrad kernel).
   """
-  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows)(
+  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows, fuse_da_epilogue)(
       x, w_gate, w_up, w_down, group_sizes)
 
 

@@ -107,9 +107,9 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
     np.testing.assert_array_equal(f32(out[g]), 0.0)
 
 
-@pytest.mark.parametrize("mode", ["swiglu", "sum2"])
+@pytest.mark.parametrize("mode", ["swiglu", "sum2", "dswiglu"])
 def test_fused_modes_no_races(mode):
-  """The two fused variants of the row-tiled kernel against their definition."""
+  """The three fused variants of the row-tiled kernel against their definition."""
   m, k, n = 256, 128, 128
   ks = jax.random.split(jax.random.key(3), 4)
   gs = jnp.asarray(GROUP_SIZES)
@@ -126,6 +126,26 @@ def test_fused_modes_no_races(mode):
     assert_bf16_close(h, h_ref)
     assert_bf16_close(u, u_ref)
     assert_bf16_close(a, jax.nn.silu(h_ref) * u_ref)
+  elif mode == "dswiglu":
+    # dy [m, k] @ w_down^T (w_down [g, n, k] read transposed) -> da, then the SwiGLU
+    # derivative with the saved h, u [m, n]; dead rows (past the groups) come back zero
+    n = 256                                   # a plain-width launch: CTA tile 2 x 128
+    dy, wd = rand(ks[0], (m, k)), rand(ks[1], (g, n, k), k**-0.5)
+    total = int(GROUP_SIZES.sum())
+    h, u = rand(ks[2], (m, n)).at[total:].set(0), rand(ks[3], (m, n)).at[total:].set(0)
+    dh, du = gg._row_tiled_call([dy], [wd], gs, mode="dswiglu", transpose_b=True,
+                                out_dtype=BF16, save_hu=False, config=CONFIG,
+                                interpret=INTERPRET, epi_inputs=(h, u))
+    assert_no_races()
+    da = gg.reference_gmm_dgrad(dy.astype(jnp.float32), wd.astype(jnp.float32), gs, jnp.float32)
+    hf, uf = h.astype(jnp.float32), u.astype(jnp.float32)
+    sg = jax.nn.sigmoid(hf)
+    assert_bf16_close(dh, da * uf * sg * (1.0 + hf * (1.0 - sg)))
+    assert_bf16_close(du, da * hf * sg)
+    np.testing.assert_array_equal(f32(dh[total:]), 0.0)
+    with pytest.raises(ValueError, match="epi_inputs"):
+      gg._row_tiled_call([dy], [wd], gs, mode="dswiglu", transpose_b=True, out_dtype=BF16,
+                         save_hu=False, config=CONFIG, interpret=INTERPRET)
   else:
     a0, a1 = rand(ks[0], (m, k)), rand(ks[1], (m, k))
     b0, b1 = rand(ks[2], (g, n, k), k**-0.5), rand(ks[3], (g, n, k), k**-0.5)
@@ -156,7 +176,8 @@ def test_grouped_matmul_gradients():
   assert_bf16_close(dw, dw_ref, atol=1e-3)
 
 
-def test_swiglu_ffn_forward_and_gradients():
+@pytest.mark.parametrize("fuse_da", [False, True])
+def test_swiglu_ffn_forward_and_gradients(fuse_da):
   m, h, f = 256, 128, 96  # F not a multiple of 64
   g = len(GROUP_SIZES)
   ks = jax.random.split(jax.random.key(5), 5)
@@ -165,7 +186,8 @@ def test_swiglu_ffn_forward_and_gradients():
   w_down = rand(ks[3], (g, f, h), f**-0.5)
   dy = rand(ks[4], (m, h))
   gs = jnp.asarray(GROUP_SIZES)
-  ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET)
+  ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
+                                         fuse_da_epilogue=fuse_da)
   y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
   grads = vjp(dy)
   # Forward: exactly the documented casts (a rounded to bf16), f32 accumulation.
@@ -184,7 +206,8 @@ def test_swiglu_ffn_forward_and_gradients():
     assert rel < 1e-2, (name, rel)
 
 
-def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit():
+@pytest.mark.parametrize("fuse_da", [False, True])
+def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(fuse_da):
   """zero_dead_rows=False (the MoE layer's mode): the kernels skip the dead row
   tiles past a block_k window. Live rows of y and dx and every weight gradient are
   bitwise those of the zeroing mode; the window rows are zero; the cotangent's
@@ -203,7 +226,7 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit():
 
   def run(zero, cot):
     ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
-                                           zero_dead_rows=zero)
+                                           zero_dead_rows=zero, fuse_da_epilogue=fuse_da)
     y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
     return y, vjp(cot)
 
