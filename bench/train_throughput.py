@@ -107,9 +107,14 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
   from train.config import TrainConfig
 
   name = _register_variant(model, layers, max_experts)
-  cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
+  base, _, option = backend.partition("+")
+  if option not in ("", "dswiglu"):
+    raise ValueError(f"backend {backend!r}: the only option is '+dswiglu' "
+                     f"(UniEPConfig.swiglu_grad_in_kernel)")
+  cfg = TrainConfig(config=name, mesh=mesh, backend=base, batch=batch, seq=seq,
                     steps=max(steps + warmup, 2), out="/tmp/train_throughput", progress=False,
-                    plot=False, grad_reduction=grad_reduction, lr=lr)
+                    plot=False, grad_reduction=grad_reduction, lr=lr,
+                    swiglu_grad_in_kernel=option == "dswiglu")
   s = loop.make_setup(cfg)
   params, rest, opt_state = loop.init_state(s)
   step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, opt_state))
@@ -177,7 +182,9 @@ def main(argv=None):
   ap.add_argument("--models", default="mixtral-like,deepseek-like")
   ap.add_argument("--layers", type=int, default=1, help="layers per model (0: the config's)")
   ap.add_argument("--meshes", default="", help="default: data=1,expert=R;data=2,expert=R/2")
-  ap.add_argument("--backends", default=",".join(BACKENDS))
+  ap.add_argument("--backends", default=",".join(BACKENDS),
+                  help="comma list; 'pallas+dswiglu' / 'uniep+dswiglu': with the SwiGLU "
+                       "derivative in the da GEMM's epilogue (EXPERIMENTAL)")
   ap.add_argument("--max-experts", type=int, default=64,
                   help="cap on each model's expert count, to fit (0: the config's)")
   ap.add_argument("--batch", type=int, default=8)

@@ -155,10 +155,12 @@ class Transformer(nnx.Module):
   """tokens [B, S] int32 -> (logits [B, S, V] float32, aux of the MoE layers)."""
 
   def __init__(self, c: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
-               backend: str = "xla_dropless", capacity_factor: float = 1.25, rngs: nnx.Rngs):
+               backend: str = "xla_dropless", capacity_factor: float = 1.25,
+               swiglu_grad_in_kernel: bool = False, rngs: nnx.Rngs):
     self.c, self.mesh = c, mesh
     self.dtype = jnp.dtype(c.dtype)
-    moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor)
+    moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor,
+                             swiglu_grad_in_kernel=swiglu_grad_in_kernel)
     kw = sharding_metadata((None, None), mesh)
     self.embed = nnx.Param(fan_in_normal(rngs.params(), (c.vocab_size, c.d_model), c.d_model,
                                           jnp.float32), **kw)

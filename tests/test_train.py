@@ -268,3 +268,11 @@ def test_peak_learning_rate_is_the_model_configs_unless_given():
   with pytest.raises(ValueError, match="lr=0"):
     TrainConfig(lr=0.0)
   assert parse_args(["--lr", "2e-4"]).lr == 2e-4 and parse_args([]).lr is None
+
+
+def test_swiglu_grad_in_kernel_needs_a_pallas_backend():
+  from train.config import TrainConfig, parse_args
+  with pytest.raises(ValueError, match="swiglu_grad_in_kernel is only for --backend pallas"):
+    TrainConfig(backend="xla_dropless", swiglu_grad_in_kernel=True)
+  cfg = parse_args(["--backend", "uniep", "--swiglu-grad-in-kernel"])
+  assert cfg.swiglu_grad_in_kernel and cfg.backend == "uniep"

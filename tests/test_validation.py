@@ -58,6 +58,8 @@ def test_unknown_backend_and_score_fn():
     uniep_jax.RoutingConfig(score_fn="tanh")
   with pytest.raises(ValueError, match="transport"):
     UniEPConfig(transport="pigeon")
+  with pytest.raises(ValueError, match="swiglu_grad_in_kernel.*backend='xla_dropless'"):
+    UniEPConfig(backend="xla_dropless", swiglu_grad_in_kernel=True)
 
 
 def test_dtype_mismatch(setup):

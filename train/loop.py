@@ -93,7 +93,8 @@ def make_setup(cfg: TrainConfig) -> Setup:
 
   def build():
     return Transformer(model_cfg, mesh=mesh, backend=cfg.backend,
-                       capacity_factor=cfg.capacity_factor, rngs=nnx.Rngs(cfg.seed))
+                       capacity_factor=cfg.capacity_factor,
+                       swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel, rngs=nnx.Rngs(cfg.seed))
 
   graphdef, params_tmpl, rest_tmpl = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
   bias_rate = cfg.aux_free_bias_rate
@@ -123,7 +124,8 @@ def init_state(s: Setup) -> tuple[dict, dict, Any]:
   """Fresh (params, rest, opt_state), created directly on their shardings."""
   def init():
     model = Transformer(s.model_cfg, mesh=s.mesh, backend=s.cfg.backend,
-                        capacity_factor=s.cfg.capacity_factor, rngs=nnx.Rngs(s.cfg.seed))
+                        capacity_factor=s.cfg.capacity_factor,
+                        swiglu_grad_in_kernel=s.cfg.swiglu_grad_in_kernel, rngs=nnx.Rngs(s.cfg.seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
     return flat_arrays(params), flat_arrays(rest)
 

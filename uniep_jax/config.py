@@ -191,6 +191,12 @@ class UniEPConfig:
     kernels (dispatch + gate/up in one launch, down GEMM + return in another;
     EXPERIMENTAL: bitwise equal to v1 on GPUs in bench/check_fused*_gpu.py's
     small cases, not yet timed). `uniep_jax/fused.py`.
+  swiglu_grad_in_kernel: only for "pallas" / "uniep": compute the backward's
+    SwiGLU derivative (dh, du) in the epilogue of the da = dy @ w_down^T GEMM
+    (grouped GEMM mode "dswiglu") instead of storing da in float32 and running an
+    XLA pass over all R*T*K receive rows. EXPERIMENTAL: CPU-tested (interpret
+    mode), not yet run on a GPU; default off until timed. "pallas" and "uniep"
+    give the same bits as each other either way.
   """
 
   backend: str = "xla_dropless"
@@ -201,6 +207,7 @@ class UniEPConfig:
   transfer: Optional[TransferConfig] = dataclasses.field(default_factory=TransferConfig)
   receive_capacity_factor: Optional[float] = None
   fused: Optional[FusedConfig] = None
+  swiglu_grad_in_kernel: bool = False
 
   def __post_init__(self):
     if self.receive_capacity_factor is not None and not self.receive_capacity_factor > 0:
@@ -218,6 +225,9 @@ class UniEPConfig:
     if self.fused is not None and self.backend != "uniep":
       raise ValueError(f"fused (the v2 kernels) is only for backend='uniep', got "
                        f"backend={self.backend!r}")
+    if self.swiglu_grad_in_kernel and self.backend not in ("pallas", "uniep"):
+      raise ValueError(f"swiglu_grad_in_kernel (a grouped-GEMM epilogue) is only for backends "
+                       f"'pallas' and 'uniep', got backend={self.backend!r}")
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")

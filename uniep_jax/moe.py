@@ -194,7 +194,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       y_sorted = fused_expert_ffn(sort_rows(x, plan, top_k), params.w_gate, params.w_up,
                                   params.w_down, plan, axis_name=expert_axis,
                                   num_local_experts=el, kernel=config.kernel,
-                                  transfer=config.transfer, fused=config.fused)
+                                  transfer=config.transfer, fused=config.fused,
+                                  grad_in_kernel=config.swiglu_grad_in_kernel)
       y_assign = unsort_rows(y_sorted, plan, top_k)                      # [T, K, H]
     else:
       recv = dispatch(x, plan, **kw)                                     # [R*T*K, H]
@@ -203,7 +204,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
         # never read back (collect takes the live rows only): the kernels skip them
         y_recv = swiglu_pallas(recv, params.w_gate, params.w_up, params.w_down,
                                plan.recv_group_sizes, kernel_config=config.kernel,
-                               zero_dead_rows=False)
+                               zero_dead_rows=False,
+                               grad_in_kernel=config.swiglu_grad_in_kernel)
       else:
         y_recv = swiglu_ragged_dot(recv, params.w_gate, params.w_up, params.w_down,
                                    plan.recv_group_sizes)
