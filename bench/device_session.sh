@@ -29,7 +29,9 @@
 #            $PROF_DIRECTION fwd; SECONDS is each backend's limit)
 #   tune     the autotuner on one shape and direction (python -m uniep_jax.tune; $TUNE_SHAPE
 #            default deepseek-like, $TUNE_DIRECTION default fwd, $TUNE_ARGS extra flags;
-#            continues from bench/results/tune; copy back tune/* and tuned_configs.json)
+#            $TUNE_WORKERS compile threads, default 8; XLA deterministic ($TUNE_XLA_FLAGS
+#            overrides), as training runs; continues from bench/results/tune when the
+#            flags match; copy back tune/* and tuned_configs.json)
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
@@ -41,6 +43,8 @@ NO_COMBINE="--xla_gpu_all_reduce_combine_threshold_bytes=0 --xla_gpu_reduce_scat
 # XLA:GPU picks GEMM algorithms (split-K, tiles) by timing them at compile time: two
 # programs, or two processes, can pick differently for the same GEMM
 NO_AUTOTUNE="--xla_gpu_autotune_level=0"
+# XLA:GPU's deterministic mode (no GEMM autotuning), the training CLI's default
+DET="--xla_gpu_deterministic_ops=true"
 # XLA turns an async all-reduce into a synchronous one when nothing overlaps it, which
 # depends on the whole program's schedule; the two run on different NCCL communicators
 # (stepdiff, 2026-11-26: the one gradient that differed between pallas and uniep was
@@ -110,10 +114,12 @@ run_phase() {  # name seconds
                  --shape "${PROF_SHAPE:-deepseek-like}" --direction "${PROF_DIRECTION:-fwd}" \
                  --out "$dir" >> "$dir/log" 2>&1 || { prc=$?; break; }
              done; (exit $prc) ;;
-    tune)    cp uniep_jax/tuned_configs.json "$dir/" && timeout -s USR1 -k 15 "$secs" \
+    tune)    cp uniep_jax/tuned_configs.json "$dir/" && XLA_FLAGS="${TUNE_XLA_FLAGS-$DET}" \
+               timeout -s USR1 -k 15 "$secs" \
                python3 -m uniep_jax.tune --moe-config "${TUNE_SHAPE:-deepseek-like}" \
                --ep "$(nvidia-smi -L | wc -l)" --direction "${TUNE_DIRECTION:-fwd}" \
                --budget-s $((secs - 60)) --cache "$dir/tuned_configs.json" --out "$dir/tune" \
+               --compile-workers "${TUNE_WORKERS:-8}" \
                --resume bench/results/tune --no-progress ${TUNE_ARGS:-} > "$dir/log" 2>&1 ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;

@@ -166,6 +166,48 @@ def test_staged_search_picks_fastest_verified():
   assert sorted(runner.referenced) == ["m128_n128_k64_s4", "m64_n128_k64_s4"]
 
 
+class PrefetchingRunner(FakeRunner):
+  """Records what the search asks to compile ahead, and in which order."""
+
+  prefetch_window = 2
+
+  def __init__(self, *a, **kw):
+    super().__init__(*a, **kw)
+    self.events = []
+
+  def prefetch(self, cands, kernels):
+    self.events.append(("prefetch", [c.label() for c in cands],
+                        [T.kernel_label(k) for k in kernels]))
+
+  def measure(self, cand):
+    self.events.append(("measure", cand.label()))
+    return super().measure(cand)
+
+
+def test_search_prefetches_the_next_candidates_and_missing_references():
+  clock = FakeClock()
+  runner = PrefetchingRunner(clock, _time_table)
+  res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9, progress=False,
+               clock=clock)
+  assert res.best.candidate.label() == "m64_n128_k64_s4|c128_x32_t256"   # same result
+  measured = [e[1] for e in runner.events if e[0] == "measure"]
+  for i, e in enumerate(runner.events):
+    if e[0] == "measure":   # every measured candidate was asked for just before
+      assert runner.events[i - 1][0] == "prefetch" and e[1] == runner.events[i - 1][1][0]
+  prefetches = [e for e in runner.events if e[0] == "prefetch"]
+  assert all(len(p[1]) <= 2 for p in prefetches)
+  # the first prefetch asks for both stage-1 tilings and both references; later ones
+  # never ask again for a reference already computed
+  assert prefetches[0][1] == measured[:2] and sorted(prefetches[0][2]) == sorted(
+      ["m128_n128_k64_s4", "m64_n128_k64_s4"])
+  assert all(p[2] == [] for p in prefetches[2:])
+
+
+def test_layer_runner_rejects_bad_compile_workers():
+  with pytest.raises(ValueError, match="compile_workers=0"):
+    T.LayerRunner(T.TuneProblem(64, 64, 128, 4, 2, 1), backend="pallas", compile_workers=0)
+
+
 def test_never_picks_a_mismatching_candidate(tmp_path, capsys):
   fastest = "m64_n128_k64_s4|c128_x32_t256"
   clock = FakeClock()
@@ -363,7 +405,7 @@ def test_moe_ffn_auto_uses_the_cache(tmp_path, monkeypatch):
   from uniep_jax import moe as moe_lib
   seen = []
 
-  def fake_swiglu(x, w_gate, w_up, w_down, group_sizes, *, kernel_config, zero_dead_rows=True):
+  def fake_swiglu(x, w_gate, w_up, w_down, group_sizes, *, kernel_config, **_):
     seen.append(kernel_config)
     return moe_lib.swiglu_ragged_dot(x, w_gate, w_up, w_down, group_sizes)
 
@@ -395,7 +437,7 @@ def test_cli_end_to_end_interpret(tmp_path, monkeypatch):
   rc = T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
                "--backend", "pallas", "--num-sms", "2", "--trials", "1", "--max-candidates", "1",
                "--budget-s", "300", "--out", os.fspath(out), "--cache", os.fspath(cache),
-               "--no-progress"])
+               "--no-progress", "--compile-workers", "2"])   # the threaded compile path
   assert rc == 0
   kind = jax.devices()[0].device_kind
   stem = out / (T.report_stem(kind, "64x64x128x4x2", 1, "fwd"))

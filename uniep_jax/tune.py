@@ -79,8 +79,11 @@ skips. One call on the device, from the repository root (4 GPUs: --ep 4 on a
 4-GPU machine; 2 GPUs: --ep 2 on a 2-GPU machine):
 
   mkdir -p $OUT && cp uniep_jax/tuned_configs.json $OUT/ && \
-  PYTHONPATH=$PWD python -m uniep_jax.tune --moe-config deepseek-like --ep 4 --direction bwd \
+  XLA_FLAGS=--xla_gpu_deterministic_ops=true PYTHONPATH=$PWD python -m uniep_jax.tune \
+      --moe-config deepseek-like --ep 4 --direction bwd --compile-workers 8 \
       --budget-s 450 --cache $OUT/tuned_configs.json --out $OUT/tune --resume bench/results/tune
+
+(or `TUNE_SHAPE=deepseek-like TUNE_DIRECTION=bwd bash bench/device_session.sh tune:500`)
 
 then, back in the checkout: copy $OUT/tuned_configs.json over
 uniep_jax/tuned_configs.json and $OUT/tune/* into bench/results/tune/, and
@@ -96,7 +99,10 @@ Cost: each timed candidate is one compile of the layer (~16 s fwd, ~38 s
 fwd+bwd at the target shapes on H200, bench/results/moe_layer_*_run3.json) and
 each new KernelConfig one more for its "pallas" reference; stage 1 has 16 (fwd)
 or 20 (bwd) tilings at the target shapes, so a full staged search of one shape
-and direction takes about 3-4 ten-minute calls for "bwd".
+and direction takes about 3-4 ten-minute calls for "bwd" when compiled one at a
+time (measured 2026-11-26, 4x H200: 11 fwd candidates in 306 s). --compile-workers N
+compiles the next 2N candidates in N threads while one is timed (not yet timed on
+a GPU). A report records XLA_FLAGS; --resume ignores a report made with other flags.
 
 The report (`--out`): tune_<device>_<shape>_ep<R>_<direction>.json (every trial,
 rejections with reasons, top 5, best vs default spread, mismatches) and a PNG of
@@ -106,6 +112,7 @@ time against the main knobs.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -483,7 +490,11 @@ class Runner(Protocol):
   """What the search loop needs; tests inject fakes.
 
   reference(kernel) -> checksum of backend "pallas" with this KernelConfig
-  measure(candidate) -> Measurement of the tuned backend; both raise on failure."""
+  measure(candidate) -> Measurement of the tuned backend; both raise on failure.
+  Optional: prefetch_window (int) and prefetch(cands, kernels): start compiling
+  the next candidates and the references of `kernels` in the background (the
+  search calls it before each candidate; results and errors surface in
+  measure / reference)."""
 
   backend: str
   uses_transfer: bool
@@ -544,14 +555,28 @@ class LayerRunner:
   backend: the tuned backend ("uniep" on GPUs; "pallas" runs in the CPU
   interpret mode, where it checks the machinery). num_sms overrides
   KernelConfig.num_sms (small in the interpret mode). The reference is backend
-  "pallas" with transport "padded" and the candidate's KernelConfig."""
+  "pallas" with transport "padded" and the candidate's KernelConfig.
+
+  compile_workers > 1: the next 2 x compile_workers candidates (and the references
+  they need) are compiled ahead in that many threads while the current one is
+  timed; timing stays one candidate at a time. A compile is most of a candidate's
+  cost (~16-38 s at the target shapes, against ~2 s of timing). XLA:GPU's own GEMM
+  autotuning would then time kernels while other compiles run: run it with
+  XLA_FLAGS=--xla_gpu_deterministic_ops=true (no autotuning; the training CLI's
+  default), as bench/device_session.sh's tune phase does."""
 
   def __init__(self, problem: TuneProblem, *, backend: str = "uniep", mesh=None,
                num_sms: Optional[int] = None, seed: int = 0, trials: int = 5,
-               min_batch_s: float = 0.1, max_reps: int = 10):
+               min_batch_s: float = 0.1, max_reps: int = 10, compile_workers: int = 1):
     import jax
     if backend not in ("uniep", "pallas"):
       raise ValueError(f"backend={backend!r}: the tuner times 'uniep' (or 'pallas')")
+    if compile_workers < 1:
+      raise ValueError(f"compile_workers={compile_workers} must be >= 1")
+    self.prefetch_window = 2 * compile_workers if compile_workers > 1 else 0
+    self._pool = (concurrent.futures.ThreadPoolExecutor(compile_workers, "uniep-tune-compile")
+                  if compile_workers > 1 else None)
+    self._pending: dict = {}   # UniEPConfig -> Future of (compiled, compile_s)
     self.problem, self.backend, self.num_sms = problem, backend, num_sms
     self.uses_transfer = backend == "uniep"
     self.timing = dict(trials=trials, min_batch_s=min_batch_s, max_reps=max_reps)
@@ -563,7 +588,6 @@ class LayerRunner:
       mesh = jax.make_mesh((1, r), ("data", "expert"), devices=devs[:r])
     self.mesh = mesh
     self.inputs = self._make_inputs(seed)
-    self._fn_cache: dict = {}
 
   def _make_inputs(self, seed: int):
     import jax
@@ -600,10 +624,8 @@ class LayerRunner:
     return UniEPConfig(backend=backend, kernel=kernel, transfer=transfer, transport=transport,
                        fused=fused if backend == "uniep" else None)
 
-  def _fn(self, cfg: UniEPConfig):
-    """The jitted layer for `cfg` (only the last one is kept, so memory is freed)."""
-    if cfg in self._fn_cache:
-      return self._fn_cache[cfg]
+  def _jitted(self, cfg: UniEPConfig):
+    """The jitted layer for `cfg`: forward, or loss value and gradients for "bwd"."""
     import jax
     import jax.numpy as jnp
     from uniep_jax.moe import moe_ffn
@@ -618,24 +640,48 @@ class LayerRunner:
       return (jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
               + 1e-2 * aux["load_balance_loss"])
 
-    fn = jax.jit(fwd if self.problem.direction == "fwd"
-                 else jax.value_and_grad(loss, argnums=(0, 1)))
-    self._fn_cache = {cfg: fn}
-    return fn
+    return jax.jit(fwd if self.problem.direction == "fwd"
+                   else jax.value_and_grad(loss, argnums=(0, 1)))
+
+  def _compile(self, cfg: UniEPConfig):
+    t0 = time.perf_counter()
+    compiled = self._jitted(cfg).lower(*self.inputs).compile()
+    return compiled, time.perf_counter() - t0
+
+  def _compiled(self, cfg: UniEPConfig):
+    """(executable, compile seconds): the prefetched one if any (its compile error,
+    if it failed, is raised here), else compiled now."""
+    future = self._pending.pop(cfg, None)
+    return future.result() if future is not None else self._compile(cfg)
+
+  def prefetch(self, cands: Sequence[Candidate], kernels: Sequence[KernelConfig]) -> None:
+    if self._pool is None:
+      return
+    cfgs = ([self._config("pallas", kn, TransferConfig()) for kn in kernels]
+            + [self._config(self.backend, c.kernel, c.transfer, c.fused) for c in cands])
+    for cfg in cfgs:
+      if cfg not in self._pending:
+        self._pending[cfg] = self._pool.submit(self._compile, cfg)
+
+  def close(self) -> None:
+    """Drops what was prefetched and not used (queued compiles are cancelled)."""
+    if self._pool is not None:
+      self._pool.shutdown(wait=True, cancel_futures=True)
+      self._pending.clear()
 
   def reference(self, kernel: KernelConfig) -> tuple:
-    fn = self._fn(self._config("pallas", kernel, TransferConfig()))
-    return tree_checksum(fn(*self.inputs))
+    compiled, _ = self._compiled(self._config("pallas", kernel, TransferConfig()))
+    return tree_checksum(compiled(*self.inputs))
 
   def measure(self, cand: Candidate) -> Measurement:
+    """compile_s: the compile alone (in a worker thread when prefetched)."""
     from bench.common import block, time_ms  # the benchmarks' timing method (METHOD.md)
-    fn = self._fn(self._config(self.backend, cand.kernel, cand.transfer, cand.fused))
-    t0 = time.perf_counter()
-    out = block(fn(*self.inputs))
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s = self._compiled(
+        self._config(self.backend, cand.kernel, cand.transfer, cand.fused))
+    out = block(compiled(*self.inputs))
     checksum = tree_checksum(out)
     del out
-    t = time_ms(fn, *self.inputs, **self.timing)
+    t = time_ms(compiled, *self.inputs, **self.timing)
     return Measurement(median_ms=t["median_ms"], compile_s=compile_s, checksum=checksum,
                        timing=t)
 
@@ -706,7 +752,10 @@ class _Search:
     deadline = self.deadline if deadline is None else min(deadline, self.deadline)
     bar = tqdm(cands, desc=f"tune {stage}", disable=not self.progress, file=sys.stderr,
                dynamic_ncols=True)
-    for cand in bar:
+    window = getattr(self.runner, "prefetch_window", 0)
+    for i, cand in enumerate(bar):
+      if window and self.clock() < deadline:
+        self._prefetch(cands[i:i + window])
       prev = self.previous.get(cand.label())
       if prev is not None and prev.status == "running":
         # The checkpoint was written before this candidate ran and never updated.
@@ -730,6 +779,15 @@ class _Search:
       if best is not None:
         bar.set_postfix_str(f"best {best.median_ms:.3f} ms {best.candidate.label()}")
     bar.close()
+
+  def _prefetch(self, cands: Sequence[Candidate]) -> None:
+    """Asks the runner to compile ahead what these candidates will run: the ones not
+    reused from a resumed report, and the references not yet computed."""
+    todo = [c for c in cands
+            if self.previous.get(c.label()) is None or self.previous[c.label()].status == "skipped"]
+    kernels = {kernel_label(c.kernel): c.kernel for c in todo
+               if kernel_label(c.kernel) not in self.references}
+    self.runner.prefetch(todo, list(kernels.values()))
 
   def _one(self, cand: Candidate, stage: str) -> Trial:
     ref_status, ref = self._reference(cand.kernel)
@@ -1141,6 +1199,7 @@ def write_report(result: TuneResult, out_dir: str, shape_name: str, with_plot: b
     payload["meta"] = run_metadata()
   except Exception as e:  # noqa: BLE001 - metadata only
     payload["meta"] = dict(error=repr(e)[:200])
+  payload["meta"]["xla_flags"] = os.environ.get("XLA_FLAGS", "")
   with open(stem + ".json", "w") as f:
     json.dump(payload, f, indent=1, sort_keys=True)
   paths = dict(json=stem + ".json")
@@ -1194,6 +1253,9 @@ def main(argv=None) -> int:
   ap.add_argument("--no-fused", action="store_true",
                   help="skip stage 3 (the v2 fused kernels, EXPERIMENTAL)")
   ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--compile-workers", type=int, default=1,
+                  help="compile the next candidates in this many threads while one is timed "
+                       "(see LayerRunner; use with XLA_FLAGS=--xla_gpu_deterministic_ops=true)")
   args = ap.parse_args(argv)
 
   import jax
@@ -1217,8 +1279,17 @@ def main(argv=None) -> int:
       if os.path.exists(prev):
         with open(prev) as fh:
           resume = json.load(fh)
-        print(f"resuming from {prev}", flush=True)
-    runner = LayerRunner(problem, backend=args.backend, num_sms=args.num_sms, trials=args.trials)
+        flags = os.environ.get("XLA_FLAGS", "")
+        if resume.get("meta", {}).get("xla_flags", "") != flags:
+          # other XLA flags: other glue kernels, other times (and maybe other bits)
+          print(f"NOT resuming from {prev}: it ran with XLA_FLAGS="
+                f"{resume.get('meta', {}).get('xla_flags', '')!r}, this run has {flags!r}",
+                flush=True)
+          resume = None
+        else:
+          print(f"resuming from {prev}", flush=True)
+    runner = LayerRunner(problem, backend=args.backend, num_sms=args.num_sms, trials=args.trials,
+                         compile_workers=args.compile_workers)
     print(f"tuning {cache_key(device.kind, problem)} (budget {per_direction:.0f} s)", flush=True)
     checkpoint = lambda r: write_report(r, out, shape_name, with_plot=False)  # noqa: E731
     result = tune(problem, runner, device=device, budget_s=per_direction,
@@ -1230,6 +1301,7 @@ def main(argv=None) -> int:
     print(f"wrote {paths}", flush=True)
     if record(result, cache) == "mismatch":
       rc = 2
+    runner.close()
     del runner
   return rc
 
