@@ -26,7 +26,10 @@
 #            deterministic mode, the training CLI's default)
 #   profile  kernel-level profile of one MoE layer call per backend (bench/profile_layer.py;
 #            $PROF_BACKENDS default uniep,uniep_fused, $PROF_SHAPE deepseek-like,
-#            $PROF_DIRECTION fwd; SECONDS is each backend's limit)
+#            $PROF_DIRECTION fwd; SECONDS is each backend's limit); with $PROF_TRAIN_MODEL
+#            (e.g. mixtral-like) the training step of that model instead (1 layer, 64
+#            experts at most, $PROF_MESH; $PROF_BACKENDS are training backends then,
+#            e.g. xla_capacity,uniep,uniep+dswiglu)
 #   tune     the autotuner on one shape and direction (python -m uniep_jax.tune; $TUNE_SHAPE
 #            default deepseek-like, $TUNE_DIRECTION default fwd, $TUNE_ARGS extra flags;
 #            $TUNE_WORKERS compile threads, default 8; XLA deterministic ($TUNE_XLA_FLAGS
@@ -112,6 +115,8 @@ run_phase() {  # name seconds
              for b in ${PROF_BACKENDS//,/ }; do
                timeout -s USR1 -k 15 "$secs" python3 -m bench.profile_layer --backend "$b" \
                  --shape "${PROF_SHAPE:-deepseek-like}" --direction "${PROF_DIRECTION:-fwd}" \
+                 ${PROF_TRAIN_MODEL:+--train-model "$PROF_TRAIN_MODEL"} \
+                 ${PROF_MESH:+--mesh "$PROF_MESH"} \
                  --out "$dir" >> "$dir/log" 2>&1 || { prc=$?; break; }
              done; (exit $prc) ;;
     tune)    cp uniep_jax/tuned_configs.json "$dir/" && XLA_FLAGS="${TUNE_XLA_FLAGS-$DET}" \

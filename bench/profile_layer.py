@@ -10,6 +10,13 @@ under its GEMM, and what does the glue around the kernels cost?
 
   python -m bench.profile_layer [--shape deepseek-like] [--backend uniep_fused]
       [--direction fwd] [--routing balanced] [--reps 3] [--top 25] [--out DIR]
+  python -m bench.profile_layer --train-model mixtral-like --backend uniep [--mesh data=1,expert=4]
+      (the whole training step of bench/train_throughput.py's model instead of one layer)
+
+Mosaic GPU kernels all carry one name in the trace; the table names them by launch
+shape ("mosaic grid 132 block 384 smem 229440"). Each device also gets a timeline:
+its kernels of at least --min-us in start order (ms from the first, duration, stream),
+to read one call's sequence (e.g. which GEMM follows which transfer).
 
 Writes profile_<backend>_<shape>_<direction>.json (the table, metadata) and keeps the
 trace (trace.json.gz, viewable in Perfetto) under --out. On the CPU it runs on tiny
@@ -60,7 +67,21 @@ def _busy_union(intervals: list[tuple[float, float]]) -> float:
   return total
 
 
-def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25) -> dict:
+def kernel_name(e: dict) -> str:
+  """The event's name; Mosaic GPU kernels (all "anonymous_mosaic_gpu_kernel") by
+  their launch shape from the trace's kernel_details."""
+  name = e["name"]
+  if name.startswith("anonymous_mosaic_gpu_kernel"):
+    d = dict(kv.split(":", 1) for kv in e.get("args", {}).get("kernel_details", "").split()
+             if ":" in kv)
+    if d:
+      name = (f"mosaic grid {d.get('grid', '?').split(',')[0]} block "
+              f"{d.get('block', '?').split(',')[0]} smem {d.get('dynamic_shared', '?')}")
+  return name
+
+
+def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25,
+              min_us: float = 20.0) -> dict:
   """Per device (trace process whose name holds 'GPU' or '/device:', else every
   process): kernels by total time. overlap_us of a kernel = the part of its time
   during which some other kernel event of the same device was running too."""
@@ -76,7 +97,8 @@ def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25) ->
     span = max(e["ts"] + e["dur"] for e in evs) - evs[0]["ts"]
     rows = collections.OrderedDict()
     for e in evs:
-      r = rows.setdefault(e["name"], dict(name=e["name"], count=0, total_us=0.0, overlap_us=0.0))
+      r = rows.setdefault(kernel_name(e), dict(name=kernel_name(e), count=0, total_us=0.0,
+                                               overlap_us=0.0))
       r["count"] += 1
       r["total_us"] += e["dur"]
     # overlap: for each event, the union of the other events' intersections with it
@@ -85,7 +107,7 @@ def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25) ->
       a, b = e["ts"], e["ts"] + e["dur"]
       cut = [(max(a, s), min(b, t)) for s, t, j in starts
              if j != i and s < b and t > a and evs[j]["tid"] != e["tid"]]
-      rows[e["name"]]["overlap_us"] += _busy_union(cut)
+      rows[kernel_name(e)]["overlap_us"] += _busy_union(cut)
     table = sorted(rows.values(), key=lambda r: -r["total_us"])
     busy = _busy_union([(e["ts"], e["ts"] + e["dur"]) for e in evs])
     for r in table:
@@ -93,7 +115,10 @@ def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25) ->
       r["per_call_us"] = r["total_us"] / calls
     out[pnames.get(pid, str(pid))] = dict(
         span_us=span, busy_us=busy, span_per_call_us=span / calls, busy_per_call_us=busy / calls,
-        kernels=table[:top], other_kernels=len(table) - min(top, len(table)))
+        kernels=table[:top], other_kernels=len(table) - min(top, len(table)),
+        timeline=[dict(start_ms=round((e["ts"] - evs[0]["ts"]) / 1e3, 3),
+                       ms=round(e["dur"] / 1e3, 3), stream=e["tid"], name=kernel_name(e))
+                  for e in evs if e["dur"] >= min_us])
   return out
 
 
@@ -107,34 +132,46 @@ def main(argv=None):
   ap.add_argument("--reps", type=int, default=3, help="profiled calls (after a warm-up call)")
   ap.add_argument("--top", type=int, default=25)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--min-us", type=float, default=20.0, help="timeline: shortest kernel kept")
+  ap.add_argument("--train-model", default=None,
+                  help="profile the training step of this model (bench/train_throughput.py: "
+                       "--layers, --max-experts, --batch, --seq, --mesh; --backend is a "
+                       "training backend, e.g. uniep, xla_capacity, uniep+dswiglu)")
+  ap.add_argument("--mesh", default=None, help="--train-model: default data=1,expert=<GPUs>")
+  ap.add_argument("--layers", type=int, default=1)
+  ap.add_argument("--max-experts", type=int, default=64)
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--seq", type=int, default=2048)
   args = ap.parse_args(argv)
+  if args.train_model:
+    from bench.common import start_training_process
+    start_training_process(True)   # XLA deterministic, as the training CLI and its bench
   import jax
 
-  from bench import common, moe_layer
+  from bench import common
 
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
-  shape = {**common.SHAPES, **common.SMOKE_SHAPES}[args.shape]
   r = len(jax.devices())
-  mesh = jax.make_mesh((1, r), ("data", "expert"))
-  x, p = moe_layer.make_inputs(shape, mesh, skewed=args.routing == "skewed")
-  f_fwd, f_bwd = moe_layer.layer_fns(mesh, shape, moe_layer.BACKEND_CONFIGS[args.backend])
-  fn = f_fwd if args.direction == "fwd" else f_bwd
-  common.block(fn(x, p))  # compile and warm up outside the trace
-  trace_dir = os.path.join(out, f"trace_{args.backend}_{args.shape}_{args.direction}")
+  if args.train_model:
+    fn, tag = _train_step_fn(args, r)
+  else:
+    fn, tag = _layer_fn(args, r)
+  fn()  # compile and warm up outside the trace
+  trace_dir = os.path.join(out, f"trace_{tag}")
   with jax.profiler.trace(trace_dir):
     for _ in range(args.reps):
-      common.block(fn(x, p))
+      fn()
   # the newest trace (an earlier run into the same --out leaves its own)
   path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
              key=os.path.getmtime)
   for raw in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
     os.remove(raw)  # the trace.json.gz holds what we read; keep what comes back small
   events, pnames = _events(path)
-  table = summarize(events, pnames, calls=args.reps, top=args.top)
+  table = summarize(events, pnames, calls=args.reps, top=args.top, min_us=args.min_us)
   payload = dict(common.run_metadata(), benchmark="profile_layer", settings=vars(args),
                  trace=os.path.relpath(path, out), devices=table)
-  name = f"profile_{args.backend}_{args.shape}_{args.direction}.json"
+  name = f"profile_{tag}.json"
   common.write_json(os.path.join(out, name), payload)
   for dev, d in list(table.items())[:1] + list(table.items())[1:2]:
     print(f"{dev}: span {d['span_per_call_us'] / 1e3:.2f} ms per call, busy "
@@ -144,6 +181,42 @@ def main(argv=None):
       print(f"  {k['name'][:60]:60s} {k['count']:6d} {k['per_call_us'] / 1e3:8.3f} "
             f"{k['mean_us']:9.1f} {k['overlap_us'] / max(k['total_us'], 1e-9):8.0%}")
   return 0
+
+
+def _layer_fn(args, r):
+  """One MoE layer call of bench/moe_layer.py (a callable that blocks) and its tag."""
+  import jax
+
+  from bench import common, moe_layer
+  shape = {**common.SHAPES, **common.SMOKE_SHAPES}[args.shape]
+  mesh = jax.make_mesh((1, r), ("data", "expert"))
+  x, p = moe_layer.make_inputs(shape, mesh, skewed=args.routing == "skewed")
+  f_fwd, f_bwd = moe_layer.layer_fns(mesh, shape, moe_layer.BACKEND_CONFIGS[args.backend])
+  fn = f_fwd if args.direction == "fwd" else f_bwd
+  return (lambda: common.block(fn(x, p))), f"{args.backend}_{args.shape}_{args.direction}"
+
+
+def _train_step_fn(args, r):
+  """Successive training steps of bench/train_throughput.py's case (a callable that
+  runs one and blocks) and its tag."""
+  import jax
+
+  from bench import train_throughput as tt
+  from models.config import get_config
+  mesh = args.mesh or f"data=1,expert={r}"
+  data = tt.uniform_tokens(vocab=get_config(args.train_model).vocab_size, n=4 << 20)
+  case = tt.build_case(args.train_model, mesh, args.backend, layers=args.layers or None,
+                       batch=args.batch, seq=args.seq, num_batches=1, data=data,
+                       max_experts=args.max_experts or None, grad_reduction="ordered")
+  state = [case.state]
+
+  def step():
+    params, rest, opt_state, m = case.step_fn(*state[0], *case.batches[0])
+    jax.block_until_ready(m)
+    state[0] = (params, rest, opt_state)
+
+  backend = args.backend.replace("+", "_")
+  return step, f"train_{case.name}_{mesh.replace('=', '').replace(',', '_')}_{backend}"
 
 
 if __name__ == "__main__":

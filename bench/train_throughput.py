@@ -69,8 +69,10 @@ def uniform_tokens(vocab: int, n: int, seed: int = 0):
 # (loss 10.7 -> 28.6 at step 2, bench/results/train_loop_probe_NVIDIA_H200_x4.log),
 # the router collapsed onto few experts and xla_capacity dropped 62-76% of the
 # assignments in the timed steps, skipping that work (runs 1 and 2). At a small rate
-# the timed steps should keep the routing of initialisation (near balanced on uniform
-# tokens; not yet measured); each row records it (dropped_fraction, max_load).
+# the timed steps keep the routing of initialisation: run 5 (4x H200, cd1ffb9) had
+# losses 10.77 -> 10.78 over the timed steps and the most loaded expert at 1.45x
+# (mixtral-like) and 2.17x (deepseek-like-E64) the mean; each row records it
+# (dropped_fraction, max_load, loss_first, loss_last).
 TIMING_LR = 1e-5
 
 
@@ -96,13 +98,24 @@ def _register_variant(model: str, layers: int | None, max_experts: int | None = 
   return name
 
 
-def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
-             steps: int, warmup: int, data, dense_tflops: float,
-             max_experts: int | None = None, grad_reduction: str = "xla",
-             lr: float = TIMING_LR) -> dict:
-  """Times `steps` train steps after `warmup` at the learning rate `lr`; returns the row
-  for the JSON, with the routing state of the timed steps (dropped fraction, max load)."""
-  from models.report import model_report
+@dataclasses.dataclass
+class TrainCase:
+  """One model x mesh x backend, set up for stepping: `state` = (params, rest,
+  opt_state); `step_fn(*state, *batches[i])` -> (params, rest, opt_state, metrics)."""
+  name: str
+  setup: object           # train.loop.Setup
+  state: tuple
+  step_fn: object
+  batches: list
+
+
+def build_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
+               num_batches: int, data, max_experts: int | None = None,
+               grad_reduction: str = "xla", lr: float = TIMING_LR) -> TrainCase:
+  """The real train step (train/loop.py) of `model` (registered with `layers` and
+  `max_experts`) on `mesh` with `backend` ("pallas+dswiglu" / "uniep+dswiglu": with
+  UniEPConfig.swiglu_grad_in_kernel), and `num_batches` batches of `data` on the
+  devices. Shared by this bench and bench/profile_layer.py --train-model."""
   from train import loop
   from train.config import TrainConfig
 
@@ -112,14 +125,30 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
     raise ValueError(f"backend {backend!r}: the only option is '+dswiglu' "
                      f"(UniEPConfig.swiglu_grad_in_kernel)")
   cfg = TrainConfig(config=name, mesh=mesh, backend=base, batch=batch, seq=seq,
-                    steps=max(steps + warmup, 2), out="/tmp/train_throughput", progress=False,
+                    steps=max(num_batches, 2), out="/tmp/train_throughput", progress=False,
                     plot=False, grad_reduction=grad_reduction, lr=lr,
                     swiglu_grad_in_kernel=option == "dswiglu")
   s = loop.make_setup(cfg)
-  params, rest, opt_state = loop.init_state(s)
-  step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, opt_state))
+  state = loop.init_state(s)
+  step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, state[2]))
   put = lambda a: jax.device_put(a, s.batch_sh)  # noqa: E731
-  batches = [tuple(map(put, data.batch(cfg.seed, i, batch, seq))) for i in range(steps + warmup)]
+  batches = [tuple(map(put, data.batch(cfg.seed, i, batch, seq))) for i in range(num_batches)]
+  return TrainCase(name, s, tuple(state), step_fn, batches)
+
+
+def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
+             steps: int, warmup: int, data, dense_tflops: float,
+             max_experts: int | None = None, grad_reduction: str = "xla",
+             lr: float = TIMING_LR) -> dict:
+  """Times `steps` train steps after `warmup` at the learning rate `lr`; returns the row
+  for the JSON, with the routing state of the timed steps (dropped fraction, max load)."""
+  from models.report import model_report
+
+  case = build_case(model, mesh, backend, layers=layers, batch=batch, seq=seq,
+                    num_batches=steps + warmup, data=data, max_experts=max_experts,
+                    grad_reduction=grad_reduction, lr=lr)
+  name, s, step_fn, batches = case.name, case.setup, case.step_fn, case.batches
+  params, rest, opt_state = case.state
   t0 = time.perf_counter()
   params, rest, opt_state, m = step_fn(params, rest, opt_state, *batches[0])
   jax.block_until_ready(m)

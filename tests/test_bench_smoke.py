@@ -131,3 +131,36 @@ def test_profile_summary_counts_time_and_cross_stream_overlap():
   assert rows["gemm"]["count"] == 2 and rows["gemm"]["total_us"] == 14.0
   assert rows["gemm"]["overlap_us"] == 5.0 and rows["send"]["overlap_us"] == 5.0
   assert rows["gemm"]["per_call_us"] == 7.0
+
+
+def test_profile_timeline_and_mosaic_kernel_names():
+  from bench.profile_layer import summarize
+  pnames = {1: "/device:GPU:0"}
+  details = "regs:168 static_shared:1 dynamic_shared:229440 grid:132,1,1 block:384,1,1"
+  ev = [dict(pid=1, tid=10, ts=100.0, dur=50.0, name="anonymous_mosaic_gpu_kernel",
+             args=dict(kernel_details=details)),
+        dict(pid=1, tid=10, ts=160.0, dur=5.0, name="tiny_fusion"),        # under min_us
+        dict(pid=1, tid=11, ts=170.0, dur=30.0, name="ncclDevKernel_SendRecv")]
+  (dev,) = summarize(ev, pnames, calls=1, min_us=20.0).values()
+  assert [k["name"] for k in dev["kernels"]][0] == "mosaic grid 132 block 384 smem 229440"
+  assert dev["timeline"] == [
+      dict(start_ms=0.0, ms=0.05, stream=10, name="mosaic grid 132 block 384 smem 229440"),
+      dict(start_ms=0.07, ms=0.03, stream=11, name="ncclDevKernel_SendRecv")]
+
+
+def test_profile_of_a_training_step_on_cpu(tmp_path, monkeypatch):
+  """--train-model: the real train step (tiny model, 8 virtual CPU devices) under the
+  profiler, reduced to the same table (CPU ops stand in for GPU kernels)."""
+  import os
+  from bench import profile_layer
+  for var in ("XLA_FLAGS", "NCCL_LAUNCH_MODE"):   # the bench sets them; restore after
+    monkeypatch.setenv(var, os.environ.get(var, ""))
+  rc = profile_layer.main(["--train-model", "tiny", "--backend", "xla_dropless",
+                           "--mesh", "data=2,expert=4", "--batch", "8", "--seq", "32",
+                           "--reps", "2", "--out", os.fspath(tmp_path)])
+  assert rc == 0
+  (path,) = tmp_path.glob("profile_train_tiny-L1_data2_expert4_xla_dropless.json")
+  payload = json.loads(path.read_text())
+  dev = next(iter(payload["devices"].values()))
+  assert dev["kernels"] and dev["span_per_call_us"] > 0
+  assert payload["settings"]["train_model"] == "tiny"
