@@ -20,8 +20,8 @@ to read one call's sequence (e.g. which GEMM follows which transfer).
 
 Writes profile_<backend>_<shape>_<direction>.json (the table, metadata) and keeps the
 trace (trace.json.gz, viewable in Perfetto) under --out. On the CPU it runs on tiny
-shapes (`--shape tiny --backend xla_dropless_padded`; ragged_all_to_all does not compile there): the trace there holds XLA's CPU ops,
-enough to test the reduction.
+shapes (`--shape tiny --backend xla_dropless_padded`: ragged_all_to_all does not
+compile there); the trace then holds XLA's CPU ops, enough to test the reduction.
 """
 
 from __future__ import annotations
