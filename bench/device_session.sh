@@ -111,7 +111,8 @@ run_phase() {  # name seconds
     probe)   timeout -s USR1 -k 15 "$secs" python3 -m bench.train_loop_probe --xla-deterministic \
                --grad-reduction "${PROBE_REDUCTION:-ordered}" --backends "${PROBE_BACKENDS:-pallas,uniep}" \
                > "$dir/log" 2>&1 ;;
-    profile) local b prc=0; PROF_BACKENDS="${PROF_BACKENDS:-uniep,uniep_fused}"
+    profile) local b prc=0
+             PROF_BACKENDS="${PROF_BACKENDS:-$([ -n "${PROF_TRAIN_MODEL:-}" ] && echo uniep || echo uniep,uniep_fused)}"
              for b in ${PROF_BACKENDS//,/ }; do
                timeout -s USR1 -k 15 "$secs" python3 -m bench.profile_layer --backend "$b" \
                  --shape "${PROF_SHAPE:-deepseek-like}" --direction "${PROF_DIRECTION:-fwd}" \

@@ -246,6 +246,7 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
                      "do not run in the interpret mode); use axis_name=None on the CPU")
   kernel = plgpu.kernel(
       body,
+      kernel_name="ep_transfer",
       out_type=jax.ShapeDtypeStruct((out_rows, hidden), src.dtype),
       scratch_types=[plgpu.SMEM((2, chunk, col_tile), src.dtype),
                      plgpu.Barrier(num_barriers=2)],

@@ -363,6 +363,7 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
       recv_chunk_rows=fused.recv_chunk_rows, axis_name=axis_name, num_peers=num_peers)
   kernel_fn = plgpu.kernel(
       body,
+      kernel_name="fused_dispatch_gate_up",
       out_type=(jax.ShapeDtypeStruct((st.m_p, hidden), dtype),)
       + tuple(jax.ShapeDtypeStruct((st.m_p, st.f_p), dtype) for _ in range(3)),
       grid=(st.num_sms,),
@@ -401,6 +402,7 @@ def transfer_chunks_local(src, seg_src, seg_dst, seg_len, *, out_rows: int, rank
 
   kernel_fn = plgpu.kernel(
       body,
+      kernel_name="transfer_chunks_local",
       out_type=jax.ShapeDtypeStruct((out_rows, hidden), src.dtype),
       grid=(n_comm,),
       grid_names=("sm",),

@@ -267,6 +267,7 @@ def _launch(a, w_down, seg_src, seg_dst, seg_len, *, out_rows: int, rank, axis_n
                            axis_name=axis_name, num_peers=num_peers)
   kernel_fn = plgpu.kernel(
       body,
+      kernel_name="fused_gemm_return",
       out_type=jax.ShapeDtypeStruct((out_p, hidden), a.dtype),
       grid=(st.num_sms,),
       grid_names=("sm",),

@@ -452,6 +452,8 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
               outs = vals
             col0 = nt * cta_n + lax.axis_index("wg") * wg_n
             if mode == "dswiglu":
+              if out_gmems_ is not None or gmem_row is not None:
+                raise ValueError("mode 'dswiglu' stores its own outputs: no walk() redirection")
               _dswiglu_epilogue(vals[0], *epi_in_gmems, *out_gmems, epi_smem, hu_barrier,
                                 load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
                                 count=hi - lo, rows=block_m, col0=col0)
@@ -549,6 +551,7 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
   body = functools.partial(_row_tiled_kernel, **params)
   kernel = plgpu.kernel(
       body,
+      kernel_name=f"grouped_gemm_{mode}{'_t' if transpose_b else ''}",   # names in profiles
       out_type=tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for _ in range(num_out)),
       grid=(device_lib.num_sms(config.num_sms),),
       grid_names=("sm",),
@@ -674,6 +677,7 @@ def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, inte
                            block_k=block_k, stages=stages, in_dtype=in_dtype)
   kernel = plgpu.kernel(
       body,
+      kernel_name="grouped_gemm_wgrad",
       out_type=jax.ShapeDtypeStruct((g, k_out, n_out), out_dtype),
       grid=(device_lib.num_sms(config.num_sms),),
       grid_names=("sm",),

@@ -183,6 +183,9 @@ class PrefetchingRunner(FakeRunner):
     self.events.append(("measure", cand.label()))
     return super().measure(cand)
 
+  def discard(self, cands):
+    self.events.append(("discard", [c.label() for c in cands]))
+
 
 def test_search_prefetches_the_next_candidates_and_missing_references():
   clock = FakeClock()
@@ -201,6 +204,20 @@ def test_search_prefetches_the_next_candidates_and_missing_references():
   assert prefetches[0][1] == measured[:2] and sorted(prefetches[0][2]) == sorted(
       ["m128_n128_k64_s4", "m64_n128_k64_s4"])
   assert all(p[2] == [] for p in prefetches[2:])
+  # after each stage, what was compiled ahead and not measured is dropped (none here)
+  assert [e for e in runner.events if e[0] == "discard"] == [("discard", [])] * 2
+
+
+def test_after_a_killed_run_the_search_compiles_one_at_a_time(capsys):
+  clock = FakeClock()
+  first = T.tune(DEEPSEEK_BWD, FakeRunner(clock, _time_table), device=HOPPER, space=SPACE,
+                 budget_s=1e9, progress=False, clock=clock).to_json()
+  first["trials"][1]["status"] = "running"        # as a kill during that candidate leaves it
+  runner = PrefetchingRunner(clock, _time_table)
+  T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9, progress=False,
+         clock=clock, resume=first)
+  assert not [e for e in runner.events if e[0] in ("prefetch", "discard")]
+  assert "compiling one candidate at a time" in capsys.readouterr().err
 
 
 def test_layer_runner_rejects_bad_compile_workers():

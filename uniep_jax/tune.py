@@ -120,6 +120,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Protocol, Sequence
@@ -577,6 +578,9 @@ class LayerRunner:
     self._pool = (concurrent.futures.ThreadPoolExecutor(compile_workers, "uniep-tune-compile")
                   if compile_workers > 1 else None)
     self._pending: dict = {}   # UniEPConfig -> Future of (compiled, compile_s)
+    # Mosaic GPU's Python lowering keeps module-global state (its single-thread
+    # emission scope): lowerings run one at a time, XLA's compiles in parallel
+    self._lower_lock = threading.Lock()
     self.problem, self.backend, self.num_sms = problem, backend, num_sms
     self.uses_transfer = backend == "uniep"
     self.timing = dict(trials=trials, min_batch_s=min_batch_s, max_reps=max_reps)
@@ -645,8 +649,9 @@ class LayerRunner:
 
   def _compile(self, cfg: UniEPConfig):
     t0 = time.perf_counter()
-    compiled = self._jitted(cfg).lower(*self.inputs).compile()
-    return compiled, time.perf_counter() - t0
+    with self._lower_lock:
+      lowered = self._jitted(cfg).lower(*self.inputs)
+    return lowered.compile(), time.perf_counter() - t0
 
   def _compiled(self, cfg: UniEPConfig):
     """(executable, compile seconds): the prefetched one if any (its compile error,
@@ -662,6 +667,14 @@ class LayerRunner:
     for cfg in cfgs:
       if cfg not in self._pending:
         self._pending[cfg] = self._pool.submit(self._compile, cfg)
+
+  def discard(self, cands: Sequence[Candidate]) -> None:
+    """Forgets prefetched compiles of `cands` (not run: past a stage's deadline, or
+    their reference failed); queued ones are cancelled."""
+    for c in cands:
+      future = self._pending.pop(self._config(self.backend, c.kernel, c.transfer, c.fused), None)
+      if future is not None:
+        future.cancel()
 
   def close(self) -> None:
     """Drops what was prefetched and not used (queued compiles are cancelled)."""
@@ -737,6 +750,12 @@ class _Search:
     self.references = references    # kernel label -> ("ok", checksum) | ("failed", error)
     self.previous = previous        # candidate label -> Trial (resume)
     self.trials: list[Trial] = []
+    # A run killed while a candidate was "running" may have died in another one's
+    # background compile: after such a run, compile one at a time to find out.
+    self.prefetch = not any(t.status == "running" for t in previous.values())
+    if not self.prefetch and getattr(runner, "prefetch_window", 0):
+      _loud("tune: the resumed report ends in a killed candidate; compiling one candidate "
+            "at a time in this run (a background compile may have been the culprit)")
 
   def _reference(self, kernel: KernelConfig):
     label = kernel_label(kernel)
@@ -752,7 +771,7 @@ class _Search:
     deadline = self.deadline if deadline is None else min(deadline, self.deadline)
     bar = tqdm(cands, desc=f"tune {stage}", disable=not self.progress, file=sys.stderr,
                dynamic_ncols=True)
-    window = getattr(self.runner, "prefetch_window", 0)
+    window = getattr(self.runner, "prefetch_window", 0) if self.prefetch else 0
     for i, cand in enumerate(bar):
       if window and self.clock() < deadline:
         self._prefetch(cands[i:i + window])
@@ -779,6 +798,9 @@ class _Search:
       if best is not None:
         bar.set_postfix_str(f"best {best.median_ms:.3f} ms {best.candidate.label()}")
     bar.close()
+    if window:   # compiled ahead and not run (deadline, failed reference): drop them
+      measured = {t.candidate.label() for t in self.trials if t.median_ms is not None}
+      self.runner.discard([c for c in cands if c.label() not in measured])
 
   def _prefetch(self, cands: Sequence[Candidate]) -> None:
     """Asks the runner to compile ahead what these candidates will run: the ones not
@@ -1292,16 +1314,18 @@ def main(argv=None) -> int:
                          compile_workers=args.compile_workers)
     print(f"tuning {cache_key(device.kind, problem)} (budget {per_direction:.0f} s)", flush=True)
     checkpoint = lambda r: write_report(r, out, shape_name, with_plot=False)  # noqa: E731
-    result = tune(problem, runner, device=device, budget_s=per_direction,
-                  space=SearchSpace(fused=()) if args.no_fused else SearchSpace(),
-                  strategy=args.strategy, max_candidates=args.max_candidates, resume=resume,
-                  progress=not args.no_progress, on_trial=checkpoint)
+    try:
+      result = tune(problem, runner, device=device, budget_s=per_direction,
+                    space=SearchSpace(fused=()) if args.no_fused else SearchSpace(),
+                    strategy=args.strategy, max_candidates=args.max_candidates, resume=resume,
+                    progress=not args.no_progress, on_trial=checkpoint)
+    finally:
+      runner.close()   # queued compiles cancelled, also when tune() raised
     paths = write_report(result, out, shape_name)
     print(summary(result), flush=True)
     print(f"wrote {paths}", flush=True)
     if record(result, cache) == "mismatch":
       rc = 2
-    runner.close()
     del runner
   return rc
 
