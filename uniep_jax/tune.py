@@ -560,7 +560,8 @@ class LayerRunner:
 
   compile_workers > 1: the next 2 x compile_workers candidates (and the references
   they need) are compiled ahead in that many threads while the current one is
-  timed; timing stays one candidate at a time. A compile is most of a candidate's
+  timed; timing stays one candidate at a time, and no Python lowering runs during
+  it (the lowering lock). A compile is most of a candidate's
   cost (~16-38 s at the target shapes, against ~2 s of timing). XLA:GPU's own GEMM
   autotuning would then time kernels while other compiles run: run it with
   XLA_FLAGS=--xla_gpu_deterministic_ops=true (no autotuning; the training CLI's
@@ -691,10 +692,13 @@ class LayerRunner:
     from bench.common import block, time_ms  # the benchmarks' timing method (METHOD.md)
     compiled, compile_s = self._compiled(
         self._config(self.backend, cand.kernel, cand.transfer, cand.fused))
-    out = block(compiled(*self.inputs))
-    checksum = tree_checksum(out)
-    del out
-    t = time_ms(compiled, *self.inputs, **self.timing)
+    # holding the lowering lock keeps the workers' Python lowering (which holds the
+    # GIL) out of the timed loop; their XLA compiles (C++, no GIL) go on
+    with self._lower_lock:
+      out = block(compiled(*self.inputs))
+      checksum = tree_checksum(out)
+      del out
+      t = time_ms(compiled, *self.inputs, **self.timing)
     return Measurement(median_ms=t["median_ms"], compile_s=compile_s, checksum=checksum,
                        timing=t)
 
