@@ -69,8 +69,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
   wd = (jax.random.normal(ks[3], (g, f, h)) * f ** -0.5).astype(bf)
   dy = jax.random.normal(ks[4], (m, h), bf).at[live:].set(0)
   gs = jnp.asarray(group_sizes_for(live, g, "balanced"))
-  f_p = gg._round_up(f, 2 * cfg.block_n)
-  wg_p, wu_p = gg._pad_axis(wg, 2, f_p), gg._pad_axis(wu, 2, f_p)
+  wg_p, wu_p, _, _ = gg._swiglu_padded_weights(wg, wu, wd, cfg)   # F padded as the FFN does
   ms = {}
 
   def t(name, fn, *args):

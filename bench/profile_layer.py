@@ -202,9 +202,8 @@ def _train_step_fn(args, r):
   import jax
 
   from bench import train_throughput as tt
-  from models.config import get_config
   mesh = args.mesh or f"data=1,expert={r}"
-  data = tt.uniform_tokens(vocab=get_config(args.train_model).vocab_size, n=4 << 20)
+  data = tt.uniform_tokens_for(args.train_model)
   case = tt.build_case(args.train_model, mesh, args.backend, layers=args.layers or None,
                        batch=args.batch, seq=args.seq, num_batches=1, data=data,
                        max_experts=args.max_experts or None, grad_reduction="ordered")

@@ -55,6 +55,12 @@ def _peak_mem_gib() -> float | None:
   return max(peaks) / 2**30 if peaks else None
 
 
+def uniform_tokens_for(model: str):
+  """The timed batches' default data: uniform ids over `model`'s vocabulary."""
+  from models.config import get_config
+  return uniform_tokens(vocab=get_config(model).vocab_size, n=4 << 20)
+
+
 def uniform_tokens(vocab: int, n: int, seed: int = 0):
   """A `train.data.Dataset` of uniform random token ids in [0, vocab) (fixed seed)."""
   from train.data import Dataset
@@ -260,8 +266,7 @@ def main(argv=None):
   def data_for(model):
     if args.tokens == "corpus":
       return corpus
-    from models.config import get_config
-    return uniform_tokens(vocab=get_config(model).vocab_size, n=4 << 20)
+    return uniform_tokens_for(model)
   rows, skipped = [], []
   for model in (args.models.split(",") if not args.det_only else []):
     data = data_for(model)

@@ -128,6 +128,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels.tma import ladder_store
 from uniep_jax.config import KernelConfig
+from uniep_jax.experts import swiglu_grad
 from uniep_jax.ragged import block_pieces, enumerate_runs
 
 _NONE, _COMPUTE, _ZERO = 0, 1, 2
@@ -190,9 +191,14 @@ def smem_bytes(config: KernelConfig, dtype=jnp.bfloat16, out_dtype=None, mode: s
           + launch.epilogue_bytes(config.block_m) + _SMEM_RESERVE)
 
 
+# mode -> (lhs operands, rhs operands) per pipeline stage; the two-operand modes give
+# each warpgroup block_n // 2 columns
+_MODE_OPERANDS = {"plain": (1, 1), "dswiglu": (1, 1), "swiglu": (1, 2), "sum2": (2, 2)}
+
+
 def _launch_of(config: KernelConfig, mode: str, in_dtype, out_dtype) -> "_Launch":
-  wg_n = config.block_n if mode in ("plain", "dswiglu") else config.block_n // 2
-  num_a, num_b = {"plain": (1, 1), "dswiglu": (1, 1), "swiglu": (1, 2), "sum2": (2, 2)}[mode]
+  num_a, num_b = _MODE_OPERANDS[mode]
+  wg_n = config.block_n if num_b == 1 else config.block_n // 2
   return _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
                  jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize,
                  epi_buffers=2 if mode == "dswiglu" else 1)
@@ -312,10 +318,9 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier,
     plgpu.barrier_wait(bar)
     h = buf.at[0][...].astype(jnp.float32)
     u = buf.at[1][...].astype(jnp.float32)
-    d = da[:, c * _EPI_N:(c + 1) * _EPI_N]
-    s = jax.nn.sigmoid(h)
-    buf.at[0][...] = (d * u * s * (1.0 + h * (1.0 - s))).astype(buf.dtype)
-    buf.at[1][...] = (d * h * s).astype(buf.dtype)
+    dh, du = swiglu_grad(da[:, c * _EPI_N:(c + 1) * _EPI_N], h, u)
+    buf.at[0][...] = dh.astype(buf.dtype)
+    buf.at[1][...] = du.astype(buf.dtype)
     plgpu.commit_smem()
     for i, dst in enumerate((dh_gmem, du_gmem)):
       ladder_store(buf.at[i], dst.at[:, pl.ds(col, _EPI_N)], smem_row, gmem_row, count, rows)
@@ -350,8 +355,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         `remote_ref`), gmem_row the first output row of the tile's rows
         [lo, hi) (default lo). Used by `fused_gemm_return.py`.
   """
-  num_a = 2 if mode == "sum2" else 1
-  num_b = 2 if mode in ("swiglu", "sum2") else 1
+  num_a, num_b = _MODE_OPERANDS[mode]
   a_gmems = refs[:num_a]
   b_gmems = refs[num_a:num_a + num_b]
   epi_in_gmems = refs[num_a + num_b:num_a + num_b + 2] if mode == "dswiglu" else ()
@@ -500,8 +504,8 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
   returns the static keyword arguments of `_row_tiled_kernel` (one source of
   truth for the standalone launch and for kernels that embed the body).
   Raises ValueError if the tile does not fit in `smem` bytes."""
-  if mode not in ("plain", "dswiglu", "swiglu", "sum2"):
-    raise ValueError(f"unknown {mode=}")
+  if mode not in _MODE_OPERANDS:
+    raise ValueError(f"unknown {mode=}; expected one of {tuple(_MODE_OPERANDS)}")
   launch = _launch_of(config, mode, in_dtype, out_dtype)
   wg_n = launch.wg_n
   if wg_n % _EPI_N:
@@ -870,11 +874,8 @@ def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config
     (da,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="plain",
                             transpose_b=True, out_dtype=jnp.float32, save_hu=False,
                             zero_window=zero_window, **kw)
-    hf = h.astype(jnp.float32)
-    uf = u.astype(jnp.float32)
-    s = jax.nn.sigmoid(hf)
-    dh = (da * uf * s * (1.0 + hf * (1.0 - s))).astype(x.dtype)
-    du = (da * hf * s).astype(x.dtype)
+    dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
+    dh, du = dh.astype(x.dtype), du.astype(x.dtype)
   # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
   (dx,) = _row_tiled_call([dh, du], [_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)],
                           group_sizes, mode="sum2", transpose_b=True, out_dtype=x.dtype,

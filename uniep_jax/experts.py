@@ -23,6 +23,14 @@ def swiglu_activation(h: jax.Array, u: jax.Array, dtype) -> jax.Array:
   return (jax.nn.silu(h) * u).astype(dtype)
 
 
+def swiglu_grad(da, h, u):
+  """(dh, du) of a = silu(h) * u given da, all float32: s = sigmoid(h),
+  dh = da * u * s * (1 + h (1 - s)), du = da * h * s. The one formula of every
+  backend, the grouped GEMM's "dswiglu" epilogue included (same ops, same bits)."""
+  s = jax.nn.sigmoid(h)
+  return da * u * s * (1.0 + h * (1.0 - s)), da * h * s
+
+
 # ---------------------------------------------------------------------------
 # The XLA experts. Their backward pass is written out (custom_vjp) so that every
 # GEMM takes x.dtype operands with float32 accumulation, as the Pallas kernels'
@@ -41,9 +49,8 @@ def _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad):
   dt = x.dtype
   dy = dy.astype(dt)
   da = mm_t(dy, w_down)
-  s = jax.nn.sigmoid(h)
-  dh = (da * u * s * (1.0 + h * (1.0 - s))).astype(dt)
-  du = (da * h * s).astype(dt)
+  dh, du = swiglu_grad(da, h, u)
+  dh, du = dh.astype(dt), du.astype(dt)
   dx = sum_to_type_of((mm_t(dh, w_gate) + mm_t(du, w_up)).astype(dt), x)
   return (dx, sum_to_type_of(wgrad(x, dh).astype(w_gate.dtype), w_gate),
           sum_to_type_of(wgrad(x, du).astype(w_up.dtype), w_up),

@@ -648,6 +648,9 @@ class LayerRunner:
     return jax.jit(fwd if self.problem.direction == "fwd"
                    else jax.value_and_grad(loss, argnums=(0, 1)))
 
+  def _candidate_config(self, cand: Candidate) -> UniEPConfig:
+    return self._config(self.backend, cand.kernel, cand.transfer, cand.fused)
+
   def _compile(self, cfg: UniEPConfig):
     t0 = time.perf_counter()
     with self._lower_lock:
@@ -664,7 +667,7 @@ class LayerRunner:
     if self._pool is None:
       return
     cfgs = ([self._config("pallas", kn, TransferConfig()) for kn in kernels]
-            + [self._config(self.backend, c.kernel, c.transfer, c.fused) for c in cands])
+            + [self._candidate_config(c) for c in cands])
     for cfg in cfgs:
       if cfg not in self._pending:
         self._pending[cfg] = self._pool.submit(self._compile, cfg)
@@ -673,7 +676,7 @@ class LayerRunner:
     """Forgets prefetched compiles of `cands` (not run: past a stage's deadline, or
     their reference failed); queued ones are cancelled."""
     for c in cands:
-      future = self._pending.pop(self._config(self.backend, c.kernel, c.transfer, c.fused), None)
+      future = self._pending.pop(self._candidate_config(c), None)
       if future is not None:
         future.cancel()
 
@@ -690,8 +693,7 @@ class LayerRunner:
   def measure(self, cand: Candidate) -> Measurement:
     """compile_s: the compile alone (in a worker thread when prefetched)."""
     from bench.common import block, time_ms  # the benchmarks' timing method (METHOD.md)
-    compiled, compile_s = self._compiled(
-        self._config(self.backend, cand.kernel, cand.transfer, cand.fused))
+    compiled, compile_s = self._compiled(self._candidate_config(cand))
     # holding the lowering lock keeps the workers' Python lowering (which holds the
     # GIL) out of the timed loop; their XLA compiles (C++, no GIL) go on
     with self._lower_lock:
