@@ -95,6 +95,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
   t("ffn_fwdbwd_skip_fused_da", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
       *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True)),
     x, wg, wu, wd, gs, dy)
+  checks = _compare_fused_da(x, wg, wu, wd, gs, dy, cfg, live)
   if alt is not None:
     t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, config=cfg,
                                                                      interpret=False)),
@@ -110,7 +111,34 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
                dense=gemm)
   tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
-              median_ms=ms, tflops=tflops)
+              median_ms=ms, tflops=tflops, fused_da_check=checks)
+
+
+def _compare_fused_da(x, wg, wu, wd, gs, dy, cfg, live):
+  """On the GPU: the gradients with dh, du in da's epilogue against the XLA pass
+  (same formula, f32, then bf16; XLA may fuse it differently, so bitwise equality is
+  reported, not required), max abs difference per gradient over the live rows, and
+  whether two runs of the fused version give the same bits."""
+  def grads(fuse):
+    f = jax.jit(_fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
+        *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=fuse)))
+    y, g = f(x, wg, wu, wd, gs, dy)
+    return jax.device_get((y[:live], g[0][:live]) + tuple(g[1:4]))
+  try:
+    ref, fused, again = grads(False), grads(True), grads(True)
+  except Exception as e:  # noqa: BLE001 - record and go on
+    print(f"  fused_da check: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+  names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
+  out = {}
+  for n, r, f, a in zip(names, ref, fused, again):
+    r32, f32 = jnp.asarray(r, jnp.float32), jnp.asarray(f, jnp.float32)
+    out[n] = dict(bitwise_equal_to_xla_pass=bool((r == f).all()),
+                  repeatable=bool((f == a).all()),
+                  max_abs_diff=float(jnp.max(jnp.abs(r32 - f32))),
+                  max_abs_ref=float(jnp.max(jnp.abs(r32))))
+  print(f"  fused_da check: {out}", flush=True)
+  return out
 
 
 def main(argv=None):
