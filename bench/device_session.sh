@@ -29,7 +29,7 @@
 #            $PROF_DIRECTION fwd; SECONDS is each backend's limit); with $PROF_TRAIN_MODEL
 #            (e.g. mixtral-like) the training step of that model instead (1 layer, 64
 #            experts at most, $PROF_MESH; $PROF_BACKENDS are training backends then,
-#            e.g. xla_capacity,uniep,uniep+dswiglu)
+#            e.g. xla_capacity,uniep,uniep+xla_dswiglu)
 #   tune     the autotuner on one shape and direction (python -m uniep_jax.tune; $TUNE_SHAPE
 #            default deepseek-like, $TUNE_DIRECTION default fwd, $TUNE_ARGS extra flags;
 #            $TUNE_WORKERS compile threads, default 8; XLA deterministic ($TUNE_XLA_FLAGS

@@ -136,7 +136,7 @@ def main(argv=None):
   ap.add_argument("--train-model", default=None,
                   help="profile the training step of this model (bench/train_throughput.py: "
                        "--layers, --max-experts, --batch, --seq, --mesh; --backend is a "
-                       "training backend, e.g. uniep, xla_capacity, uniep+dswiglu)")
+                       "training backend, e.g. uniep, xla_capacity, uniep+xla_dswiglu)")
   ap.add_argument("--mesh", default=None, help="--train-model: default data=1,expert=<GPUs>")
   ap.add_argument("--layers", type=int, default=1)
   ap.add_argument("--max-experts", type=int, default=64)

@@ -119,21 +119,22 @@ def build_case(model: str, mesh: str, backend: str, *, layers: int | None, batch
                num_batches: int, data, max_experts: int | None = None,
                grad_reduction: str = "xla", lr: float = TIMING_LR) -> TrainCase:
   """The real train step (train/loop.py) of `model` (registered with `layers` and
-  `max_experts`) on `mesh` with `backend` ("pallas+dswiglu" / "uniep+dswiglu": with
-  UniEPConfig.swiglu_grad_in_kernel), and `num_batches` batches of `data` on the
+  `max_experts`) on `mesh` with `backend` ("pallas+xla_dswiglu" / "uniep+xla_dswiglu":
+  UniEPConfig.swiglu_grad_in_kernel=False, the XLA pass; "+dswiglu": True, the
+  default), and `num_batches` batches of `data` on the
   devices. Shared by this bench and bench/profile_layer.py --train-model."""
   from train import loop
   from train.config import TrainConfig
 
   name = _register_variant(model, layers, max_experts)
   base, _, option = backend.partition("+")
-  if option not in ("", "dswiglu"):
-    raise ValueError(f"backend {backend!r}: the only option is '+dswiglu' "
-                     f"(UniEPConfig.swiglu_grad_in_kernel)")
+  if option not in ("", "dswiglu", "xla_dswiglu"):
+    raise ValueError(f"backend {backend!r}: the options are '+dswiglu' and '+xla_dswiglu' "
+                     f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on)")
   cfg = TrainConfig(config=name, mesh=mesh, backend=base, batch=batch, seq=seq,
                     steps=max(num_batches, 2), out="/tmp/train_throughput", progress=False,
                     plot=False, grad_reduction=grad_reduction, lr=lr,
-                    swiglu_grad_in_kernel=option == "dswiglu")
+                    swiglu_grad_in_kernel={"": None, "dswiglu": True, "xla_dswiglu": False}[option])
   s = loop.make_setup(cfg)
   state = loop.init_state(s)
   step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, state[2]))
@@ -218,8 +219,8 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=1, help="layers per model (0: the config's)")
   ap.add_argument("--meshes", default="", help="default: data=1,expert=R;data=2,expert=R/2")
   ap.add_argument("--backends", default=",".join(BACKENDS),
-                  help="comma list; 'pallas+dswiglu' / 'uniep+dswiglu': with the SwiGLU "
-                       "derivative in the da GEMM's epilogue (EXPERIMENTAL)")
+                  help="comma list; 'pallas+xla_dswiglu' / 'uniep+xla_dswiglu': the SwiGLU "
+                       "derivative by an XLA pass, not in the da GEMM's epilogue (the default)")
   ap.add_argument("--max-experts", type=int, default=64,
                   help="cap on each model's expert count, to fit (0: the config's)")
   ap.add_argument("--batch", type=int, default=8)

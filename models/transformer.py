@@ -156,7 +156,7 @@ class Transformer(nnx.Module):
 
   def __init__(self, c: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
                backend: str = "xla_dropless", capacity_factor: float = 1.25,
-               swiglu_grad_in_kernel: bool = False, rngs: nnx.Rngs):
+               swiglu_grad_in_kernel: Optional[bool] = None, rngs: nnx.Rngs):
     self.c, self.mesh = c, mesh
     self.dtype = jnp.dtype(c.dtype)
     moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor,

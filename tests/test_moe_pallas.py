@@ -51,15 +51,16 @@ def test_pallas_backend_matches_xla_dropless_and_reference():
 
 
 def test_swiglu_grad_in_kernel_same_forward_close_gradients_deterministic():
-  """UniEPConfig.swiglu_grad_in_kernel (dh, du in the da GEMM's epilogue): the
-  forward is untouched (bitwise), the gradients agree with the XLA-pass version to
-  bf16 rounding and repeat bit for bit."""
+  """UniEPConfig.swiglu_grad_in_kernel (dh, du in the da GEMM's epilogue; the
+  default): the forward is untouched (bitwise), the gradients agree with the
+  XLA-pass version (False) to bf16 rounding and repeat bit for bit."""
   import dataclasses
   mesh = make_mesh(1, 1)
   p = make_params(jax.random.key(0), experts=E, hidden=H, ffn=F, dtype=jnp.bfloat16)
   x = make_x(jax.random.key(1), 64, H, jnp.bfloat16)
-  f_a, g_a = _fns(PALLAS, mesh)
-  f_b, g_b = _fns(dataclasses.replace(PALLAS, swiglu_grad_in_kernel=True), mesh)
+  assert PALLAS.use_swiglu_grad_in_kernel
+  f_a, g_a = _fns(dataclasses.replace(PALLAS, swiglu_grad_in_kernel=False), mesh)
+  f_b, g_b = _fns(PALLAS, mesh)
   chex.assert_trees_all_equal(f_a(x, p), f_b(x, p))
   ga, gb = g_a(x, p), g_b(x, p)
   for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):

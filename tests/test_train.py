@@ -300,4 +300,6 @@ def test_swiglu_grad_in_kernel_needs_a_pallas_backend():
   with pytest.raises(ValueError, match="swiglu_grad_in_kernel is only for --backend pallas"):
     TrainConfig(backend="xla_dropless", swiglu_grad_in_kernel=True)
   cfg = parse_args(["--backend", "uniep", "--swiglu-grad-in-kernel"])
-  assert cfg.swiglu_grad_in_kernel and cfg.backend == "uniep"
+  assert cfg.swiglu_grad_in_kernel is True and cfg.backend == "uniep"
+  assert parse_args(["--backend", "uniep", "--no-swiglu-grad-in-kernel"]).swiglu_grad_in_kernel is False
+  assert parse_args(["--backend", "xla_dropless"]).swiglu_grad_in_kernel is None

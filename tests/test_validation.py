@@ -60,6 +60,13 @@ def test_unknown_backend_and_score_fn():
     UniEPConfig(transport="pigeon")
   with pytest.raises(ValueError, match="swiglu_grad_in_kernel.*backend='xla_dropless'"):
     UniEPConfig(backend="xla_dropless", swiglu_grad_in_kernel=True)
+  with pytest.raises(ValueError, match="swiglu_grad_in_kernel must be None, True or False"):
+    UniEPConfig(backend="uniep", swiglu_grad_in_kernel="yes")
+  # None (the default): on for the Pallas backends, off for the XLA ones
+  assert UniEPConfig(backend="pallas").use_swiglu_grad_in_kernel
+  assert UniEPConfig(backend="uniep").use_swiglu_grad_in_kernel
+  assert not UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False).use_swiglu_grad_in_kernel
+  assert not UniEPConfig(backend="xla_capacity").use_swiglu_grad_in_kernel
 
 
 def test_dtype_mismatch(setup):

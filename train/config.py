@@ -24,7 +24,7 @@ class TrainConfig:
   mesh: str = "data=2,expert=4"
   backend: str = "xla_dropless"
   capacity_factor: float = 1.25
-  swiglu_grad_in_kernel: bool = False  # UniEPConfig.swiglu_grad_in_kernel (pallas/uniep)
+  swiglu_grad_in_kernel: Optional[bool] = None  # UniEPConfig.swiglu_grad_in_kernel (None: on for pallas/uniep)
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -103,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "device count (CPU: that many virtual devices are created)")
   a("--backend", default=d.backend, choices=BACKEND_CHOICES, help="moe_ffn backend")
   a("--capacity-factor", type=float, default=d.capacity_factor, help="for --backend xla_capacity")
-  a("--swiglu-grad-in-kernel", action="store_true",
+  a("--swiglu-grad-in-kernel", action=argparse.BooleanOptionalAction, default=None,
     help="pallas/uniep: the backward's SwiGLU derivative in the da GEMM's epilogue "
-         "(EXPERIMENTAL, UniEPConfig.swiglu_grad_in_kernel)")
+         "(UniEPConfig.swiglu_grad_in_kernel; default: on for pallas and uniep)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")

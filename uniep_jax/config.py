@@ -194,9 +194,13 @@ class UniEPConfig:
   swiglu_grad_in_kernel: only for "pallas" / "uniep": compute the backward's
     SwiGLU derivative (dh, du) in the epilogue of the da = dy @ w_down^T GEMM
     (grouped GEMM mode "dswiglu") instead of storing da in float32 and running an
-    XLA pass over all R*T*K receive rows. EXPERIMENTAL: CPU-tested (interpret
-    mode), not yet run on a GPU; default off until timed. "pallas" and "uniep"
-    give the same bits as each other either way.
+    XLA pass over all R*T*K receive rows. None (default): on for "pallas" and
+    "uniep" (one H100, FFN fwd+bwd at the layer's shapes: 34.71 -> 32.18 ms
+    deepseek-like, 36.82 -> 34.65 mixtral-like; 4x H200 training +1.1% / +0.4%
+    tokens/s), off (meaningless) for the XLA backends; False: the XLA pass. The
+    gradients differ from the XLA pass's by at most a bf16 ulp of dh (XLA fuses the
+    sigmoid differently); "pallas" and "uniep" give the same bits as each other
+    either way. `use_swiglu_grad_in_kernel` is the resolved value.
   """
 
   backend: str = "xla_dropless"
@@ -207,7 +211,7 @@ class UniEPConfig:
   transfer: Optional[TransferConfig] = dataclasses.field(default_factory=TransferConfig)
   receive_capacity_factor: Optional[float] = None
   fused: Optional[FusedConfig] = None
-  swiglu_grad_in_kernel: bool = False
+  swiglu_grad_in_kernel: Optional[bool] = None
 
   def __post_init__(self):
     if self.receive_capacity_factor is not None and not self.receive_capacity_factor > 0:
@@ -228,6 +232,16 @@ class UniEPConfig:
     if self.swiglu_grad_in_kernel and self.backend not in ("pallas", "uniep"):
       raise ValueError(f"swiglu_grad_in_kernel (a grouped-GEMM epilogue) is only for backends "
                        f"'pallas' and 'uniep', got backend={self.backend!r}")
+    if self.swiglu_grad_in_kernel not in (None, True, False):
+      raise ValueError(f"swiglu_grad_in_kernel must be None, True or False, "
+                       f"got {self.swiglu_grad_in_kernel!r}")
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")
+
+  @property
+  def use_swiglu_grad_in_kernel(self) -> bool:
+    """swiglu_grad_in_kernel resolved: None means on for "pallas" and "uniep"."""
+    if self.swiglu_grad_in_kernel is None:
+      return self.backend in ("pallas", "uniep")
+    return self.swiglu_grad_in_kernel
