@@ -82,16 +82,9 @@ def main(argv=None):
   ap.add_argument("--no-child", action="store_true")
   ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  common.start_training_process(xla_deterministic=True)
-  proto = os.environ.get("NCCL_PROTO", "default")
-  print(f"NCCL_PROTO={proto}", flush=True)
-  result = dict(nccl_proto=proto, **run(args.elements))
-  if args.child_json:
-    with open(args.child_json, "w") as f:
-      json.dump(result, f)
-    return 0
-  results = [result]
-  if not args.no_child:
+  results = []
+  if not args.no_child and not args.child_json:
+    # the child first: this process's JAX would hold most of the GPUs' memory
     child = os.path.join(common.out_dir(args.out), "grad_reduce_probe_child.json")
     env = dict(os.environ, NCCL_PROTO="Simple")
     subprocess.run([sys.executable, "-m", "bench.grad_reduce_probe", "--elements",
@@ -100,6 +93,15 @@ def main(argv=None):
       with open(child) as f:
         results.append(json.load(f))
       os.remove(child)
+  common.start_training_process(xla_deterministic=True)
+  proto = os.environ.get("NCCL_PROTO", "default")
+  print(f"NCCL_PROTO={proto}", flush=True)
+  result = dict(nccl_proto=proto, **run(args.elements))
+  if args.child_json:
+    with open(args.child_json, "w") as f:
+      json.dump(result, f)
+    return 0
+  results.insert(0, result)
   out = common.out_dir(args.out)
   path = os.path.join(out, f"grad_reduce_probe_{device_lib.device_name()}_x{len(jax.devices())}.json")
   common.write_json(path, dict(common.run_metadata(), benchmark="grad_reduce_probe", runs=results))
