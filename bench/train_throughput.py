@@ -115,6 +115,24 @@ class TrainCase:
   batches: list
 
 
+def parse_backend(backend: str) -> tuple:
+  """"uniep+xla_dswiglu+s3" -> ("uniep", False, 3): the training backend, then
+  swiglu_grad_in_kernel ('+dswiglu' True, '+xla_dswiglu' False, else None: the
+  default) and kernel_stages ('+sN': KernelConfig.max_concurrent_steps=N, else None)."""
+  base, *options = backend.split("+")
+  grad_in_kernel, stages = None, None
+  for option in options:
+    if option in ("dswiglu", "xla_dswiglu"):
+      grad_in_kernel = option == "dswiglu"
+    elif option[:1] == "s" and option[1:].isdigit():
+      stages = int(option[1:])
+    else:
+      raise ValueError(f"backend {backend!r}: the options are '+dswiglu' / '+xla_dswiglu' "
+                       f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on) and "
+                       f"'+sN' (KernelConfig.max_concurrent_steps=N)")
+  return base, grad_in_kernel, stages
+
+
 def build_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
                num_batches: int, data, max_experts: int | None = None,
                grad_reduction: str = "xla", lr: float = TIMING_LR) -> TrainCase:
@@ -127,14 +145,11 @@ def build_case(model: str, mesh: str, backend: str, *, layers: int | None, batch
   from train.config import TrainConfig
 
   name = _register_variant(model, layers, max_experts)
-  base, _, option = backend.partition("+")
-  if option not in ("", "dswiglu", "xla_dswiglu"):
-    raise ValueError(f"backend {backend!r}: the options are '+dswiglu' and '+xla_dswiglu' "
-                     f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on)")
+  base, grad_in_kernel, stages = parse_backend(backend)
   cfg = TrainConfig(config=name, mesh=mesh, backend=base, batch=batch, seq=seq,
                     steps=max(num_batches, 2), out="/tmp/train_throughput", progress=False,
                     plot=False, grad_reduction=grad_reduction, lr=lr,
-                    swiglu_grad_in_kernel={"": None, "dswiglu": True, "xla_dswiglu": False}[option])
+                    swiglu_grad_in_kernel=grad_in_kernel, kernel_stages=stages)
   s = loop.make_setup(cfg)
   state = loop.init_state(s)
   step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, state[2]))

@@ -60,6 +60,14 @@ def test_uniform_tokens_are_a_pure_dataset():
   np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
 
 
+def test_train_throughput_backend_options():
+  assert train_throughput.parse_backend("uniep") == ("uniep", None, None)
+  assert train_throughput.parse_backend("uniep+xla_dswiglu+s3") == ("uniep", False, 3)
+  assert train_throughput.parse_backend("pallas+dswiglu") == ("pallas", True, None)
+  with pytest.raises(ValueError, match="the options are"):
+    train_throughput.parse_backend("uniep+fast")
+
+
 def test_train_throughput_times_a_case(tmp_path):
   train_throughput.main(["--models", "tiny", "--layers", "0", "--meshes", "data=2,expert=4",
                          "--backends", "xla_dropless", "--batch", "8", "--seq", "32",

@@ -295,6 +295,19 @@ def test_peak_learning_rate_is_the_model_configs_unless_given():
   assert parse_args(["--lr", "2e-4"]).lr == 2e-4 and parse_args([]).lr is None
 
 
+def test_kernel_stages_reach_the_moe_layers():
+  from train.config import TrainConfig, parse_args
+  with pytest.raises(ValueError, match="kernel_stages is only for --backend pallas"):
+    TrainConfig(backend="xla_capacity", kernel_stages=3)
+  with pytest.raises(ValueError, match="kernel_stages=0 must be >= 1"):
+    TrainConfig(backend="uniep", kernel_stages=0)
+  cfg = parse_args(["--backend", "pallas", "--kernel-stages", "3", "--mesh", "data=2,expert=4"])
+  s = loop.make_setup(cfg)
+  model = loop.build_model(cfg, s.model_cfg, s.mesh)
+  configs = [m.config for m in model.moe_modules()]
+  assert configs and all(c.kernel.max_concurrent_steps == 3 for c in configs)
+
+
 def test_swiglu_grad_in_kernel_needs_a_pallas_backend():
   from train.config import TrainConfig, parse_args
   with pytest.raises(ValueError, match="swiglu_grad_in_kernel is only for --backend pallas"):

@@ -25,6 +25,7 @@ class TrainConfig:
   backend: str = "xla_dropless"
   capacity_factor: float = 1.25
   swiglu_grad_in_kernel: Optional[bool] = None  # UniEPConfig.swiglu_grad_in_kernel (None: on for pallas/uniep)
+  kernel_stages: Optional[int] = None  # KernelConfig.max_concurrent_steps (pallas/uniep; None: its default)
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -65,6 +66,12 @@ class TrainConfig:
     if self.swiglu_grad_in_kernel and self.backend not in ("pallas", "uniep"):
       raise ValueError(f"swiglu_grad_in_kernel is only for --backend pallas or uniep, got "
                        f"backend={self.backend!r}")
+    if self.kernel_stages is not None:
+      if self.backend not in ("pallas", "uniep"):
+        raise ValueError(f"kernel_stages is only for --backend pallas or uniep, got "
+                         f"backend={self.backend!r}")
+      if self.kernel_stages < 1:
+        raise ValueError(f"kernel_stages={self.kernel_stages} must be >= 1")
     if self.grad_reduction not in GRAD_REDUCTIONS:
       raise ValueError(f"grad_reduction={self.grad_reduction!r} is unknown; expected one of {GRAD_REDUCTIONS}")
     for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every"):
@@ -106,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
   a("--swiglu-grad-in-kernel", action=argparse.BooleanOptionalAction, default=None,
     help="pallas/uniep: the backward's SwiGLU derivative in the da GEMM's epilogue "
          "(UniEPConfig.swiglu_grad_in_kernel; default: on for pallas and uniep)")
+  a("--kernel-stages", type=int, default=None,
+    help="pallas/uniep: the grouped GEMM's TMA pipeline depth (KernelConfig.max_concurrent_steps)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")

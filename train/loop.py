@@ -82,6 +82,13 @@ class Setup:
   lr: float  # peak learning rate (cfg.lr, else the model config's)
 
 
+def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
+  """The model that `cfg` trains (its MoE options), initialised from cfg.seed."""
+  return Transformer(model_cfg, mesh=mesh, backend=cfg.backend, capacity_factor=cfg.capacity_factor,
+                     swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
+                     kernel_stages=cfg.kernel_stages, rngs=nnx.Rngs(cfg.seed))
+
+
 def make_setup(cfg: TrainConfig) -> Setup:
   shape = parse_mesh(cfg.mesh)
   try:
@@ -91,12 +98,8 @@ def make_setup(cfg: TrainConfig) -> Setup:
   validate_mesh(shape, num_devices=len(jax.devices()), num_experts=model_cfg.n_experts, batch=cfg.batch)
   mesh = make_mesh(shape)
 
-  def build():
-    return Transformer(model_cfg, mesh=mesh, backend=cfg.backend,
-                       capacity_factor=cfg.capacity_factor,
-                       swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel, rngs=nnx.Rngs(cfg.seed))
-
-  graphdef, params_tmpl, rest_tmpl = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+  graphdef, params_tmpl, rest_tmpl = nnx.split(
+      nnx.eval_shape(lambda: build_model(cfg, model_cfg, mesh)), nnx.Param, ...)
   bias_rate = cfg.aux_free_bias_rate
   if bias_rate is None:
     bias_rate = 1e-3 if model_cfg.use_expert_bias else 0.0
@@ -123,10 +126,7 @@ def make_setup(cfg: TrainConfig) -> Setup:
 def init_state(s: Setup) -> tuple[dict, dict, Any]:
   """Fresh (params, rest, opt_state), created directly on their shardings."""
   def init():
-    model = Transformer(s.model_cfg, mesh=s.mesh, backend=s.cfg.backend,
-                        capacity_factor=s.cfg.capacity_factor,
-                        swiglu_grad_in_kernel=s.cfg.swiglu_grad_in_kernel, rngs=nnx.Rngs(s.cfg.seed))
-    _, params, rest = nnx.split(model, nnx.Param, ...)
+    _, params, rest = nnx.split(build_model(s.cfg, s.model_cfg, s.mesh), nnx.Param, ...)
     return flat_arrays(params), flat_arrays(rest)
 
   params, rest = jax.jit(init, out_shardings=(s.param_sh, s.rest_sh))()

@@ -680,10 +680,11 @@ class LayerRunner:
       if future is not None:
         future.cancel()
 
-  def close(self) -> None:
-    """Drops what was prefetched and not used (queued compiles are cancelled)."""
+  def close(self, wait: bool = True) -> None:
+    """Drops what was prefetched and not used (queued compiles are cancelled; with
+    wait=False, compiles already running are not waited for)."""
     if self._pool is not None:
-      self._pool.shutdown(wait=True, cancel_futures=True)
+      self._pool.shutdown(wait=wait, cancel_futures=True)
       self._pending.clear()
 
   def reference(self, kernel: KernelConfig) -> tuple:
@@ -1107,9 +1108,12 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
       fused=cand.fused if fully_auto and config.backend == "uniep" else config.fused)
 
 
-def cache_entry(result: TuneResult) -> dict:
-  """The cache entry of a result's best verified candidate (measured numbers only)."""
-  from bench.common import git_commit
+def cache_entry(result: TuneResult, git_commit: Optional[str] = None) -> dict:
+  """The cache entry of a result's best verified candidate (measured numbers only);
+  git_commit: the commit that ran them (default: this checkout's)."""
+  if git_commit is None:
+    from bench.common import git_commit as current_commit
+    git_commit = current_commit()
   best = result.best
   if best is None:
     raise ValueError("no verified candidate: nothing to cache")
@@ -1121,7 +1125,7 @@ def cache_entry(result: TuneResult) -> dict:
               fused=dataclasses.asdict(fused) if fused is not None else None,
               median_ms=best.median_ms, default_ms=spread["default_ms"] if spread else None,
               backend=result.backend, strategy=result.strategy, counts=result.counts(),
-              device_count=result.problem.ep, git_commit=git_commit(),
+              device_count=result.problem.ep, git_commit=git_commit,
               date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
@@ -1141,7 +1145,7 @@ def update_cache(path, key: str, entry: dict) -> None:
   os.replace(tmp, path)
 
 
-def record(result: TuneResult, cache_path) -> str:
+def record(result: TuneResult, cache_path, git_commit: Optional[str] = None) -> str:
   """Writes the best verified candidate into the cache file, unless the run saw
   any bitwise mismatch (then nothing is written). Returns what happened:
   "written", "mismatch" or "nothing" (no verified candidate)."""
@@ -1152,9 +1156,38 @@ def record(result: TuneResult, cache_path) -> str:
   if result.best is None:
     print(f"no verified candidate for {key}: no cache entry written", file=sys.stderr)
     return "nothing"
-  update_cache(cache_path, key, cache_entry(result))
+  update_cache(cache_path, key, cache_entry(result, git_commit))
   print(f"cache {cache_path}: wrote {key}", flush=True)
   return "written"
+
+
+class _ReplayRunner:
+  """A Runner for `replay`: every trial and reference comes from the report."""
+  prefetch_window = 0
+
+  def __init__(self, backend: str):
+    self.backend, self.uses_transfer = backend, backend == "uniep"
+
+  def reference(self, kernel):
+    raise RuntimeError(f"replay: the report has no reference for {kernel_label(kernel)}")
+
+  def measure(self, cand):
+    raise RuntimeError(f"replay: the report has no trial of {cand.label()}")
+
+
+def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
+  """The TuneResult of a saved report (`TuneResult.to_json()`), rebuilt without a GPU:
+  the tuner's own search over the report's device facts, every timed trial taken
+  from the report, nothing measured (what the budget did not reach stays skipped).
+  For a run killed after its last checkpoint, before it recorded its cache entry."""
+  problem = TuneProblem(**report["problem"])
+  device = DeviceFacts(**report["device"])
+  clock = iter(range(10 ** 9)).__next__   # the budget is spent at once: nothing new runs
+  result = tune(problem, _ReplayRunner(report["backend"]), device=device, space=space,
+                budget_s=0.0, strategy=report["strategy"], resume=report, progress=False,
+                clock=lambda: float(clock()))
+  result.budget_s, result.elapsed_s = report["budget_s"], report["elapsed_s"]
+  return result
 
 
 # ---------------------------------------------------------------------------
@@ -1281,10 +1314,20 @@ def main(argv=None) -> int:
   ap.add_argument("--no-fused", action="store_true",
                   help="skip stage 3 (the v2 fused kernels, EXPERIMENTAL)")
   ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--record-from", default=None, metavar="REPORT",
+                  help="no tuning, no GPU: rebuild the result of a saved report (a run killed "
+                       "before it wrote its cache entry) and record its best in --cache")
   ap.add_argument("--compile-workers", type=int, default=1,
                   help="compile the next candidates in this many threads while one is timed "
                        "(see LayerRunner; use with XLA_FLAGS=--xla_gpu_deterministic_ops=true)")
   args = ap.parse_args(argv)
+  if args.record_from:
+    with open(args.record_from) as fh:
+      report = json.load(fh)
+    result = replay(report, SearchSpace(fused=()) if args.no_fused else SearchSpace())
+    print(summary(result), flush=True)
+    cache = user_cache_path(args.cache) or os.fspath(SHIPPED_CACHE)
+    return 2 if record(result, cache, report.get("meta", {}).get("git_commit")) == "mismatch" else 0
 
   import jax
   directions = [d for d in args.direction.split(",") if d]
@@ -1325,8 +1368,13 @@ def main(argv=None) -> int:
                     space=SearchSpace(fused=()) if args.no_fused else SearchSpace(),
                     strategy=args.strategy, max_candidates=args.max_candidates, resume=resume,
                     progress=not args.no_progress, on_trial=checkpoint)
-    finally:
-      runner.close()   # queued compiles cancelled, also when tune() raised
+    except BaseException:
+      runner.close()   # queued compiles cancelled
+      raise
+    # report and cache entry first: background compiles still running (up to a
+    # minute each) are not waited for here (a run killed at the device's time limit
+    # while it waited lost its entry, 4x H100, 2026-11-26)
+    runner.close(wait=False)
     paths = write_report(result, out, shape_name)
     print(summary(result), flush=True)
     print(f"wrote {paths}", flush=True)
