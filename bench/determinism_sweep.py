@@ -39,7 +39,8 @@ from uniep_jax.tune import tree_checksum
 # A shape that compiles fast and still has many experts per rank and ragged groups.
 SWEEP_SHAPES = {"tiny-gpu": common.MoEShape("tiny-gpu", 2048, 1024, 512, 32, 4)}
 
-TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/64, 4 stages
+TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/64, 3 stages
+           uniep_jax.KernelConfig(max_concurrent_steps=4),
            uniep_jax.KernelConfig(block_k=128, max_concurrent_steps=3),
            uniep_jax.KernelConfig(block_m=64)]
 TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)

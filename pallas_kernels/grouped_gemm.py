@@ -45,7 +45,7 @@ compute warpgroup w owns output columns [w * wg_n, (w + 1) * wg_n).
 wg_n = block_n ("plain") or block_n // 2 ("swiglu", "sum2": each warpgroup keeps
 two accumulators, or two operand pairs, so a stage stays 48 KiB for 128/128/64).
 
-SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 4 stages):
+SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 3 stages; up to 4 fit):
   per stage  A [block_m, block_k] per lhs operand (16 KiB) and
              B [block_k, 2 wg_n] per rhs operand (16 or 32 KiB), 128B swizzle;
              48 KiB ("plain", "swiglu") or 64 KiB ("sum2");

@@ -21,7 +21,7 @@ DEEPSEEK_BWD = T.TuneProblem(8192, 7168, 2048, 256, 8, 4, "bfloat16", "bwd")
 
 
 def _space(**kw):
-  base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(4,),
+  base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(3,),
               chunk_rows=(128,), num_ctas=(64,), col_tile=(256,), fused=())
   base.update(kw)
   return T.SearchSpace(**base)
@@ -38,16 +38,19 @@ def test_default_tiling_stages_match_the_kernel_docstring():
   # grouped_gemm.py: a 128/128/64 stage is 48 KiB ("plain", "swiglu") or 64 KiB
   # ("sum2"), epilogue 2 x 16 KiB (bf16), 227 KiB per block: 4 stages fit the
   # 48 KiB launches; sum2 and the float32-output da (64 KiB epilogue) clamp to 3.
-  stages = T.kernel_launch_stages(KernelConfig(), DEEPSEEK_BWD, HOPPER.smem_bytes)
+  s4 = KernelConfig(max_concurrent_steps=4)
+  stages = T.kernel_launch_stages(s4, DEEPSEEK_BWD, HOPPER.smem_bytes)
   assert stages == (4, 4, 3, 3, 4)   # swiglu, down, da (f32), dx (sum2), wgrad
-  fwd = T.kernel_launch_stages(KernelConfig(), T.TuneProblem(8192, 7168, 2048, 256, 8, 4,
-                                                             direction="fwd"), HOPPER.smem_bytes)
+  fwd = T.kernel_launch_stages(s4, T.TuneProblem(8192, 7168, 2048, 256, 8, 4,
+                                                 direction="fwd"), HOPPER.smem_bytes)
   assert fwd == (4, 4)
+  # the default (3 stages, measured faster) fits every launch unclamped
+  assert T.kernel_launch_stages(KernelConfig(), DEEPSEEK_BWD, HOPPER.smem_bytes) == (3,) * 5
 
 
 def test_pruning_rejects_with_reasons():
   space = T.SearchSpace(block_m=(96, 128, 192, 256), block_n=(64, 128, 256), block_k=(64, 128),
-                        max_concurrent_steps=(4, 6), chunk_rows=(48, 128, 256),
+                        max_concurrent_steps=(3, 4, 6), chunk_rows=(48, 128, 256),
                         num_ctas=(64, 200), col_tile=(192, 256))
   enum = T.enumerate_candidates(space, DEEPSEEK_BWD, HOPPER)
   reasons = _reasons(enum)
@@ -153,7 +156,7 @@ def test_staged_search_picks_fastest_verified():
   runner = FakeRunner(clock, _time_table)
   res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9, progress=False,
                clock=clock)
-  assert res.best.candidate.label() == "m64_n128_k64_s4|c128_x32_t256"
+  assert res.best.candidate.label() == "m64_n128_k64_s3|c128_x32_t256"
   assert res.best.median_ms == 7.0
   assert [t.stage for t in res.trials].count("kernel") == 2
   assert res.spread()["default_over_best"] == pytest.approx(10.0 / 7.0)
@@ -163,7 +166,7 @@ def test_staged_search_picks_fastest_verified():
   assert js["counts"]["ok"] == len(res.trials) == 2 + 3   # 2 tilings, then 3 more transfers
   assert js["counts"]["valid"] == 8
   # one reference per KernelConfig, shared by its transfer variants
-  assert sorted(runner.referenced) == ["m128_n128_k64_s4", "m64_n128_k64_s4"]
+  assert sorted(runner.referenced) == ["m128_n128_k64_s3", "m64_n128_k64_s3"]
 
 
 class PrefetchingRunner(FakeRunner):
@@ -192,7 +195,7 @@ def test_search_prefetches_the_next_candidates_and_missing_references():
   runner = PrefetchingRunner(clock, _time_table)
   res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9, progress=False,
                clock=clock)
-  assert res.best.candidate.label() == "m64_n128_k64_s4|c128_x32_t256"   # same result
+  assert res.best.candidate.label() == "m64_n128_k64_s3|c128_x32_t256"   # same result
   measured = [e[1] for e in runner.events if e[0] == "measure"]
   for i, e in enumerate(runner.events):
     if e[0] == "measure":   # every measured candidate was asked for just before
@@ -202,7 +205,7 @@ def test_search_prefetches_the_next_candidates_and_missing_references():
   # the first prefetch asks for both stage-1 tilings and both references; later ones
   # never ask again for a reference already computed
   assert prefetches[0][1] == measured[:2] and sorted(prefetches[0][2]) == sorted(
-      ["m128_n128_k64_s4", "m64_n128_k64_s4"])
+      ["m128_n128_k64_s3", "m64_n128_k64_s3"])
   assert all(p[2] == [] for p in prefetches[2:])
   # after each stage, what was compiled ahead and not measured is dropped (none here)
   assert [e for e in runner.events if e[0] == "discard"] == [("discard", [])] * 2
@@ -226,7 +229,7 @@ def test_layer_runner_rejects_bad_compile_workers():
 
 
 def test_never_picks_a_mismatching_candidate(tmp_path, capsys):
-  fastest = "m64_n128_k64_s4|c128_x32_t256"
+  fastest = "m64_n128_k64_s3|c128_x32_t256"
   clock = FakeClock()
   runner = FakeRunner(clock, _time_table, bad={fastest})
   res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9, progress=False,
@@ -251,7 +254,7 @@ def test_never_picks_a_mismatching_candidate(tmp_path, capsys):
 
 def test_budget_failures_and_skips_are_counted():
   clock = FakeClock()
-  runner = FakeRunner(clock, _time_table, fail={"m64_n128_k64_s4|c128_x64_t256"}, cost_s=10.0)
+  runner = FakeRunner(clock, _time_table, fail={"m64_n128_k64_s3|c128_x64_t256"}, cost_s=10.0)
   space = _space(block_m=(64, 128, 256), chunk_rows=(64, 128), num_ctas=(32, 64))
   # Stage 1 ends at 0.6 * 45 = 27 s: the default (reference + measure: t = 20 s),
   # then m64 (started at 20 < 27: reference + failed measure: t = 40 s); m256 is
@@ -269,7 +272,7 @@ def test_budget_failures_and_skips_are_counted():
   assert res.best.candidate == T.DEFAULT_CANDIDATE
   # reference failures: the candidate is not timed and never picked
   clock2 = FakeClock()
-  runner2 = FakeRunner(clock2, _time_table, bad_reference={"m64_n128_k64_s4"})
+  runner2 = FakeRunner(clock2, _time_table, bad_reference={"m64_n128_k64_s3"})
   res2 = T.tune(DEEPSEEK_BWD, runner2, device=HOPPER, space=SPACE, budget_s=1e9,
                 progress=False, clock=clock2)
   assert res2.counts()["reference_failed"] == 1
@@ -287,7 +290,7 @@ def test_resume_reuses_timed_trials():
   second = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9,
                   progress=False, clock=clock2, resume=report)
   assert T.DEFAULT_CANDIDATE.label() not in runner.measured
-  assert "m128_n128_k64_s4" not in runner.referenced
+  assert "m128_n128_k64_s3" not in runner.referenced
   assert second.counts()["ok"] == len(second.trials) == 5
   with pytest.raises(ValueError, match="resume report key"):
     T.tune(dataclasses_replace(DEEPSEEK_BWD, direction="fwd"), runner, device=HOPPER,
@@ -486,7 +489,7 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
                budget_s=1e9, progress=False, clock=clock)
   fused = [t for t in res.trials if t.stage == "fused"]
   assert [t.candidate.label() for t in fused] == [
-      "m128_n128_k64_s4|c128_x64_t256|f16_b2048", "m128_n128_k64_s4|c128_x64_t256|f32_b1024"]
+      "m128_n128_k64_s3|c128_x64_t256|f16_b2048", "m128_n128_k64_s3|c128_x64_t256|f32_b1024"]
   reasons = _reasons(res.enumeration)
   assert any("n_comm=200 must be < num_sms=132" in r for r in reasons)
   assert any("recv_chunk_rows=1000 must be a multiple of block_m=128" in r for r in reasons)
@@ -496,11 +499,11 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
   assert T._entry_candidate(json.loads(json.dumps(entry))) == res.best.candidate
   # a fused candidate that does not give pallas's bits is never picked
   clock = FakeClock()
-  bad = "m128_n128_k64_s4|c128_x64_t256|f32_b1024"
+  bad = "m128_n128_k64_s3|c128_x64_t256|f32_b1024"
   res = T.tune(DEEPSEEK_BWD, FakeRunner(clock, _fused_times, bad=(bad,)), device=HOPPER,
                space=space, budget_s=1e9, progress=False, clock=clock)
   assert [t.candidate.label() for t in res.mismatches] == [bad]
-  assert res.best.candidate.label() == "m128_n128_k64_s4|c128_x64_t256|f16_b2048"
+  assert res.best.candidate.label() == "m128_n128_k64_s3|c128_x64_t256|f16_b2048"
 
 
 def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, no_shipped_cache):

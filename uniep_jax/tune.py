@@ -1052,7 +1052,7 @@ def lookup(problem: TuneProblem, device_kind: str, *, cache_path=None):
 def heuristic_config(problem: TuneProblem, device: DeviceFacts) -> Candidate:
   """The fallback when no cache entry matches. NOT measured per shape; the rules:
 
-  kernel:   KernelConfig() (128/128/64, 4 stages: the v1 tiling of the bench
+  kernel:   KernelConfig() (128/128/64, 3 stages: the v1 tiling of the bench
             results); if it cannot run for the shape/device, the first valid
             point of `SearchSpace()` in search order (fewest knobs changed).
   transfer: chunk_rows = the power of two <= the mean rows per (source rank,
