@@ -115,41 +115,39 @@ class TrainCase:
   batches: list
 
 
-def parse_backend(backend: str) -> tuple:
-  """"uniep+xla_dswiglu+s3" -> ("uniep", False, 3): the training backend, then
-  swiglu_grad_in_kernel ('+dswiglu' True, '+xla_dswiglu' False, else None: the
-  default) and kernel_stages ('+sN': KernelConfig.max_concurrent_steps=N, else None)."""
+def parse_backend(backend: str) -> dict:
+  """"uniep+xla_dswiglu+s3+b4" -> the TrainConfig fields it sets: backend "uniep", then
+  swiglu_grad_in_kernel ('+dswiglu' True, '+xla_dswiglu' False), kernel_stages ('+sN':
+  KernelConfig.max_concurrent_steps=N) and grad_buckets ('+bN'); fields not named keep
+  their defaults."""
   base, *options = backend.split("+")
-  grad_in_kernel, stages = None, None
+  fields = dict(backend=base)
   for option in options:
     if option in ("dswiglu", "xla_dswiglu"):
-      grad_in_kernel = option == "dswiglu"
-    elif option[:1] == "s" and option[1:].isdigit():
-      stages = int(option[1:])
+      fields["swiglu_grad_in_kernel"] = option == "dswiglu"
+    elif option[:1] in "sb" and option[1:].isdigit():
+      fields["kernel_stages" if option[0] == "s" else "grad_buckets"] = int(option[1:])
     else:
       raise ValueError(f"backend {backend!r}: the options are '+dswiglu' / '+xla_dswiglu' "
-                       f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on) and "
-                       f"'+sN' (KernelConfig.max_concurrent_steps=N)")
-  return base, grad_in_kernel, stages
+                       f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on), "
+                       f"'+sN' (KernelConfig.max_concurrent_steps=N) and '+bN' (grad_buckets=N)")
+  return fields
 
 
 def build_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
                num_batches: int, data, max_experts: int | None = None,
                grad_reduction: str = "xla", lr: float = TIMING_LR) -> TrainCase:
   """The real train step (train/loop.py) of `model` (registered with `layers` and
-  `max_experts`) on `mesh` with `backend` ("pallas+xla_dswiglu" / "uniep+xla_dswiglu":
-  UniEPConfig.swiglu_grad_in_kernel=False, the XLA pass; "+dswiglu": True, the
-  default), and `num_batches` batches of `data` on the
-  devices. Shared by this bench and bench/profile_layer.py --train-model."""
+  `max_experts`) on `mesh` with `backend` and its options (`parse_backend`: e.g.
+  "uniep+xla_dswiglu+s4+b3"), and `num_batches` batches of `data` on the devices.
+  Shared by this bench and bench/profile_layer.py --train-model."""
   from train import loop
   from train.config import TrainConfig
 
   name = _register_variant(model, layers, max_experts)
-  base, grad_in_kernel, stages = parse_backend(backend)
-  cfg = TrainConfig(config=name, mesh=mesh, backend=base, batch=batch, seq=seq,
+  cfg = TrainConfig(config=name, mesh=mesh, batch=batch, seq=seq,
                     steps=max(num_batches, 2), out="/tmp/train_throughput", progress=False,
-                    plot=False, grad_reduction=grad_reduction, lr=lr,
-                    swiglu_grad_in_kernel=grad_in_kernel, kernel_stages=stages)
+                    plot=False, grad_reduction=grad_reduction, lr=lr, **parse_backend(backend))
   s = loop.make_setup(cfg)
   state = loop.init_state(s)
   step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, state[2]))
@@ -234,8 +232,9 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=1, help="layers per model (0: the config's)")
   ap.add_argument("--meshes", default="", help="default: data=1,expert=R;data=2,expert=R/2")
   ap.add_argument("--backends", default=",".join(BACKENDS),
-                  help="comma list; 'pallas+xla_dswiglu' / 'uniep+xla_dswiglu': the SwiGLU "
-                       "derivative by an XLA pass, not in the da GEMM's epilogue (the default)")
+                  help="comma list of backends with options (parse_backend): '+xla_dswiglu' the "
+                       "SwiGLU derivative by an XLA pass, '+sN' N pipeline stages, '+bN' N "
+                       "gradient buckets, e.g. uniep,uniep+s4,uniep+b3")
   ap.add_argument("--max-experts", type=int, default=64,
                   help="cap on each model's expert count, to fit (0: the config's)")
   ap.add_argument("--batch", type=int, default=8)

@@ -61,9 +61,11 @@ def test_uniform_tokens_are_a_pure_dataset():
 
 
 def test_train_throughput_backend_options():
-  assert train_throughput.parse_backend("uniep") == ("uniep", None, None)
-  assert train_throughput.parse_backend("uniep+xla_dswiglu+s3") == ("uniep", False, 3)
-  assert train_throughput.parse_backend("pallas+dswiglu") == ("pallas", True, None)
+  assert train_throughput.parse_backend("uniep") == dict(backend="uniep")
+  assert train_throughput.parse_backend("uniep+xla_dswiglu+s3+b4") == dict(
+      backend="uniep", swiglu_grad_in_kernel=False, kernel_stages=3, grad_buckets=4)
+  assert train_throughput.parse_backend("pallas+dswiglu") == dict(backend="pallas",
+                                                                  swiglu_grad_in_kernel=True)
   with pytest.raises(ValueError, match="the options are"):
     train_throughput.parse_backend("uniep+fast")
 

@@ -295,6 +295,27 @@ def test_peak_learning_rate_is_the_model_configs_unless_given():
   assert parse_args(["--lr", "2e-4"]).lr == 2e-4 and parse_args([]).lr is None
 
 
+def test_bucketed_gradient_sums_give_the_same_bits(tmp_path, data, reference):
+  """--grad-buckets: the ordered sums in chained buckets in backward order give the
+  same training, bit for bit, as one sum after the whole backward pass (the losses of
+  steps 2-4 depend on every earlier update)."""
+  run = _train(tmp_path, data, grad_buckets=3, stop_after=4)
+  assert sorted(run["losses"]) == [1, 2, 3, 4]
+  assert all(run["losses"][k] == reference["losses"][k] for k in run["losses"])
+
+
+def test_backward_order_and_buckets():
+  from train.ordered_reduce import ordered_psum_buckets
+  names = ["embed", "final_norm.scale", "head", "layers.0.attn.wq", "layers.1.attn.wq",
+           "layers.10.ffn.router"]
+  assert loop.backward_order(names) == ["final_norm.scale", "head", "layers.10.ffn.router",
+                                        "layers.1.attn.wq", "layers.0.attn.wq", "embed"]
+  with pytest.raises(ValueError, match="num_buckets=0"):
+    ordered_psum_buckets([], 0)
+  with pytest.raises(ValueError, match="grad_buckets=2 is for --grad-reduction ordered"):
+    TrainConfig(grad_reduction="xla", grad_buckets=2)
+
+
 def test_kernel_stages_reach_the_moe_layers():
   from train.config import TrainConfig, parse_args
   with pytest.raises(ValueError, match="kernel_stages is only for --backend pallas"):

@@ -53,6 +53,7 @@ class TrainConfig:
   # XLA:GPU deterministic mode (train.mesh.request_xla_determinism), set by the CLI
   xla_deterministic: bool = True
   grad_reduction: str = "ordered"  # GRAD_REDUCTIONS
+  grad_buckets: int = 1  # "ordered": the gradients summed in this many chained buckets (backward order)
   # multi-process runs (train/distributed.py); None: from the environment, else single-process
   coordinator: Optional[str] = None  # HOST:PORT of process 0's jax.distributed coordinator
   num_processes: Optional[int] = None
@@ -74,6 +75,11 @@ class TrainConfig:
         raise ValueError(f"kernel_stages={self.kernel_stages} must be >= 1")
     if self.grad_reduction not in GRAD_REDUCTIONS:
       raise ValueError(f"grad_reduction={self.grad_reduction!r} is unknown; expected one of {GRAD_REDUCTIONS}")
+    if self.grad_buckets < 1:
+      raise ValueError(f"grad_buckets={self.grad_buckets} must be >= 1")
+    if self.grad_buckets > 1 and self.grad_reduction != "ordered":
+      raise ValueError(f"grad_buckets={self.grad_buckets} is for --grad-reduction ordered, got "
+                       f"grad_reduction={self.grad_reduction!r}")
     for name in ("steps", "batch", "seq", "eval_every", "eval_batches", "ckpt_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -144,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
   a("--no-xla-deterministic", dest="xla_deterministic", action="store_false",
     help="let XLA autotune its GEMMs on GPUs (faster dense layers; the same bits run after "
          "run, but no longer across compilations, e.g. across --backend choices)")
+  a("--grad-buckets", type=int, default=d.grad_buckets,
+    help="with --grad-reduction ordered: sum the gradients in this many buckets, in the order "
+         "the backward pass produces them (the LM head's first, the embedding's last), each "
+         "bucket's collectives after the previous one's, so that the first ones can overlap "
+         "the rest of the backward pass; the same bits for any count (EXPERIMENTAL: not yet "
+         "timed on GPUs; 1, the default, sums them after the whole backward pass)")
   a("--grad-reduction", default=d.grad_reduction, choices=GRAD_REDUCTIONS,
     help="how gradients are summed over the mesh: 'ordered' (default: per-shard gradients "
          "summed in rank order in float32, the same bits in every program, e.g. with any "

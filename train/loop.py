@@ -19,8 +19,9 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import re
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from train.config import TrainConfig
 from train.data import Dataset, make_dataset, unigram_entropy
 from train.distributed import from_local_rows, host_value, is_main_process, local_rows
 from train.mesh import MESH_AXES, ConfigError, make_mesh, parse_mesh, validate_mesh
-from train.ordered_reduce import ordered_psum, ordered_psum_many
+from train.ordered_reduce import ordered_psum, ordered_psum_buckets, ordered_psum_many
 from uniep_jax.moe import shard_map_type_checked
 
 LN2 = float(np.log(2.0))
@@ -201,6 +202,20 @@ def _per_shard(s: Setup, body, out_specs):
                        out_specs=out_specs, check_vma=shard_map_type_checked(s.cfg.backend))
 
 
+def backward_order(names: Sequence[str]) -> list[str]:
+  """The Transformer's parameter names in about the order the backward pass finishes
+  their gradients: the LM head and final norm first, then the layers from the last to
+  the first, then the embedding (and anything unknown) last."""
+  def key(name):
+    if name.startswith(("head", "final_norm")):
+      return (0, 0, name)
+    m = re.match(r"layers\.(\d+)\.", name)
+    if m:
+      return (1, -int(m.group(1)), name)
+    return (2, 0, name)
+  return sorted(names, key=key)
+
+
 def ordered_grads(s: Setup):
   """(params, rest, inputs, targets) -> (grads, ce, lb, z, aux, grad_norm), grads clipped.
 
@@ -211,6 +226,10 @@ def ordered_grads(s: Setup):
   order. No float sum over devices is left to XLA or NCCL. The sums go in a few
   buffers, one after the other (`ordered_psum_many`), after the whole backward pass:
   one collective in flight at a time (2 per leaf, free to overlap, hung on 4x H200).
+  With cfg.grad_buckets > 1 they go in that many buckets in `backward_order`, chained
+  (`ordered_psum_buckets`), so that the early ones may overlap the rest of the backward
+  pass (EXPERIMENTAL, not yet timed; then a gradient collective may be in flight beside
+  the MoE layer's own). Same bits either way.
   The aux losses are computed from statistics psum'd over the mesh inside the MoE
   layer: each shard's gradient holds 1/shards of their derivative per shard, so the
   sum holds it once.
@@ -232,9 +251,12 @@ def ordered_grads(s: Setup):
 
     (_, (ce, lb, z, aux)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
     names = sorted(grads)
-    # one chain of collectives: the gradients (and ce) in buffers, then the norm's parts
-    *summed, ce = ordered_psum_many([(grads[k], reduce_axes[k]) for k in names] + [(ce, axes)])
-    grads = dict(zip(names, summed))
+    # one chain of collectives: the gradients (and ce) in buffers (in backward order when
+    # bucketed), then the norm's parts
+    order = backward_order(names) if s.cfg.grad_buckets > 1 else names
+    *summed, ce = ordered_psum_buckets([(grads[k], reduce_axes[k]) for k in order] + [(ce, axes)],
+                                       s.cfg.grad_buckets)
+    grads = dict(zip(order, summed))
     parts = ordered_psum_many([(jnp.sum(jnp.square(grads[k].astype(jnp.float32))),
                                 tuple(a for a in axes if a in _spec_axes(pspec[k]))) for k in names],
                               after=summed)

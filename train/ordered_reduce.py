@@ -14,6 +14,11 @@ ring all-reduce (each device sends and receives (R-1)/R of the value twice), and
 output element is ((v_0 + v_1) + v_2) + ... in float32, on every device, in every
 program. Several axes are summed one after the other in the order given.
 
+`ordered_psum_buckets` splits the values (in the order given, e.g. the order the
+backward pass produces them) into buckets of about equal bytes and chains one
+`ordered_psum_many` per bucket, so that the first buckets' collectives may run while
+later values are still being computed; the bits are those of one call.
+
 `ordered_psum_many` sums many values in as few collectives as it can: values with the
 same axes and dtype are concatenated into one buffer (the elementwise sums, hence the
 bits, are those of one `ordered_psum` per value), and the buffers go one after the
@@ -97,3 +102,32 @@ def ordered_psum_many(items: Sequence[tuple[jax.Array, Sequence[str]]], *,
       start += x.size
     previous = total
   return out
+
+
+def ordered_psum_buckets(items: Sequence[tuple[jax.Array, Sequence[str]]], num_buckets: int, *,
+                         after=None) -> list[jax.Array]:
+  """`ordered_psum_many(items)`, bit for bit, in `num_buckets` consecutive buckets of
+  `items` (in the order given) of about equal bytes (leaf granularity: fewer buckets
+  when there are fewer leaves), each bucket's collectives after the previous bucket's
+  result (the first after `after`). One bucket: exactly `ordered_psum_many`."""
+  if num_buckets < 1:
+    raise ValueError(f"num_buckets={num_buckets} must be >= 1")
+  sizes = [x.size * jnp.dtype(x.dtype).itemsize for x, _ in items]
+  total = max(sum(sizes), 1)
+  buckets: list[list[int]] = [[]]
+  done = 0
+  for i, nbytes in enumerate(sizes):
+    # start a new bucket once this one holds its share of the bytes
+    if buckets[-1] and len(buckets) < num_buckets and done >= total * len(buckets) / num_buckets:
+      buckets.append([])
+    buckets[-1].append(i)
+    done += nbytes
+  out: list = [None] * len(items)
+  previous = after
+  for idx in buckets:
+    summed = ordered_psum_many([items[i] for i in idx], after=previous)
+    for i, value in zip(idx, summed):
+      out[i] = value
+    previous = summed
+  return out
+
