@@ -8,7 +8,9 @@ forward output and the gradients of x and every parameter with:
     (chunk_rows, num_ctas, col_tile) for each grouped-GEMM tiling swept, and
     with the v2 fused kernels (`FUSED`: n_comm, recv_chunk_rows),
   * each "uniep" point three times,
-and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`).
+and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`). The
+points go round-robin over the tilings (`sweep_order`), so that a run cut by
+--budget-s has covered every tiling with its default transfer first.
 Points with the same KernelConfig must all agree with "pallas" of that
 KernelConfig (the transfer only moves rows). Across different block_k the
 accumulation order over K differs, so only equality within a tiling is required;
@@ -70,6 +72,13 @@ def _inputs(shape, mesh):
   return x, p
 
 
+def sweep_order(tilings: list, points: list) -> list:
+  """(tiling, point) pairs round-robin over the tilings: every tiling's first point
+  (the default transfer) before any tiling's second, so that a run cut by its time
+  budget has covered every tiling."""
+  return [(t, pt) for pt in points for t in tilings]
+
+
 def _run(mesh, shape, cfg, x, p):
   def loss(x, p):
     y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=shape.top_k, config=cfg)
@@ -97,35 +106,39 @@ def main(argv=None):
   x, p = _inputs(shape, mesh)
   points, mismatches, skipped = [], [], []
   reference = {}
+  tag_of = lambda kc: f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"  # noqa: E731
   for kc in TILINGS:
-    tag = f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"
+    tag = tag_of(kc)
     try:
       reference[tag] = _run(mesh, shape, uniep_jax.UniEPConfig(backend="pallas", kernel=kc), x, p)
     except Exception as e:  # noqa: BLE001
       traceback.print_exc(limit=2)
       points.append(dict(kernel=tag, backend="pallas", error=repr(e)[:300]))
+  default_t = uniep_jax.TransferConfig()
+  transfer_points = ([(default_t, None)] + [(tc, None) for tc in TRANSFERS if tc != default_t]
+                     + [(default_t, fc) for fc in FUSED])
+  for kc, (tc, fc) in sweep_order(TILINGS, transfer_points):
+    tag = tag_of(kc)
+    if tag not in reference:   # its pallas reference failed (recorded above)
       continue
-    points_of_tiling = ([(tc, None) for tc in TRANSFERS]
-                        + [(uniep_jax.TransferConfig(), fc) for fc in FUSED])
-    for tc, fc in points_of_tiling:
-      if time.time() - t0 > args.budget_s:
-        skipped.append(dict(kernel=tag, transfer=str(tc), fused=str(fc), why="time budget"))
-        continue
-      cfg = uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc, fused=fc)
-      row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
-                 fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows])
-      try:
-        runs = [_run(mesh, shape, cfg, x, p) for _ in range(3)]
-        row.update(checksums=runs[0], repeatable=all(r == runs[0] for r in runs),
-                   equals_pallas=runs[0] == reference[tag])
-        if not (row["repeatable"] and row["equals_pallas"]):
-          mismatches.append(row)
-          print("MISMATCH", row, file=sys.stderr, flush=True)
-      except Exception as e:  # noqa: BLE001
-        traceback.print_exc(limit=2)
-        row["error"] = repr(e)[:300]
-      points.append(row)
-      print(row, flush=True)
+    if time.time() - t0 > args.budget_s:
+      skipped.append(dict(kernel=tag, transfer=str(tc), fused=str(fc), why="time budget"))
+      continue
+    cfg = uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc, fused=fc)
+    row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
+               fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows])
+    try:
+      runs = [_run(mesh, shape, cfg, x, p) for _ in range(3)]
+      row.update(checksums=runs[0], repeatable=all(r == runs[0] for r in runs),
+                 equals_pallas=runs[0] == reference[tag])
+      if not (row["repeatable"] and row["equals_pallas"]):
+        mismatches.append(row)
+        print("MISMATCH", row, file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc(limit=2)
+      row["error"] = repr(e)[:300]
+    points.append(row)
+    print(row, flush=True)
   tilings_agree = len({v for v in reference.values()}) == 1
   payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,
                  pallas_reference=reference, points=points, mismatches=mismatches,

@@ -60,6 +60,13 @@ def test_uniform_tokens_are_a_pure_dataset():
   np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
 
 
+def test_determinism_sweep_covers_every_tiling_first():
+  from bench.determinism_sweep import TILINGS, sweep_order
+  order = sweep_order(TILINGS, ["default", "other"])
+  assert [p for _, p in order[:len(TILINGS)]] == ["default"] * len(TILINGS)
+  assert [t for t, _ in order[:len(TILINGS)]] == TILINGS
+
+
 def test_train_throughput_backend_options():
   assert train_throughput.parse_backend("uniep") == dict(backend="uniep")
   assert train_throughput.parse_backend("uniep+xla_dswiglu+s3+b4") == dict(
