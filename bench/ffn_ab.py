@@ -12,6 +12,11 @@ live rows balanced over the E/R local experts and M = factor x live rows
   ffn_fwdbwd       the whole FFN forward + backward (grouped_swiglu_ffn, VJP)
   ffn_fwdbwd_skip  the same with zero_dead_rows=False (the MoE layer's mode)
   ffn_fwdbwd_skip_fused_da  and with fuse_da_epilogue=True (dh, du in da's epilogue)
+  gate_up_as_plain  x @ [w_gate | w_up] by the "plain" launch (one N=128 accumulator
+                   per warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
+  dx_sum2          the dx launch alone (mode "sum2": dh @ w_gate^T + du @ w_up^T)
+  dx_as_plain_cat_k  [dh | du] @ [w_gate | w_up]^T by the "plain" launch (K = 2F):
+                   the same FLOPs (other float32 summation order)
   dense            jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
   alt_ffn_fwdbwd   with --alt PATH: that module's grouped_swiglu_ffn fwd+bwd (its
                    defaults), e.g. an earlier version:
@@ -95,6 +100,24 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
   t("ffn_fwdbwd_skip_fused_da", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
       *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True)),
     x, wg, wu, wd, gs, dy)
+  # The dual-operand launches against "plain" launches of the same FLOPs on
+  # concatenated operands (per-warpgroup N 64 with two accumulators / operand pairs,
+  # against N 128 with one): is the dual-operand structure what costs?
+  kw = dict(config=cfg, interpret=False, zero_window=cfg.block_k)
+  w_cat = jnp.concatenate([wg_p, wu_p], axis=2)                      # [G, H, 2F]
+  t("gate_up_as_plain", lambda a, b, s: gg._row_tiled_call(
+      [a], [b], s, mode="plain", transpose_b=False, out_dtype=bf, save_hu=False, **kw),
+    x, w_cat, gs)
+  dh = jax.random.normal(ks[1], (m, wg_p.shape[2]), bf)
+  du = jax.random.normal(ks[2], (m, wg_p.shape[2]), bf)
+  h_out = gg._round_up(h, 2 * cfg.block_n)
+  wg_t, wu_t = gg._pad_axis(wg_p, 1, h_out), gg._pad_axis(wu_p, 1, h_out)
+  t("dx_sum2", lambda a, b, c, d, s: gg._row_tiled_call(
+      [a, b], [c, d], s, mode="sum2", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
+    dh, du, wg_t, wu_t, gs)
+  t("dx_as_plain_cat_k", lambda a, b, s: gg._row_tiled_call(
+      [a], [b], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
+    jnp.concatenate([dh, du], axis=1), jnp.concatenate([wg_t, wu_t], axis=2), gs)
   checks = _compare_fused_da(x, wg, wu, wd, gs, dy, cfg, live)
   if alt is not None:
     t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, config=cfg,
@@ -106,6 +129,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
     xd, wdense)
   gemm = 2.0 * live * h * f   # FLOPs of one of the FFN's GEMMs over the live rows
   flops = dict(plain_fwd=gemm, gate_up_fwd=2 * gemm, gate_up_fwd_skip=2 * gemm,
+               gate_up_as_plain=2 * gemm, dx_sum2=2 * gemm, dx_as_plain_cat_k=2 * gemm,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm,
                dense=gemm)
