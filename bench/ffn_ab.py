@@ -12,6 +12,8 @@ live rows balanced over the E/R local experts and M = factor x live rows
   ffn_fwdbwd       the whole FFN forward + backward (grouped_swiglu_ffn, VJP)
   ffn_fwdbwd_skip  the same with zero_dead_rows=False (the MoE layer's mode)
   ffn_fwdbwd_skip_fused_da  and with fuse_da_epilogue=True (dh, du in da's epilogue)
+  ffn_fwdbwd_skip_fused_da_catk  and with dx_concat_k=True (dx one "plain" launch over
+                   [dh | du], EXPERIMENTAL)
   gate_up_as_plain  x @ [w_gate | w_up] by the "plain" launch (one N=128 accumulator
                    per warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
   dx_sum2          the dx launch alone (mode "sum2": dh @ w_gate^T + du @ w_up^T)
@@ -100,6 +102,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
   t("ffn_fwdbwd_skip_fused_da", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
       *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True)),
     x, wg, wu, wd, gs, dy)
+  t("ffn_fwdbwd_skip_fused_da_catk", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
+      *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True,
+      dx_concat_k=True)), x, wg, wu, wd, gs, dy)
   # The dual-operand launches against "plain" launches of the same FLOPs on
   # concatenated operands (per-warpgroup N 64 with two accumulators / operand pairs,
   # against N 128 with one): is the dual-operand structure what costs?
@@ -130,6 +135,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
   gemm = 2.0 * live * h * f   # FLOPs of one of the FFN's GEMMs over the live rows
   flops = dict(plain_fwd=gemm, gate_up_fwd=2 * gemm, gate_up_fwd_skip=2 * gemm,
                gate_up_as_plain=2 * gemm, dx_sum2=2 * gemm, dx_as_plain_cat_k=2 * gemm,
+               ffn_fwdbwd_skip_fused_da_catk=9 * gemm,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm,
                dense=gemm)

@@ -298,7 +298,7 @@ def _silu_mul(h, u):
 
 
 def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier, *, load_row,
-                      smem_row, gmem_row, count, rows: int, col0):
+                      smem_row, gmem_row, count, rows: int, col0, du_col_offset: int = 0):
   """The "dswiglu" epilogue of one compute warpgroup: da [rows, wg_n] (f32, the
   accumulator) -> dh, du of the same rows and F columns, chunk by chunk:
     TMA-load h, u [rows, 64] (rows load_row.., the saved residuals) into this
@@ -306,7 +306,9 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier,
     elements it later overwrites: same layout, no cross-thread hazard), compute
       s = sigmoid(h), dh = da * u * s * (1 + h (1 - s)), du = da * h * s   (f32)
     write dh, du over h, u, fence, and store rows [lo, hi) with the TMA ladder.
-  Before each chunk's loads, the previous chunk's stores must have read the buffer."""
+  Before each chunk's loads, the previous chunk's stores must have read the buffer.
+  du_col_offset: du's columns start there in du_gmem (dh_gmem is du_gmem = one [M, 2N]
+  buffer [dh | du] when it is N; 0: separate outputs)."""
   wg = lax.axis_index("wg")
   buf = hu_smem.at[wg]
   bar = hu_barrier.at[wg]
@@ -322,8 +324,9 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier,
     buf.at[0][...] = dh.astype(buf.dtype)
     buf.at[1][...] = du.astype(buf.dtype)
     plgpu.commit_smem()
-    for i, dst in enumerate((dh_gmem, du_gmem)):
-      ladder_store(buf.at[i], dst.at[:, pl.ds(col, _EPI_N)], smem_row, gmem_row, count, rows)
+    for i, (dst, offset) in enumerate(((dh_gmem, 0), (du_gmem, du_col_offset))):
+      ladder_store(buf.at[i], dst.at[:, pl.ds(offset + col, _EPI_N)], smem_row, gmem_row, count,
+                   rows)
 
 
 # ----------------------------------------------------------------------------
@@ -332,6 +335,7 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier,
 
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
+                      concat_out: bool = False,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
                       num_ctas: Optional[int] = None,
@@ -458,9 +462,11 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
             if mode == "dswiglu":
               if out_gmems_ is not None or gmem_row is not None:
                 raise ValueError("mode 'dswiglu' stores its own outputs: no walk() redirection")
-              _dswiglu_epilogue(vals[0], *epi_in_gmems, *out_gmems, epi_smem, hu_barrier,
+              dh_out, du_out = (out_gmems[0],) * 2 if concat_out else out_gmems
+              _dswiglu_epilogue(vals[0], *epi_in_gmems, dh_out, du_out, epi_smem, hu_barrier,
                                 load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
-                                count=hi - lo, rows=block_m, col0=col0)
+                                count=hi - lo, rows=block_m, col0=col0,
+                                du_col_offset=n if concat_out else 0)
               return
             _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
@@ -528,16 +534,20 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
 
 def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool,
                     out_dtype, save_hu: bool, config: KernelConfig, interpret,
-                    zero_window: Optional[int] = None, epi_inputs: Sequence = ()):
+                    zero_window: Optional[int] = None, epi_inputs: Sequence = (),
+                    concat_out: bool = False):
   """Launch the row-tiled kernel on operands already padded to the tile grid.
   zero_window: see `_row_tile_plan` (None: dead rows come back zero).
 
   a_list: [M, K] each; b_list: [G, K, N] (or [G, N, K] with transpose_b).
   Returns a tuple of [M, N] outputs. Mode "dswiglu": epi_inputs = (h, u) [M, N]
-  (x.dtype), read by the epilogue; returns (dh, du) [M, N] in out_dtype.
+  (x.dtype), read by the epilogue; returns (dh, du) [M, N] in out_dtype, or with
+  concat_out=True one [M, 2N] buffer [dh | du] (for a dx launch over K = 2N).
   """
   if (mode == "dswiglu") != (len(epi_inputs) == 2):
     raise ValueError(f"mode {mode!r} takes epi_inputs=(h, u) exactly when it is 'dswiglu'")
+  if concat_out and mode != "dswiglu":
+    raise ValueError(f"concat_out is only for mode 'dswiglu', got {mode!r}")
   m, k = a_list[0].shape
   g = b_list[0].shape[0]
   n = b_list[0].shape[1] if transpose_b else b_list[0].shape[2]
@@ -552,11 +562,13 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
   for x in epi_inputs:
     if x.shape != (m, n) or x.dtype != out_dtype:
       raise ValueError(f"epilogue input {x.shape} {x.dtype} must be {(m, n)} {out_dtype}")
-  body = functools.partial(_row_tiled_kernel, **params)
+  body = functools.partial(_row_tiled_kernel, concat_out=concat_out, **params)
+  out_type = (tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for _ in range(num_out))
+              if not concat_out else (jax.ShapeDtypeStruct((m, 2 * n), out_dtype),))
   kernel = plgpu.kernel(
       body,
       kernel_name=f"grouped_gemm_{mode}{'_t' if transpose_b else ''}",   # names in profiles
-      out_type=tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for _ in range(num_out)),
+      out_type=out_type,
       grid=(device_lib.num_sms(config.num_sms),),
       grid_names=("sm",),
       num_threads=_NUM_COMPUTE_WGS + 1,
@@ -850,11 +862,18 @@ def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, sav
 
 def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
                     interpret=None, zero_window: Optional[int] = None,
-                    fuse_da_epilogue: bool = False):
+                    fuse_da_epilogue: bool = False, dx_concat_k: bool = False):
   """The backward pass of `grouped_swiglu_ffn` (formulas in its docstring) from its
   saved residuals a, h, u ([m_p, F_p], the gate/up epilogue's outputs). Returns
   (dx [M, H], dw_gate, dw_up, dw_down). Also the backward pass of the fused uniep
-  forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u."""
+  forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u.
+
+  dx_concat_k (needs fuse_da_epilogue; EXPERIMENTAL, not yet run on a GPU): the da
+  epilogue writes [dh | du] into one [m_p, 2 F_p] buffer; dx is then one "plain"
+  launch over K = 2 F_p against [w_gate | w_up] (one N-128 accumulator per warpgroup
+  instead of "sum2"'s two N-64 operand pairs; the weights are concatenated per call),
+  and dw_gate, dw_up one wgrad launch over N = 2 F_p. dw bits unchanged; dx sums
+  the dh blocks, then the du blocks (another float32 order than "sum2")."""
   interpret = resolve_interpret(interpret)
   m, h_dim = x.shape
   f_dim = w_gate.shape[2]
@@ -864,6 +883,20 @@ def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config
   h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
   h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
   dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
+  if dx_concat_k:
+    if not fuse_da_epilogue:
+      raise ValueError("dx_concat_k needs fuse_da_epilogue=True (the da epilogue writes [dh | du])")
+    (dhu,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="dswiglu",
+                             transpose_b=True, out_dtype=x.dtype, save_hu=False,
+                             zero_window=zero_window, epi_inputs=(h, u), concat_out=True, **kw)
+    w_cat = jnp.concatenate([_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)], axis=2)
+    (dx,) = _row_tiled_call([dhu], [w_cat], group_sizes, mode="plain", transpose_b=True,
+                            out_dtype=x.dtype, save_hu=False, zero_window=zero_window, **kw)
+    x_w = _pad_axis(x, 0, m_p)
+    dw_cat = gmm_wgrad(x_w, dhu, group_sizes, out_dtype=w_gate.dtype, **kw)   # [G, H, 2 F_p]
+    dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
+                        out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
+    return (dx[:m, :h_dim], dw_cat[:, :, :f_dim], dw_cat[:, :, f_p:f_p + f_dim], dw_down)
   if fuse_da_epilogue:
     # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, dh and du: [m_p, f_p]
     dh, du = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="dswiglu",
@@ -890,7 +923,8 @@ def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config
 
 
 @functools.lru_cache(maxsize=None)
-def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_epilogue: bool):
+def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_epilogue: bool,
+               dx_concat_k: bool = False):
   # the wgrad reads up to block_k rows past a group's end: those stay zero
   zw = None if zero_dead_rows else config.block_k
 
@@ -909,7 +943,7 @@ def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_ep
     x, w_gate, w_up, w_down, group_sizes, a, h, u = res
     return swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, config=config,
                            interpret=interpret, zero_window=zw,
-                           fuse_da_epilogue=fuse_da_epilogue) + (None,)
+                           fuse_da_epilogue=fuse_da_epilogue, dx_concat_k=dx_concat_k) + (None,)
 
   f.defvjp(fwd, bwd)
   return f
@@ -917,7 +951,8 @@ def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_ep
 
 def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
                        config: KernelConfig = KernelConfig(), interpret=None,
-                       zero_dead_rows: bool = True, fuse_da_epilogue: bool = False):
+                       zero_dead_rows: bool = True, fuse_da_epilogue: bool = False,
+                       dx_concat_k: bool = False):
   """SwiGLU expert FFN over grouped rows, differentiable (custom_vjp).
 
   x [M, H], w_gate/w_up [G, H, F], w_down [G, F, H], group_sizes [G] -> y [M, H]:
@@ -937,13 +972,15 @@ def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
   x.dtype before the GEMMs that consume them; h and u are the saved x.dtype values):
     da = dy @ w_down^T (f32);  s = sigmoid(h)
     dh = da * u * s * (1 + h (1 - s)),  du = da * h * s   (XLA, over all rows; with
-        fuse_da_epilogue=True, EXPERIMENTAL, not yet run on a GPU: in da's epilogue,
-        mode "dswiglu", da never stored)
-    dx = dh @ w_gate^T + du @ w_up^T (one "sum2" kernel)
+        fuse_da_epilogue=True, measured faster, the MoE layer's default: in da's
+        epilogue, mode "dswiglu", da never stored)
+    dx = dh @ w_gate^T + du @ w_up^T (one "sum2" kernel; dx_concat_k=True,
+        EXPERIMENTAL: one "plain" kernel over [dh | du] and [w_gate | w_up], see
+        `swiglu_backward`)
     dw_gate = x^T dh, dw_up = x^T du, dw_down = a^T dy (wgrad kernel).
   """
-  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows, fuse_da_epilogue)(
-      x, w_gate, w_up, w_down, group_sizes)
+  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows, fuse_da_epilogue,
+                    dx_concat_k)(x, w_gate, w_up, w_down, group_sizes)
 
 
 # ----------------------------------------------------------------------------

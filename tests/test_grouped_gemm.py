@@ -176,8 +176,14 @@ def test_grouped_matmul_gradients():
   assert_bf16_close(dw, dw_ref, atol=1e-3)
 
 
-@pytest.mark.parametrize("fuse_da", [False, True])
-def test_swiglu_ffn_forward_and_gradients(fuse_da):
+# the backward's variants: dh, du by an XLA pass; in the da epilogue; and the latter
+# with dx as one "plain" launch over [dh | du] (dx_concat_k)
+BACKWARDS = {"xla": {}, "epilogue": dict(fuse_da_epilogue=True),
+             "concat_k": dict(fuse_da_epilogue=True, dx_concat_k=True)}
+
+
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+def test_swiglu_ffn_forward_and_gradients(backward):
   m, h, f = 256, 128, 96  # F not a multiple of 64
   g = len(GROUP_SIZES)
   ks = jax.random.split(jax.random.key(5), 5)
@@ -187,7 +193,7 @@ def test_swiglu_ffn_forward_and_gradients(fuse_da):
   dy = rand(ks[4], (m, h))
   gs = jnp.asarray(GROUP_SIZES)
   ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
-                                         fuse_da_epilogue=fuse_da)
+                                         **BACKWARDS[backward])
   y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
   grads = vjp(dy)
   # Forward: exactly the documented casts (a rounded to bf16), f32 accumulation.
@@ -206,8 +212,8 @@ def test_swiglu_ffn_forward_and_gradients(fuse_da):
     assert rel < 1e-2, (name, rel)
 
 
-@pytest.mark.parametrize("fuse_da", [False, True])
-def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(fuse_da):
+@pytest.mark.parametrize("backward", list(BACKWARDS))
+def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(backward):
   """zero_dead_rows=False (the MoE layer's mode): the kernels skip the dead row
   tiles past a block_k window. Live rows of y and dx and every weight gradient are
   bitwise those of the zeroing mode; the window rows are zero; the cotangent's
@@ -226,7 +232,7 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(fuse_da):
 
   def run(zero, cot):
     ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
-                                           zero_dead_rows=zero, fuse_da_epilogue=fuse_da)
+                                           zero_dead_rows=zero, **BACKWARDS[backward])
     y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
     return y, vjp(cot)
 
@@ -239,6 +245,36 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(fuse_da):
     np.testing.assert_array_equal(bits(a), bits(b))
   np.testing.assert_array_equal(f32(y1[total:window_end]), 0.0)
   np.testing.assert_array_equal(f32(g1[0][total:window_end]), 0.0)
+
+
+def test_dx_concat_k_keeps_the_weight_gradient_bits():
+  """dx_concat_k: the same forward and weight gradients, bit for bit, as the
+  epilogue variant (one wgrad over [dh | du] sums each column as two did); dx within
+  bf16 rounding (another float32 order over K); repeatable."""
+  m, h, f = 256, 128, 96
+  g = len(GROUP_SIZES)
+  ks = jax.random.split(jax.random.key(11), 5)
+  x = rand(ks[0], (m, h))
+  w_gate, w_up = rand(ks[1], (g, h, f), h**-0.5), rand(ks[2], (g, h, f), h**-0.5)
+  w_down = rand(ks[3], (g, f, h), f**-0.5)
+  dy = rand(ks[4], (m, h))
+  gs = jnp.asarray(GROUP_SIZES)
+
+  def run(backward):
+    ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
+                                           **BACKWARDS[backward])
+    y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
+    return y, vjp(dy)
+
+  y0, g0 = run("epilogue")
+  y1, g1 = run("concat_k")
+  chex.assert_trees_all_equal((y1, g1[1:]), (y0, g0[1:]))
+  rel = np.linalg.norm(f32(g1[0]) - f32(g0[0])) / np.linalg.norm(f32(g0[0]))
+  assert rel < 1e-2, rel
+  chex.assert_trees_all_equal(run("concat_k"), (y1, g1))
+  with pytest.raises(ValueError, match="dx_concat_k needs fuse_da_epilogue"):
+    jax.vjp(lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,
+                                             dx_concat_k=True), x, w_gate, w_up, w_down)[1](dy)
 
 
 def test_row_split_invariance_bitwise():
