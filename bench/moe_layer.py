@@ -45,6 +45,7 @@ BACKEND_CONFIGS = {
         backend="uniep", fused=uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=2048)),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
+    "uniep_catk": uniep_jax.UniEPConfig(backend="uniep", dx_concat_k=True),
 }
 
 

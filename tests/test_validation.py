@@ -67,6 +67,10 @@ def test_unknown_backend_and_score_fn():
   assert UniEPConfig(backend="uniep").use_swiglu_grad_in_kernel
   assert not UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False).use_swiglu_grad_in_kernel
   assert not UniEPConfig(backend="xla_capacity").use_swiglu_grad_in_kernel
+  with pytest.raises(ValueError, match="dx_concat_k needs the SwiGLU derivative in the kernel"):
+    UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False, dx_concat_k=True)
+  with pytest.raises(ValueError, match="dx_concat_k needs"):
+    UniEPConfig(backend="xla_dropless", dx_concat_k=True)
 
 
 def test_dtype_mismatch(setup):

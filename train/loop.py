@@ -87,7 +87,8 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
   """The model that `cfg` trains (its MoE options), initialised from cfg.seed."""
   return Transformer(model_cfg, mesh=mesh, backend=cfg.backend, capacity_factor=cfg.capacity_factor,
                      swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
-                     kernel_stages=cfg.kernel_stages, rngs=nnx.Rngs(cfg.seed))
+                     kernel_stages=cfg.kernel_stages, dx_concat_k=cfg.dx_concat_k,
+                     rngs=nnx.Rngs(cfg.seed))
 
 
 def make_setup(cfg: TrainConfig) -> Setup:

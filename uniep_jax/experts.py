@@ -136,11 +136,14 @@ swiglu_batched.defvjp(_batched_fwd, _batched_bwd)
 
 
 def swiglu_pallas(x, w_gate, w_up, w_down, group_sizes, *, kernel_config,
-                  zero_dead_rows: bool = True, grad_in_kernel: bool = False):
+                  zero_dead_rows: bool = True, grad_in_kernel: bool = False,
+                  dx_concat_k: bool = False):
   """Grouped FFN with our Pallas Mosaic GPU grouped GEMM (interpret mode on CPU).
   zero_dead_rows=False: rows of the output (and of dx) past the groups' rows plus a
   block_k window are left undefined (see `grouped_swiglu_ffn`). grad_in_kernel: the
-  backward's SwiGLU derivative in the da GEMM's epilogue (`fuse_da_epilogue`)."""
+  backward's SwiGLU derivative in the da GEMM's epilogue (`fuse_da_epilogue`);
+  dx_concat_k: dx as one launch over [dh | du] (`grouped_swiglu_ffn`)."""
   from pallas_kernels.grouped_gemm import grouped_swiglu_ffn  # heavy import, lazy
   return grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, config=kernel_config,
-                            zero_dead_rows=zero_dead_rows, fuse_da_epilogue=grad_in_kernel)
+                            zero_dead_rows=zero_dead_rows, fuse_da_epilogue=grad_in_kernel,
+                            dx_concat_k=dx_concat_k)

@@ -54,28 +54,29 @@ def _forward(rows_sorted, w_gate, w_up, w_down, plan: DispatchPlan, axis_name, e
   return zero_dropped_rows(y_sorted, plan, el), (recv, a, h, u)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
 def _fused_ffn(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el, kernel, transfer, fused,
-               grad_in_kernel):
+               grad_in_kernel, dx_concat_k):
   return _forward(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el, kernel, transfer,
                   fused)[0]
 
 
 def _fused_ffn_fwd(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el, kernel, transfer,
-                   fused, grad_in_kernel):
+                   fused, grad_in_kernel, dx_concat_k):
   y_sorted, (recv, a, h, u) = _forward(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el,
                                        kernel, transfer, fused)
   return y_sorted, (recv, a, h, u, w_gate, w_up, w_down, plan)
 
 
-def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, dy_sorted):
+def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, dx_concat_k, res,
+                   dy_sorted):
   from pallas_kernels.grouped_gemm import swiglu_backward
 
   recv, a, h, u, w_gate, w_up, w_down, plan = res
   dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)     # the return's transpose
   d_recv, dw_gate, dw_up, dw_down = swiglu_backward(
       recv, w_gate, w_up, w_down, plan.recv_group_sizes, a, h, u, dy_recv, config=kernel,
-      fuse_da_epilogue=grad_in_kernel)
+      fuse_da_epilogue=grad_in_kernel, dx_concat_k=dx_concat_k)
   d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)       # the dispatch's transpose
   return d_rows, dw_gate, dw_up, dw_down, _zero_plan_cotangent(plan)
 
@@ -85,8 +86,9 @@ _fused_ffn.defvjp(_fused_ffn_fwd, _fused_ffn_bwd)
 
 def fused_expert_ffn(rows_sorted, w_gate, w_up, w_down, plan: DispatchPlan, *, axis_name: str,
                      num_local_experts: int, kernel: KernelConfig, transfer: TransferConfig,
-                     fused: FusedConfig, grad_in_kernel: bool = False) -> jax.Array:
+                     fused: FusedConfig, grad_in_kernel: bool = False,
+                     dx_concat_k: bool = False) -> jax.Array:
   """Sorted rows [T*K, H] of this rank -> their expert outputs [T*K, H], sorted order
   (rows a receive bound dropped are zero). Differentiable; GPU only."""
   return _fused_ffn(rows_sorted, w_gate, w_up, w_down, plan, axis_name, num_local_experts,
-                    kernel, transfer, fused, grad_in_kernel)
+                    kernel, transfer, fused, grad_in_kernel, dx_concat_k)

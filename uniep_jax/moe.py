@@ -195,7 +195,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
                                   params.w_down, plan, axis_name=expert_axis,
                                   num_local_experts=el, kernel=config.kernel,
                                   transfer=config.transfer, fused=config.fused,
-                                  grad_in_kernel=config.use_swiglu_grad_in_kernel)
+                                  grad_in_kernel=config.use_swiglu_grad_in_kernel,
+                                  dx_concat_k=config.dx_concat_k)
       y_assign = unsort_rows(y_sorted, plan, top_k)                      # [T, K, H]
     else:
       recv = dispatch(x, plan, **kw)                                     # [R*T*K, H]
@@ -205,7 +206,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
         y_recv = swiglu_pallas(recv, params.w_gate, params.w_up, params.w_down,
                                plan.recv_group_sizes, kernel_config=config.kernel,
                                zero_dead_rows=False,
-                               grad_in_kernel=config.use_swiglu_grad_in_kernel)
+                               grad_in_kernel=config.use_swiglu_grad_in_kernel,
+                               dx_concat_k=config.dx_concat_k)
       else:
         y_recv = swiglu_ragged_dot(recv, params.w_gate, params.w_up, params.w_down,
                                    plan.recv_group_sizes)
