@@ -328,6 +328,11 @@ def test_kernel_stages_reach_the_moe_layers():
   model = loop.build_model(cfg, s.model_cfg, s.mesh)
   configs = [m.config for m in model.moe_modules()]
   assert configs and all(c.kernel.max_concurrent_steps == 3 and c.dx_concat_k for c in configs)
+  assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, dx_concat_k=True,
+                                       kernel_stages=3)
+  assert loop.moe_options(TrainConfig(backend="uniep")) == dict(
+      swiglu_grad_in_kernel=True, dx_concat_k=False, kernel_stages=3)
+  assert loop.moe_options(TrainConfig(backend="xla_dropless")) == {}
   with pytest.raises(ValueError, match="dx_concat_k is only for --backend pallas or uniep"):
     TrainConfig(backend="uniep", swiglu_grad_in_kernel=False, dx_concat_k=True)
 

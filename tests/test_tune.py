@@ -520,3 +520,26 @@ def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, no_s
   r = T.resolve_config(UniEPConfig(backend="pallas", kernel=None, transfer=None), device=dev,
                        cache_path=user, **shape)
   assert r.fused is None
+
+
+def test_replay_of_a_saved_report_records_what_that_run_measured(tmp_path):
+  """--record-from: a GPU run's report (4x H100, killed before it wrote its cache
+  entry) replayed on the CPU gives that run's best and default (the default was 4
+  stages then, 3 now), and the entry names the run's commit and date."""
+  import json
+  import os
+  report_path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "tune",
+                             "tune_NVIDIA_H100_80GB_HBM3_mixtral-like_ep4_fwd.json")
+  with open(report_path) as f:
+    report = json.load(f)
+  res = T.replay(report)
+  assert res.best.candidate.label() == report["best"]["label"]
+  assert res.default.label() == report["default"] == "m128_n128_k64_s4|c128_x64_t256"
+  assert res.spread()["default_ms"] == pytest.approx(report["spread"]["default_ms"])
+  assert res.counts()["mismatch"] == 0 and res.counts()["ok"] == report["counts"]["ok"]
+  cache = tmp_path / "cache.json"
+  assert T.main(["--record-from", report_path, "--cache", str(cache)]) == 0
+  (entry,) = json.loads(cache.read_text())["entries"].values()
+  assert entry["git_commit"] == report["meta"]["git_commit"]
+  assert entry["date"] == report["meta"]["date"]
+  assert entry["median_ms"] == pytest.approx(report["best"]["median_ms"])

@@ -83,6 +83,19 @@ class Setup:
   lr: float  # peak learning rate (cfg.lr, else the model config's)
 
 
+def moe_options(cfg: TrainConfig) -> dict:
+  """The Pallas expert FFN's options this run resolves to (defaults included), for
+  the log and summary.json: a resumed or compared run shows what produced its bits."""
+  if cfg.backend not in ("pallas", "uniep"):
+    return {}
+  from uniep_jax.config import KernelConfig, UniEPConfig
+  stages = KernelConfig().max_concurrent_steps if cfg.kernel_stages is None else cfg.kernel_stages
+  c = UniEPConfig(backend=cfg.backend, swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
+                  dx_concat_k=cfg.dx_concat_k)
+  return dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, dx_concat_k=c.dx_concat_k,
+              kernel_stages=stages)
+
+
 def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
   """The model that `cfg` trains (its MoE options), initialised from cfg.seed."""
   return Transformer(model_cfg, mesh=mesh, backend=cfg.backend, capacity_factor=cfg.capacity_factor,
@@ -388,6 +401,9 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   procs = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
   _log(f"mesh {dict(s.mesh.shape)} on {len(s.mesh.devices.flat)} {jax.devices()[0].platform} devices{procs}; "
        f"backend {cfg.backend}; batch {cfg.batch}x{cfg.seq} tokens; aux-free bias rate {s.bias_rate}")
+  moe = moe_options(cfg)
+  if cfg.backend in ("pallas", "uniep"):
+    _log("expert FFN: " + ", ".join(f"{k} {v}" for k, v in moe.items()))
   _log(f"data: {data.description}; train {len(data.train)} / held-out {len(data.heldout)} tokens; "
        f"unigram entropy {h_uni:.4f} nats/token = {h_uni / LN2:.4f} bits/token")
 
@@ -481,7 +497,7 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   steady = step_times[1:] or step_times
   summary = dict(
       config=cfg.config, mesh=dict(s.mesh.shape), backend=cfg.backend, steps=cfg.last_step,
-      peak_lr=s.lr, grad_reduction=cfg.grad_reduction,
+      peak_lr=s.lr, grad_reduction=cfg.grad_reduction, grad_buckets=cfg.grad_buckets, moe=moe,
       start_step=start, unigram_entropy_nats=h_uni, unigram_entropy_bits=h_uni / LN2,
       final_train_loss_nats=final_train, final_heldout_loss_nats=final_held,
       final_train_loss_bits=final_train / LN2, final_heldout_loss_bits=final_held / LN2,

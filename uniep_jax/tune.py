@@ -23,8 +23,9 @@ Pruning, before anything is compiled (`check_candidate`, raises
     warpgroup block_n / 2 columns, which must be a multiple of the 64-column
     epilogue);
   * shared memory: for every launch the layer makes (gate/up "swiglu", down
-    "plain", and for "bwd" da "plain" with a float32 output, dx "sum2" and the
-    three wgrads), the kernel's own `grouped_gemm.smem_bytes` (row-tiled) and
+    "plain", and for "bwd" da "dswiglu" (the default; the XLA-pass variant's "plain"
+    with a float32 output needs the same SMEM), dx "sum2" and the three wgrads), the
+    kernel's own `grouped_gemm.smem_bytes` (row-tiled) and
     `grouped_gemm._Launch` (wgrad) at ONE stage must fit the device's capacity
     (`pallas_kernels.device.smem_capacity`), else the kernel cannot run. Above
     one stage the kernel clamps its stage count to what fits (and to the
@@ -334,7 +335,9 @@ def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capaci
   launches = [("fwd gate/up (swiglu)", "swiglu", dt, h_k // bk),
               ("fwd down (plain)", "plain", dt, f_p // bk)]
   if p.direction == "bwd":
-    launches += [("bwd da (plain, f32 out)", "plain", jnp.dtype(jnp.float32), h_k // bk),
+    # da: "dswiglu" (bf16 h/u/dh/du slots, 2 x 16 KiB per warpgroup) needs the SMEM of
+    # the XLA-pass variant's "plain" launch with a float32 output (1 x 32 KiB)
+    launches += [("bwd da (dswiglu)", "dswiglu", dt, h_k // bk),
                  ("bwd dx (sum2)", "sum2", dt, f_p // bk)]
   stages = []
   for what, mode, out_dt, k_iters in launches:
@@ -1108,9 +1111,10 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
       fused=cand.fused if fully_auto and config.backend == "uniep" else config.fused)
 
 
-def cache_entry(result: TuneResult, git_commit: Optional[str] = None) -> dict:
+def cache_entry(result: TuneResult, git_commit: Optional[str] = None,
+                date: Optional[str] = None) -> dict:
   """The cache entry of a result's best verified candidate (measured numbers only);
-  git_commit: the commit that ran them (default: this checkout's)."""
+  git_commit / date: the commit that ran them and when (default: this checkout's, now)."""
   if git_commit is None:
     from bench.common import git_commit as current_commit
     git_commit = current_commit()
@@ -1126,7 +1130,7 @@ def cache_entry(result: TuneResult, git_commit: Optional[str] = None) -> dict:
               median_ms=best.median_ms, default_ms=spread["default_ms"] if spread else None,
               backend=result.backend, strategy=result.strategy, counts=result.counts(),
               device_count=result.problem.ep, git_commit=git_commit,
-              date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+              date=date or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 def update_cache(path, key: str, entry: dict) -> None:
@@ -1145,7 +1149,8 @@ def update_cache(path, key: str, entry: dict) -> None:
   os.replace(tmp, path)
 
 
-def record(result: TuneResult, cache_path, git_commit: Optional[str] = None) -> str:
+def record(result: TuneResult, cache_path, git_commit: Optional[str] = None,
+           date: Optional[str] = None) -> str:
   """Writes the best verified candidate into the cache file, unless the run saw
   any bitwise mismatch (then nothing is written). Returns what happened:
   "written", "mismatch" or "nothing" (no verified candidate)."""
@@ -1156,7 +1161,7 @@ def record(result: TuneResult, cache_path, git_commit: Optional[str] = None) -> 
   if result.best is None:
     print(f"no verified candidate for {key}: no cache entry written", file=sys.stderr)
     return "nothing"
-  update_cache(cache_path, key, cache_entry(result, git_commit))
+  update_cache(cache_path, key, cache_entry(result, git_commit, date))
   print(f"cache {cache_path}: wrote {key}", flush=True)
   return "written"
 
@@ -1177,9 +1182,11 @@ class _ReplayRunner:
 
 def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
   """The TuneResult of a saved report (`TuneResult.to_json()`), rebuilt without a GPU:
-  the tuner's own search over the report's device facts, every timed trial taken
-  from the report, nothing measured (what the budget did not reach stays skipped).
-  For a run killed after its last checkpoint, before it recorded its cache entry."""
+  the tuner's own search (over `space`: pass the run's) on the report's device facts,
+  every timed trial taken from the report, nothing measured (what the budget did not
+  reach stays skipped), and the report's own default candidate (the dataclass
+  defaults may have changed since). For a run killed after its last checkpoint,
+  before it recorded its cache entry."""
   problem = TuneProblem(**report["problem"])
   device = DeviceFacts(**report["device"])
   clock = iter(range(10 ** 9)).__next__   # the budget is spent at once: nothing new runs
@@ -1187,6 +1194,12 @@ def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
                 budget_s=0.0, strategy=report["strategy"], resume=report, progress=False,
                 clock=lambda: float(clock()))
   result.budget_s, result.elapsed_s = report["budget_s"], report["elapsed_s"]
+  ran = {t["label"]: t for t in report.get("trials", [])}
+  if report.get("default") in ran:
+    result.default = candidate_from_knobs(ran[report["default"]]["knobs"])
+  elif report.get("default") != result.default.label():
+    raise ValueError(f"the report's default {report.get('default')!r} is not among its trials "
+                     f"and differs from today's {result.default.label()!r}")
   return result
 
 
@@ -1316,7 +1329,8 @@ def main(argv=None) -> int:
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--record-from", default=None, metavar="REPORT",
                   help="no tuning, no GPU: rebuild the result of a saved report (a run killed "
-                       "before it wrote its cache entry) and record its best in --cache")
+                       "before it wrote its cache entry) and record its best in --cache "
+                       "(default: $UNIEP_TUNE_CACHE, else the shipped uniep_jax/tuned_configs.json)")
   ap.add_argument("--compile-workers", type=int, default=1,
                   help="compile the next candidates in this many threads while one is timed "
                        "(see LayerRunner; use with XLA_FLAGS=--xla_gpu_deterministic_ops=true)")
@@ -1324,10 +1338,14 @@ def main(argv=None) -> int:
   if args.record_from:
     with open(args.record_from) as fh:
       report = json.load(fh)
+    meta = report.get("meta", {})
+    if not meta.get("git_commit") or not meta.get("date"):
+      raise SystemExit(f"{args.record_from}: no meta.git_commit / meta.date: not recording a "
+                       f"measurement whose commit is unknown")
     result = replay(report, SearchSpace(fused=()) if args.no_fused else SearchSpace())
     print(summary(result), flush=True)
     cache = user_cache_path(args.cache) or os.fspath(SHIPPED_CACHE)
-    return 2 if record(result, cache, report.get("meta", {}).get("git_commit")) == "mismatch" else 0
+    return 2 if record(result, cache, meta["git_commit"], meta["date"]) == "mismatch" else 0
 
   import jax
   directions = [d for d in args.direction.split(",") if d]
@@ -1371,15 +1389,17 @@ def main(argv=None) -> int:
     except BaseException:
       runner.close()   # queued compiles cancelled
       raise
-    # report and cache entry first: background compiles still running (up to a
-    # minute each) are not waited for here (a run killed at the device's time limit
-    # while it waited lost its entry, 4x H100, 2026-11-26)
+    # report and cache entry before waiting for background compiles still running (up
+    # to a minute each; a run killed at the device's time limit while it waited lost
+    # its entry, 4x H100, 2026-11-26); after the last direction, not waited for at all
     runner.close(wait=False)
     paths = write_report(result, out, shape_name)
     print(summary(result), flush=True)
     print(f"wrote {paths}", flush=True)
     if record(result, cache) == "mismatch":
       rc = 2
+    if direction != directions[-1]:
+      runner.close(wait=True)   # no compile of this direction runs beside the next one's timing
     del runner
   return rc
 
