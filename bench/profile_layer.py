@@ -95,10 +95,10 @@ def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25,
     if not evs:
       continue
     span = max(e["ts"] + e["dur"] for e in evs) - evs[0]["ts"]
+    names = [kernel_name(e) for e in evs]
     rows = collections.OrderedDict()
-    for e in evs:
-      r = rows.setdefault(kernel_name(e), dict(name=kernel_name(e), count=0, total_us=0.0,
-                                               overlap_us=0.0))
+    for e, name in zip(evs, names):
+      r = rows.setdefault(name, dict(name=name, count=0, total_us=0.0, overlap_us=0.0))
       r["count"] += 1
       r["total_us"] += e["dur"]
     # overlap: for each event, the union of the other events' intersections with it
@@ -107,7 +107,7 @@ def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25,
       a, b = e["ts"], e["ts"] + e["dur"]
       cut = [(max(a, s), min(b, t)) for s, t, j in starts
              if j != i and s < b and t > a and evs[j]["tid"] != e["tid"]]
-      rows[kernel_name(e)]["overlap_us"] += _busy_union(cut)
+      rows[names[i]]["overlap_us"] += _busy_union(cut)
     table = sorted(rows.values(), key=lambda r: -r["total_us"])
     busy = _busy_union([(e["ts"], e["ts"] + e["dur"]) for e in evs])
     for r in table:
@@ -117,8 +117,8 @@ def summarize(events: list[dict], pnames: dict, *, calls: int, top: int = 25,
         span_us=span, busy_us=busy, span_per_call_us=span / calls, busy_per_call_us=busy / calls,
         kernels=table[:top], other_kernels=len(table) - min(top, len(table)),
         timeline=[dict(start_ms=round((e["ts"] - evs[0]["ts"]) / 1e3, 3),
-                       ms=round(e["dur"] / 1e3, 3), stream=e["tid"], name=kernel_name(e))
-                  for e in evs if e["dur"] >= min_us])
+                       ms=round(e["dur"] / 1e3, 3), stream=e["tid"], name=name)
+                  for e, name in zip(evs, names) if e["dur"] >= min_us])
   return out
 
 

@@ -883,40 +883,39 @@ def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config
   h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
   h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
   dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
-  if dx_concat_k:
-    if not fuse_da_epilogue:
-      raise ValueError("dx_concat_k needs fuse_da_epilogue=True (the da epilogue writes [dh | du])")
-    (dhu,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="dswiglu",
-                             transpose_b=True, out_dtype=x.dtype, save_hu=False,
-                             zero_window=zero_window, epi_inputs=(h, u), concat_out=True, **kw)
-    w_cat = jnp.concatenate([_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)], axis=2)
-    (dx,) = _row_tiled_call([dhu], [w_cat], group_sizes, mode="plain", transpose_b=True,
-                            out_dtype=x.dtype, save_hu=False, zero_window=zero_window, **kw)
-    x_w = _pad_axis(x, 0, m_p)
-    dw_cat = gmm_wgrad(x_w, dhu, group_sizes, out_dtype=w_gate.dtype, **kw)   # [G, H, 2 F_p]
-    dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
-                        out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
-    return (dx[:m, :h_dim], dw_cat[:, :, :f_dim], dw_cat[:, :, f_p:f_p + f_dim], dw_down)
+  if dx_concat_k and not fuse_da_epilogue:
+    raise ValueError("dx_concat_k needs fuse_da_epilogue=True (the da epilogue writes [dh | du])")
+  da_args = ([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes)
   if fuse_da_epilogue:
-    # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, dh and du: [m_p, f_p]
-    dh, du = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="dswiglu",
-                             transpose_b=True, out_dtype=x.dtype, save_hu=False,
-                             zero_window=zero_window, epi_inputs=(h, u), **kw)
+    # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, dh and du: [m_p, f_p] each,
+    # or one [m_p, 2 f_p] buffer [dh | du] with dx_concat_k
+    dhu = _row_tiled_call(*da_args, mode="dswiglu", transpose_b=True, out_dtype=x.dtype,
+                          save_hu=False, zero_window=zero_window, epi_inputs=(h, u),
+                          concat_out=dx_concat_k, **kw)
   else:
     # da = dy @ w_down^T, float32 out: [m_p, f_p]; dh, du by XLA over all m_p rows
-    (da,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="plain",
-                            transpose_b=True, out_dtype=jnp.float32, save_hu=False,
-                            zero_window=zero_window, **kw)
+    (da,) = _row_tiled_call(*da_args, mode="plain", transpose_b=True, out_dtype=jnp.float32,
+                            save_hu=False, zero_window=zero_window, **kw)
     dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
-    dh, du = dh.astype(x.dtype), du.astype(x.dtype)
-  # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
-  (dx,) = _row_tiled_call([dh, du], [_pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)],
-                          group_sizes, mode="sum2", transpose_b=True, out_dtype=x.dtype,
-                          save_hu=False, zero_window=zero_window, **kw)
-  dx = dx[:m, :h_dim]
+    dhu = (dh.astype(x.dtype), du.astype(x.dtype))
+  wg_t, wu_t = _pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)
   x_w = _pad_axis(x, 0, m_p)
-  dw_gate = gmm_wgrad(x_w, dh, group_sizes, out_dtype=w_gate.dtype, **kw)[:, :, :f_dim]
-  dw_up = gmm_wgrad(x_w, du, group_sizes, out_dtype=w_up.dtype, **kw)[:, :, :f_dim]
+  if dx_concat_k:
+    # dx = [dh | du] @ [w_gate | w_up]^T, one "plain" launch over K = 2 f_p: [m_p, h_out];
+    # dw_gate, dw_up = x^T [dh | du], one wgrad over N = 2 f_p: [G, H, 2 f_p]
+    (dx,) = _row_tiled_call(list(dhu), [jnp.concatenate([wg_t, wu_t], axis=2)], group_sizes,
+                            mode="plain", transpose_b=True, out_dtype=x.dtype, save_hu=False,
+                            zero_window=zero_window, **kw)
+    dw_cat = gmm_wgrad(x_w, dhu[0], group_sizes, out_dtype=w_gate.dtype, **kw)
+    dw_gate, dw_up = dw_cat[:, :, :f_dim], dw_cat[:, :, f_p:f_p + f_dim]
+  else:
+    dh, du = dhu
+    # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
+    (dx,) = _row_tiled_call([dh, du], [wg_t, wu_t], group_sizes, mode="sum2", transpose_b=True,
+                            out_dtype=x.dtype, save_hu=False, zero_window=zero_window, **kw)
+    dw_gate = gmm_wgrad(x_w, dh, group_sizes, out_dtype=w_gate.dtype, **kw)[:, :, :f_dim]
+    dw_up = gmm_wgrad(x_w, du, group_sizes, out_dtype=w_up.dtype, **kw)[:, :, :f_dim]
+  dx = dx[:m, :h_dim]
   dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
                       out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
   return dx, dw_gate, dw_up, dw_down

@@ -182,16 +182,25 @@ BACKWARDS = {"xla": {}, "epilogue": dict(fuse_da_epilogue=True),
              "concat_k": dict(fuse_da_epilogue=True, dx_concat_k=True)}
 
 
-@pytest.mark.parametrize("backward", ["xla", "epilogue"])
-def test_swiglu_ffn_forward_and_gradients(backward):
-  m, h, f = 256, 128, 96  # F not a multiple of 64
+# the block_k window past the live rows (GROUP_SIZES) that zero_dead_rows=False still zeroes
+LIVE_ROWS = int(GROUP_SIZES.sum())
+WINDOW_END = -(-LIVE_ROWS // CONFIG.block_k) * CONFIG.block_k
+
+
+def _ffn_operands(seed: int, m: int, h: int = 128, f: int = 96):
+  """x [m, h], w_gate, w_up [G, h, f], w_down [G, f, h], a cotangent dy [m, h] and the
+  group sizes of a SwiGLU FFN test (F = 96: not a multiple of 64)."""
   g = len(GROUP_SIZES)
-  ks = jax.random.split(jax.random.key(5), 5)
+  ks = jax.random.split(jax.random.key(seed), 5)
   x = rand(ks[0], (m, h))
   w_gate, w_up = rand(ks[1], (g, h, f), h**-0.5), rand(ks[2], (g, h, f), h**-0.5)
   w_down = rand(ks[3], (g, f, h), f**-0.5)
-  dy = rand(ks[4], (m, h))
-  gs = jnp.asarray(GROUP_SIZES)
+  return x, w_gate, w_up, w_down, rand(ks[4], (m, h)), jnp.asarray(GROUP_SIZES)
+
+
+@pytest.mark.parametrize("backward", ["xla", "epilogue"])
+def test_swiglu_ffn_forward_and_gradients(backward):
+  x, w_gate, w_up, w_down, dy, gs = _ffn_operands(5, 256)
   ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
                                          **BACKWARDS[backward])
   y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
@@ -218,17 +227,10 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(backward):
   tiles past a block_k window. Live rows of y and dx and every weight gradient are
   bitwise those of the zeroing mode; the window rows are zero; the cotangent's
   dead rows past the window are never read (NaN there changes nothing)."""
-  m, h, f = 384, 128, 96                      # 196 dead rows of 384
-  g = len(GROUP_SIZES)
-  total = int(GROUP_SIZES.sum())
-  window_end = -(-total // CONFIG.block_k) * CONFIG.block_k
-  ks = jax.random.split(jax.random.key(9), 5)
-  x = rand(ks[0], (m, h))
-  w_gate, w_up = rand(ks[1], (g, h, f), h**-0.5), rand(ks[2], (g, h, f), h**-0.5)
-  w_down = rand(ks[3], (g, f, h), f**-0.5)
-  dy = rand(ks[4], (m, h)).at[total:].set(0.0)
+  x, w_gate, w_up, w_down, dy, gs = _ffn_operands(9, 384)   # 196 dead rows of 384
+  total, window_end = LIVE_ROWS, WINDOW_END
+  dy = dy.at[total:].set(0.0)
   dy_nan = dy.at[window_end:].set(jnp.nan)
-  gs = jnp.asarray(GROUP_SIZES)
 
   def run(zero, cot):
     ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
@@ -254,16 +256,9 @@ def test_dx_concat_k_keeps_the_weight_gradient_bits():
   column as two did); dx within bf16 rounding of it (another float32 order over K),
   zero in the window. (NaN rows share the last live row tile: they are computed
   and never stored.)"""
-  m, h, f = 256, 128, 96
-  g = len(GROUP_SIZES)
-  total = int(GROUP_SIZES.sum())
-  window_end = -(-total // CONFIG.block_k) * CONFIG.block_k
-  ks = jax.random.split(jax.random.key(11), 5)
-  x = rand(ks[0], (m, h))
-  w_gate, w_up = rand(ks[1], (g, h, f), h**-0.5), rand(ks[2], (g, h, f), h**-0.5)
-  w_down = rand(ks[3], (g, f, h), f**-0.5)
-  dy = rand(ks[4], (m, h)).at[total:].set(0.0).at[window_end:].set(jnp.nan)
-  gs = jnp.asarray(GROUP_SIZES)
+  x, w_gate, w_up, w_down, dy, gs = _ffn_operands(11, 256)
+  total, window_end = LIVE_ROWS, WINDOW_END
+  dy = dy.at[total:].set(0.0).at[window_end:].set(jnp.nan)
 
   def run(backward):
     ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa

@@ -1335,6 +1335,7 @@ def main(argv=None) -> int:
                   help="compile the next candidates in this many threads while one is timed "
                        "(see LayerRunner; use with XLA_FLAGS=--xla_gpu_deterministic_ops=true)")
   args = ap.parse_args(argv)
+  space = SearchSpace(fused=()) if args.no_fused else SearchSpace()
   if args.record_from:
     with open(args.record_from) as fh:
       report = json.load(fh)
@@ -1342,7 +1343,7 @@ def main(argv=None) -> int:
     if not meta.get("git_commit") or not meta.get("date"):
       raise SystemExit(f"{args.record_from}: no meta.git_commit / meta.date: not recording a "
                        f"measurement whose commit is unknown")
-    result = replay(report, SearchSpace(fused=()) if args.no_fused else SearchSpace())
+    result = replay(report, space)
     print(summary(result), flush=True)
     cache = user_cache_path(args.cache) or os.fspath(SHIPPED_CACHE)
     return 2 if record(result, cache, meta["git_commit"], meta["date"]) == "mismatch" else 0
@@ -1383,7 +1384,7 @@ def main(argv=None) -> int:
     checkpoint = lambda r: write_report(r, out, shape_name, with_plot=False)  # noqa: E731
     try:
       result = tune(problem, runner, device=device, budget_s=per_direction,
-                    space=SearchSpace(fused=()) if args.no_fused else SearchSpace(),
+                    space=space,
                     strategy=args.strategy, max_candidates=args.max_candidates, resume=resume,
                     progress=not args.no_progress, on_trial=checkpoint)
     except BaseException:
