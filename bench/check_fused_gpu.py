@@ -45,27 +45,27 @@ def _fns(mesh, r, t, k, el, kernel, transfer, fused):
   out_rows = r * t * k
   m_p = gg._round_up(out_rows, kernel.block_m)
 
-  def v1(rows, topk, w_gate, w_up):
+  def v1(rows, topk, w_gate_up):
     plan, _ = fused_check.plan_of(topk, e)
     recv = _send_nvlink(rows, plan, "expert", el, transfer)                  # [R*T*K, H]
-    f_p = gg._round_up(w_gate.shape[2], fdg._f_multiple(kernel))
+    f_p = gg._swiglu_padded_f(w_gate_up.shape[2] // 2, kernel)
+    wgu = gg._pad_gate_up(w_gate_up, f_p)
     a, h, u = gg._row_tiled_call(
-        [gg._pad_axis(recv, 0, m_p)],
-        [gg._pad_axis(w_gate, 2, f_p), gg._pad_axis(w_up, 2, f_p)], plan.recv_group_sizes,
+        [gg._pad_axis(recv, 0, m_p)], [wgu, wgu], plan.recv_group_sizes,
         mode="swiglu", transpose_b=False, out_dtype=rows.dtype, save_hu=True, config=kernel,
-        interpret=False)
+        interpret=False, b_col_offsets=(0, f_p))
     return recv, a, h, u, plan.num_received[None]
 
-  def fused_fn(rows, topk, w_gate, w_up):
+  def fused_fn(rows, topk, w_gate_up):
     plan, rank = fused_check.plan_of(topk, e)
     seg = layout.dispatch_segments(plan, rank)
     recv, a, h, u = fdg.fused_dispatch_gate_up(
-        rows, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate, w_up,
+        rows, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate_up,
         out_rows=out_rows, axis_name="expert", kernel=kernel, transfer=transfer, fused=fused)
     recv = _zero_rows_from(recv[:out_rows], plan.num_received, ZERO_WINDOW_ROWS)  # as v1
     return recv, a, h, u, plan.num_received[None]
 
-  return fused_check.per_rank(v1, mesh, 4), fused_check.per_rank(fused_fn, mesh, 4)
+  return fused_check.per_rank(v1, mesh, 3), fused_check.per_rank(fused_fn, mesh, 3)
 
 
 def _inputs(mesh, r, t, k, el, h, f, skew, seed=0):
@@ -73,10 +73,9 @@ def _inputs(mesh, r, t, k, el, h, f, skew, seed=0):
   topk = common.skewed_topk(np.random.default_rng(seed), e, r * t, k, skew)
   ks = jax.random.split(jax.random.key(seed), 3)
   rows = jax.random.normal(ks[0], (r * t * k, h)).astype(jnp.bfloat16)   # sorted rows per rank
-  w_gate = (jax.random.normal(ks[1], (e, h, f)) * h**-0.5).astype(jnp.bfloat16)
-  w_up = (jax.random.normal(ks[2], (e, h, f)) * h**-0.5).astype(jnp.bfloat16)
+  w_gate_up = (jax.random.normal(ks[1], (e, h, 2 * f)) * h**-0.5).astype(jnp.bfloat16)
   sh = NamedSharding(mesh, P("expert"))
-  return [jax.device_put(x, sh) for x in (rows, jnp.asarray(topk), w_gate, w_up)]
+  return [jax.device_put(x, sh) for x in (rows, jnp.asarray(topk), w_gate_up)]
 
 
 def _recv_defined_equal(ra, rb, num_received, r) -> tuple[bool, int]:

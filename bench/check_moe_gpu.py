@@ -31,8 +31,9 @@ def _params(key, e, h, f, dtype, bias=None):
   k = jax.random.split(key, 4)
   return uniep_jax.MoEParams(
       router=jax.random.normal(k[0], (h, e), jnp.float32),
-      w_gate=(jax.random.normal(k[1], (e, h, f)) * h ** -0.5).astype(dtype),
-      w_up=(jax.random.normal(k[2], (e, h, f)) * h ** -0.5).astype(dtype),
+      w_gate_up=uniep_jax.join_gate_up(
+          (jax.random.normal(k[1], (e, h, f)) * h ** -0.5).astype(dtype),
+          (jax.random.normal(k[2], (e, h, f)) * h ** -0.5).astype(dtype)),
       w_down=(jax.random.normal(k[3], (e, f, h)) * f ** -0.5).astype(dtype),
       expert_bias=bias)
 
@@ -103,7 +104,7 @@ def main(argv=None):
             record(f"vs_reference_fwd {tag}", _rel(y, y_ref) < tol_y, rel=_rel(y, y_ref))
             gerr = {k: _rel(a, b) for k, a, b in [
                 ("x", g[0], g_ref[0]), ("router", g[1].router, g_ref[1].router),
-                ("w_gate", g[1].w_gate, g_ref[1].w_gate), ("w_up", g[1].w_up, g_ref[1].w_up),
+                ("w_gate_up", g[1].w_gate_up, g_ref[1].w_gate_up),
                 ("w_down", g[1].w_down, g_ref[1].w_down)]}
             record(f"vs_reference_grad {tag}", max(gerr.values()) < tol_g, **gerr)
             record(f"counts {tag}", np.array_equal(np.asarray(aux["expert_counts"]),

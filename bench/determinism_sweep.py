@@ -61,8 +61,7 @@ def _inputs(shape, mesh):
   bias = jnp.zeros((e,), jnp.float32).at[1].set(1e3).at[e - 1].set(-1e3)  # hot and empty experts
   p = uniep_jax.MoEParams(
       router=jax.random.normal(k[0], (h, e), jnp.float32) * h ** -0.5,
-      w_gate=(jax.random.normal(k[1], (e, h, f)) * h ** -0.5).astype(bf),
-      w_up=(jax.random.normal(k[2], (e, h, f)) * h ** -0.5).astype(bf),
+      w_gate_up=(jax.random.normal(k[1], (e, h, 2 * f)) * h ** -0.5).astype(bf),
       w_down=(jax.random.normal(k[3], (e, f, h)) * f ** -0.5).astype(bf),
       expert_bias=bias)
   x = jax.random.normal(k[4], (r * shape.tokens, h)).astype(bf)

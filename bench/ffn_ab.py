@@ -7,21 +7,19 @@ live rows balanced over the E/R local experts and M = factor x live rows
 (--dead-factors; 4 = the layer at EP 4, 1 = no dead rows), it times:
 
   plain_fwd        one plain forward x @ w_gate (N = F): the kernel's own rate
-  gate_up_fwd      the fused gate/up launch (mode "swiglu", saving h and u)
+  gate_up_fwd      the fused gate/up launch (mode "swiglu" on w_gate_up, saving h and u)
   gate_up_fwd_skip the same with the dead tiles skipped (zero_window = block_k)
   ffn_fwdbwd       the whole FFN forward + backward (grouped_swiglu_ffn, VJP)
   ffn_fwdbwd_skip  the same with zero_dead_rows=False (the MoE layer's mode)
-  ffn_fwdbwd_skip_fused_da  and with fuse_da_epilogue=True (dh, du in da's epilogue)
-  ffn_fwdbwd_skip_fused_da_catk  and with dx_concat_k=True (dx one "plain" launch over
-                   [dh | du], EXPERIMENTAL)
-  gate_up_as_plain  x @ [w_gate | w_up] by the "plain" launch (one N=128 accumulator
-                   per warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
-  dx_sum2          the dx launch alone (mode "sum2": dh @ w_gate^T + du @ w_up^T)
-  dx_as_plain_cat_k  [dh | du] @ [w_gate | w_up]^T by the "plain" launch (K = 2F):
-                   the same FLOPs (other float32 summation order)
+  ffn_fwdbwd_skip_fused_da  and with fuse_da_epilogue=True (dh, du in da's epilogue:
+                   the MoE layer's default)
+  gate_up_as_plain  x @ w_gate_up by the "plain" launch (one N=128 accumulator per
+                   warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
+  dx               the dx launch alone: [dh | du] @ w_gate_up^T, "plain" over K = 2F
   dense            jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
-  alt_ffn_fwdbwd   with --alt PATH: that module's grouped_swiglu_ffn fwd+bwd (its
-                   defaults), e.g. an earlier version:
+  alt_ffn_fwdbwd   with --alt PATH: that module's grouped_swiglu_ffn fwd+bwd
+                   (zero_dead_rows=False, fuse_da_epilogue=True; separate w_gate,
+                   w_up if its signature takes them), e.g. an earlier version:
                    `git show REV:pallas_kernels/grouped_gemm.py > abtmp/gg_alt.py`
                    (abtmp/ in .git/info/exclude, carried to the device)
 
@@ -34,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -56,8 +55,10 @@ def _load_module(path):
 
 
 def _fwdbwd(ffn):
-  def fn(x, wg, wu, wd, s, dy):
-    y, vjp = jax.vjp(lambda *a: ffn(*a, s), x, wg, wu, wd)
+  """fn(x, *weights, group_sizes, dy) -> (y, grads of x and the weights)."""
+  def fn(x, *rest):
+    *ws, s, dy = rest
+    y, vjp = jax.vjp(lambda *a: ffn(*a, s), x, *ws)
     return y, vjp(dy)
   return fn
 
@@ -74,9 +75,11 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
   wg = (jax.random.normal(ks[1], (g, h, f)) * h ** -0.5).astype(bf)
   wu = (jax.random.normal(ks[2], (g, h, f)) * h ** -0.5).astype(bf)
   wd = (jax.random.normal(ks[3], (g, f, h)) * f ** -0.5).astype(bf)
+  wgu = jnp.concatenate([wg, wu], axis=2)                          # [G, H, 2F]
   dy = jax.random.normal(ks[4], (m, h), bf).at[live:].set(0)
   gs = jnp.asarray(group_sizes_for(live, g, "balanced"))
-  wg_p, wu_p, _, _ = gg._swiglu_padded_weights(wg, wu, wd, cfg)   # F padded as the FFN does
+  f_p = gg._swiglu_padded_f(f, cfg)
+  wgu_p = gg._pad_gate_up(wgu, f_p)                                # F padded as the FFN does
   ms = {}
 
   def t(name, fn, *args):
@@ -88,54 +91,47 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
     print(f"  {name:18s} {ms[name] if ms[name] is None else round(ms[name], 3)}", flush=True)
 
   def gate_up(zero_window):
-    return lambda a, b, c, s: gg._row_tiled_call(
-        [a], [b, c], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
-        config=cfg, interpret=False, zero_window=zero_window)
+    return lambda a, b, s: gg._row_tiled_call(
+        [a], [b, b], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
+        config=cfg, interpret=False, zero_window=zero_window, b_col_offsets=(0, f_p))
+
+  def ffn(**kw):
+    return _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(*a, config=cfg, interpret=False, **kw))
 
   t("plain_fwd", lambda a, b, s: gg.gmm(a, b, s, config=cfg, interpret=False), x, wg, gs)
-  t("gate_up_fwd", gate_up(None), x, wg_p, wu_p, gs)
-  t("gate_up_fwd_skip", gate_up(cfg.block_k), x, wg_p, wu_p, gs)
-  t("ffn_fwdbwd", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(*a, config=cfg, interpret=False)),
-    x, wg, wu, wd, gs, dy)
-  t("ffn_fwdbwd_skip", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
-      *a, config=cfg, interpret=False, zero_dead_rows=False)), x, wg, wu, wd, gs, dy)
-  t("ffn_fwdbwd_skip_fused_da", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
-      *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True)),
-    x, wg, wu, wd, gs, dy)
-  t("ffn_fwdbwd_skip_fused_da_catk", _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
-      *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True,
-      dx_concat_k=True)), x, wg, wu, wd, gs, dy)
-  # The dual-operand launches against "plain" launches of the same FLOPs on
-  # concatenated operands (per-warpgroup N 64 with two accumulators / operand pairs,
-  # against N 128 with one): is the dual-operand structure what costs?
+  t("gate_up_fwd", gate_up(None), x, wgu_p, gs)
+  t("gate_up_fwd_skip", gate_up(cfg.block_k), x, wgu_p, gs)
+  t("ffn_fwdbwd", ffn(), x, wgu, wd, gs, dy)
+  t("ffn_fwdbwd_skip", ffn(zero_dead_rows=False), x, wgu, wd, gs, dy)
+  t("ffn_fwdbwd_skip_fused_da", ffn(zero_dead_rows=False, fuse_da_epilogue=True),
+    x, wgu, wd, gs, dy)
+  # The dual-accumulator gate/up launch against a "plain" launch of the same FLOPs
+  # (per-warpgroup N 64 with two accumulators, against N 128 with one)
   kw = dict(config=cfg, interpret=False, zero_window=cfg.block_k)
-  w_cat = jnp.concatenate([wg_p, wu_p], axis=2)                      # [G, H, 2F]
   t("gate_up_as_plain", lambda a, b, s: gg._row_tiled_call(
       [a], [b], s, mode="plain", transpose_b=False, out_dtype=bf, save_hu=False, **kw),
-    x, w_cat, gs)
-  dh = jax.random.normal(ks[1], (m, wg_p.shape[2]), bf)
-  du = jax.random.normal(ks[2], (m, wg_p.shape[2]), bf)
+    x, wgu_p, gs)
+  dhu = jax.random.normal(ks[1], (m, 2 * f_p), bf)
   h_out = gg._round_up(h, 2 * cfg.block_n)
-  wg_t, wu_t = gg._pad_axis(wg_p, 1, h_out), gg._pad_axis(wu_p, 1, h_out)
-  t("dx_sum2", lambda a, b, c, d, s: gg._row_tiled_call(
-      [a, b], [c, d], s, mode="sum2", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
-    dh, du, wg_t, wu_t, gs)
-  t("dx_as_plain_cat_k", lambda a, b, s: gg._row_tiled_call(
+  t("dx", lambda a, b, s: gg._row_tiled_call(
       [a], [b], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
-    jnp.concatenate([dh, du], axis=1), jnp.concatenate([wg_t, wu_t], axis=2), gs)
-  checks = _compare_fused_da(x, wg, wu, wd, gs, dy, cfg, live)
+    dhu, gg._pad_axis(wgu_p, 1, h_out), gs)
+  checks = _compare_fused_da(x, wgu, wd, gs, dy, cfg, live)
   if alt is not None:
-    t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, config=cfg,
-                                                                     interpret=False)),
-      x, wg, wu, wd, gs, dy)
+    alt_kw = dict(config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True)
+    if "w_gate" in inspect.signature(alt.grouped_swiglu_ffn).parameters:
+      t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, **alt_kw)),
+        x, wg, wu, wd, gs, dy)
+    else:
+      t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, **alt_kw)),
+        x, wgu, wd, gs, dy)
   xd = jax.random.normal(ks[0], (live, h), bf)
   wdense = (jax.random.normal(ks[1], (h, f)) * h ** -0.5).astype(bf)
   t("dense", lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(bf),
     xd, wdense)
   gemm = 2.0 * live * h * f   # FLOPs of one of the FFN's GEMMs over the live rows
   flops = dict(plain_fwd=gemm, gate_up_fwd=2 * gemm, gate_up_fwd_skip=2 * gemm,
-               gate_up_as_plain=2 * gemm, dx_sum2=2 * gemm, dx_as_plain_cat_k=2 * gemm,
-               ffn_fwdbwd_skip_fused_da_catk=9 * gemm,
+               gate_up_as_plain=2 * gemm, dx=2 * gemm,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm,
                dense=gemm)
@@ -144,7 +140,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
               median_ms=ms, tflops=tflops, fused_da_check=checks)
 
 
-def _compare_fused_da(x, wg, wu, wd, gs, dy, cfg, live):
+def _compare_fused_da(x, wgu, wd, gs, dy, cfg, live):
   """On the GPU: the gradients with dh, du in da's epilogue against the XLA pass
   (same formula, f32, then bf16; XLA may fuse it differently, so bitwise equality is
   reported, not required), max abs difference per gradient over the live rows, and
@@ -152,14 +148,14 @@ def _compare_fused_da(x, wg, wu, wd, gs, dy, cfg, live):
   def grads(fuse):
     f = jax.jit(_fwdbwd(lambda *a: gg.grouped_swiglu_ffn(
         *a, config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=fuse)))
-    y, g = f(x, wg, wu, wd, gs, dy)
-    return jax.device_get((y[:live], g[0][:live]) + tuple(g[1:4]))
+    y, g = f(x, wgu, wd, gs, dy)
+    return jax.device_get((y[:live], g[0][:live]) + tuple(g[1:3]))
   try:
     ref, fused, again = grads(False), grads(True), grads(True)
   except Exception as e:  # noqa: BLE001 - record and go on
     print(f"  fused_da check: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-  names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
+  names = ("y", "dx", "dw_gate_up", "dw_down")
   out = {}
   for n, r, f, a in zip(names, ref, fused, again):
     r32, f32 = jnp.asarray(r, jnp.float32), jnp.asarray(f, jnp.float32)

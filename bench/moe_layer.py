@@ -45,7 +45,6 @@ BACKEND_CONFIGS = {
         backend="uniep", fused=uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=2048)),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
-    "uniep_catk": uniep_jax.UniEPConfig(backend="uniep", dx_concat_k=True),
 }
 
 
@@ -53,8 +52,8 @@ def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):
   """Sharded bf16 x [R*T, H] and params, created on the devices."""
   r = mesh.shape["expert"] * mesh.shape["data"]
   e, h, f = shape.experts, shape.hidden, shape.ffn
-  specs = uniep_jax.MoEParams(router=P(), w_gate=P("expert"), w_up=P("expert"),
-                              w_down=P("expert"), expert_bias=P())
+  specs = uniep_jax.MoEParams(router=P(), w_gate_up=P("expert"), w_down=P("expert"),
+                              expert_bias=P())
   shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
 
   def init(key):
@@ -65,8 +64,7 @@ def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):
       bias = bias.at[0].set(1e3)
     p = uniep_jax.MoEParams(
         router=jax.random.normal(k[0], (h, e), jnp.float32) * h ** -0.5,
-        w_gate=(jax.random.normal(k[1], (e, h, f), bf) * h ** -0.5).astype(bf),
-        w_up=(jax.random.normal(k[2], (e, h, f), bf) * h ** -0.5).astype(bf),
+        w_gate_up=(jax.random.normal(k[1], (e, h, 2 * f), bf) * h ** -0.5).astype(bf),
         w_down=(jax.random.normal(k[3], (e, f, h), bf) * f ** -0.5).astype(bf),
         expert_bias=bias)
     x = jax.random.normal(k[4], (r * shape.tokens, h), bf)

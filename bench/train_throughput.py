@@ -118,22 +118,19 @@ class TrainCase:
 def parse_backend(backend: str) -> dict:
   """"uniep+xla_dswiglu+s3+b4" -> the TrainConfig fields it sets: backend "uniep", then
   swiglu_grad_in_kernel ('+dswiglu' True, '+xla_dswiglu' False), kernel_stages ('+sN':
-  KernelConfig.max_concurrent_steps=N), grad_buckets ('+bN') and dx_concat_k ('+catk');
+  KernelConfig.max_concurrent_steps=N), and grad_buckets ('+bN');
   fields not named keep their defaults."""
   base, *options = backend.split("+")
   fields = dict(backend=base)
   for option in options:
     if option in ("dswiglu", "xla_dswiglu"):
       fields["swiglu_grad_in_kernel"] = option == "dswiglu"
-    elif option == "catk":
-      fields["dx_concat_k"] = True
     elif option[:1] in "sb" and option[1:].isdigit():
       fields["kernel_stages" if option[0] == "s" else "grad_buckets"] = int(option[1:])
     else:
       raise ValueError(f"backend {backend!r}: the options are '+dswiglu' / '+xla_dswiglu' "
                        f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on), "
-                       f"'+sN' (KernelConfig.max_concurrent_steps=N), '+bN' (grad_buckets=N) "
-                       f"and '+catk' (dx_concat_k)")
+                       f"'+sN' (KernelConfig.max_concurrent_steps=N) and '+bN' (grad_buckets=N)")
   return fields
 
 

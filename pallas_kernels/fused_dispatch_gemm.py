@@ -11,7 +11,7 @@ collective metadata mode), grid = num_sms CTAs ("sm"), 3 warpgroups each ("wg").
 It does in one launch what v1 does in two:
 
   v1:  recv = ep_transfer.transfer_segments(rows_sorted -> owners)   (launch 1)
-       a, h, u = grouped_gemm swiglu(recv, w_gate, w_up)             (launch 2)
+       a, h, u = grouped_gemm swiglu(recv, w_gate_up)             (launch 2)
   v2:  one launch; GEMM tiles of receive-layout chunk k start as soon as every
        rank has pushed its rows of chunk k, while later chunks are in flight.
 
@@ -248,7 +248,7 @@ def _transfer_scope(work_gmem, src_gmem, recv_gmem, chunk_sem, *, item_rows, col
 # ----------------------------------------------------------------------------
 
 
-def _fused_kernel(work_gmem, plan_gmem, rows_gmem, w_gate_gmem, w_up_gmem,
+def _fused_kernel(work_gmem, plan_gmem, rows_gmem, w_gate_up_gmem,
                   recv_gmem, a_gmem, h_gmem, u_gmem, *, transfer_kw: dict, gemm_kw: dict,
                   n_comm: int, num_sms: int, num_chunks: int, recv_chunk_rows: int,
                   axis_name, num_peers: int):
@@ -267,7 +267,9 @@ def _fused_kernel(work_gmem, plan_gmem, rows_gmem, w_gate_gmem, w_up_gmem,
       plgpu.semaphore_wait(chunk_sem.at[load_row // recv_chunk_rows], expected,
                            decrement=False)
 
-    gg._row_tiled_kernel(plan_gmem, recv_gmem, w_gate_gmem, w_up_gmem, a_gmem, h_gmem, u_gmem,
+    # w_gate_up twice: gate at column 0, up at f_p (gemm_kw's b_col_offsets)
+    gg._row_tiled_kernel(plan_gmem, recv_gmem, w_gate_up_gmem, w_gate_up_gmem, a_gmem, h_gmem,
+                         u_gmem,
                          cta_offset=n_comm, num_ctas=num_sms - n_comm, before_tile=wait_rows,
                          **gemm_kw)
 
@@ -307,21 +309,15 @@ def validate(*, out_rows: int, hidden: int, ffn: int, num_local_experts: int, dt
   col_tile = transfer.col_tile_for(hidden, itemsize=itemsize, smem_bytes=smem - gg._SMEM_RESERVE)
   # GEMM role SMEM: the grouped GEMM's own check (raises if one stage does not fit)
   m_p = gg._round_up(out_rows, kernel.block_m)
-  f_p = gg._round_up(ffn, _f_multiple(kernel))
+  f_p = gg._swiglu_padded_f(ffn, kernel)
   gemm_kw = gg.row_tiled_params(m_p, hidden, f_p, num_local_experts, mode="swiglu",
                                 transpose_b=False, out_dtype=dtype, in_dtype=dtype,
-                                save_hu=True, config=kernel, smem=smem)
+                                save_hu=True, config=kernel, smem=smem, b_col_offsets=(0, f_p))
   return _Static(m_p=m_p, f_p=f_p, num_sms=num_sms, num_chunks=-(-m_p // b),
                  col_tile=col_tile, gemm_kw=gemm_kw)
 
 
-def _f_multiple(kernel: KernelConfig) -> int:
-  """The multiple F is padded to: that of `grouped_gemm._swiglu_padded_weights`."""
-  import math
-  return math.lcm(2 * kernel.block_n, 2 * kernel.block_m, kernel.block_k)
-
-
-def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, w_gate, w_up, *,
+def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, w_gate_up, *,
                            out_rows: int, axis_name: str,
                            kernel: KernelConfig = KernelConfig(),
                            transfer: TransferConfig = TransferConfig(),
@@ -330,26 +326,25 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
 
   rows_sorted [Ns, H]: this rank's sorted rows; seg_*: [R, El] dispatch segments
   (`layout.dispatch_segments`); group_sizes [El]: rows per local expert of THIS
-  rank's receive layout (`plan.recv_group_sizes`); w_gate, w_up [El, H, F].
+  rank's receive layout (`plan.recv_group_sizes`); w_gate_up [El, H, 2F].
   Returns (recv [M_p, H], a, h, u [M_p, F_p]), M_p = out_rows rounded up to
   block_m, F_p as `grouped_gemm` pads F. recv rows that no segment covers are
   undefined (callers zero what they need, as `dispatch._send_nvlink`); dead rows
   of a, h, u are zero. GPU only (remote refs and semaphores).
   """
   ns, hidden = rows_sorted.shape
-  el, _, ffn = w_gate.shape
+  el, _, two_f = w_gate_up.shape
+  ffn = two_f // 2
   num_peers = seg_len.shape[0]
   dtype = rows_sorted.dtype
-  for x in (w_gate, w_up):
-    if x.dtype != dtype:
-      raise ValueError(f"all operands must share one dtype, got {x.dtype} and {dtype}")
+  if w_gate_up.dtype != dtype:
+    raise ValueError(f"all operands must share one dtype, got {w_gate_up.dtype} and {dtype}")
   st = validate(out_rows=out_rows, hidden=hidden, ffn=ffn, num_local_experts=el, dtype=dtype,
                 kernel=kernel, transfer=transfer, fused=fused)
   item_rows = transfer.chunk_rows
   if ns < item_rows:   # the transfer's load box must fit inside src (as v1)
     rows_sorted = jnp.pad(rows_sorted, ((0, item_rows - ns), (0, 0)))
-  w_gate = gg._pad_axis(w_gate, 2, st.f_p)
-  w_up = gg._pad_axis(w_up, 2, st.f_p)
+  w_gate_up = gg._pad_gate_up(w_gate_up, st.f_p)
   rank = lax.axis_index(axis_name)
   work = chunk_work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=ns,
                           item_rows=item_rows, recv_chunk_rows=fused.recv_chunk_rows,
@@ -372,7 +367,7 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  return kernel_fn(work.reshape(-1), plan, rows_sorted, w_gate, w_up)
+  return kernel_fn(work.reshape(-1), plan, rows_sorted, w_gate_up)
 
 
 def transfer_chunks_local(src, seg_src, seg_dst, seg_len, *, out_rows: int, rank: int = 0,

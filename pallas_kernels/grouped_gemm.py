@@ -11,18 +11,21 @@ Rows of `lhs` [M, K] are ordered by group: group g owns rows
   dgrad    dlhs[rows of g] = dout[rows of g] @ rhs[g]^T       (transposed SMEM view)
   wgrad    drhs[g]         = lhs[rows of g]^T @ dout[rows of g]   -> [G, K, N]
 
-plus two fused variants used by the SwiGLU expert FFN: "swiglu" (one pass over
-the rows computes h = x @ w_gate[g] and u = x @ w_up[g] into two accumulators and
-writes a = silu(h) * u, optionally h and u too) and "sum2" (acc = a0 @ b0 + a1 @ b1,
-the FFN's dx = dh @ w_gate^T + du @ w_up^T in one kernel), and "dswiglu" for the
-backward's da = dy @ w_down^T: a plain launch whose epilogue TMA-loads the saved h, u
-of its tile and writes dh, du instead of da (the SwiGLU derivative, module function
-`_dswiglu_epilogue`; da never leaves the registers).
+plus the SwiGLU expert FFN's fused variants, on its gate/up weights stored as one
+array w_gate_up [G, H, 2F] = [w_gate | w_up] (`uniep_jax.params`): "swiglu" (one
+pass over the rows computes h = x @ w_gate[g] and u = x @ w_up[g] into two
+accumulators, the rhs read twice at column offsets 0 and F, and writes
+a = silu(h) * u, optionally h and u too) and "dswiglu" for the backward's
+da = dy @ w_down^T: a plain launch whose epilogue TMA-loads the saved h, u of its
+tile and writes [dh | du] (one [M, 2F] buffer) instead of da (the SwiGLU
+derivative, module function `_dswiglu_epilogue`; da never leaves the registers).
+The backward's dx = [dh | du] @ w_gate_up^T is then one plain dgrad over K = 2F,
+and [dw_gate | dw_up] = x^T [dh | du] one wgrad over N = 2F: no copy of the weights.
 
 All products accumulate in float32 (wgmma); outputs are cast once at the end.
 
-Row-tiled kernel (forward, dgrad, swiglu, sum2)
------------------------------------------------
+Row-tiled kernel (forward, dgrad, swiglu, dswiglu)
+--------------------------------------------------
 Work list. Before the launch, plain JAX turns `group_sizes` into a static-size
 list of T = cdiv(M, block_m) + G row tiles (`_row_tile_plan`). A row tile is the
 intersection of one group (or of the dead rows, treated as a pseudo-group
@@ -42,13 +45,13 @@ stores a zero accumulator (no MMA, no operand loads).
 CTA = 3 warpgroups ("wg"): 2 compute warpgroups and 1 memory (TMA) warpgroup
 (`emit_pipeline_warp_specialized`). The CTA tile is block_m x (2 * wg_n);
 compute warpgroup w owns output columns [w * wg_n, (w + 1) * wg_n).
-wg_n = block_n ("plain") or block_n // 2 ("swiglu", "sum2": each warpgroup keeps
-two accumulators, or two operand pairs, so a stage stays 48 KiB for 128/128/64).
+wg_n = block_n ("plain", "dswiglu") or block_n // 2 ("swiglu": each warpgroup
+keeps two accumulators, so a stage stays 48 KiB for 128/128/64).
 
 SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 3 stages; up to 4 fit):
   per stage  A [block_m, block_k] per lhs operand (16 KiB) and
              B [block_k, 2 wg_n] per rhs operand (16 or 32 KiB), 128B swizzle;
-             48 KiB ("plain", "swiglu") or 64 KiB ("sum2");
+             48 KiB;
   epilogue   [2 warpgroups, block_m, 64] in the output dtype, unswizzled so a
              row range can start anywhere (16 KiB per warpgroup in bf16).
   `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB).
@@ -193,7 +196,7 @@ def smem_bytes(config: KernelConfig, dtype=jnp.bfloat16, out_dtype=None, mode: s
 
 # mode -> (lhs operands, rhs operands) per pipeline stage; the two-operand modes give
 # each warpgroup block_n // 2 columns
-_MODE_OPERANDS = {"plain": (1, 1), "dswiglu": (1, 1), "swiglu": (1, 2), "sum2": (2, 2)}
+_MODE_OPERANDS = {"plain": (1, 1), "dswiglu": (1, 1), "swiglu": (1, 2)}
 
 
 def _launch_of(config: KernelConfig, mode: str, in_dtype, out_dtype) -> "_Launch":
@@ -297,8 +300,8 @@ def _silu_mul(h, u):
   return h * jax.nn.sigmoid(h) * u
 
 
-def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier, *, load_row,
-                      smem_row, gmem_row, count, rows: int, col0, du_col_offset: int = 0):
+def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load_row,
+                      smem_row, gmem_row, count, rows: int, col0, du_col_offset: int):
   """The "dswiglu" epilogue of one compute warpgroup: da [rows, wg_n] (f32, the
   accumulator) -> dh, du of the same rows and F columns, chunk by chunk:
     TMA-load h, u [rows, 64] (rows load_row.., the saved residuals) into this
@@ -307,8 +310,7 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier,
       s = sigmoid(h), dh = da * u * s * (1 + h (1 - s)), du = da * h * s   (f32)
     write dh, du over h, u, fence, and store rows [lo, hi) with the TMA ladder.
   Before each chunk's loads, the previous chunk's stores must have read the buffer.
-  du_col_offset: du's columns start there in du_gmem (dh_gmem is du_gmem = one [M, 2N]
-  buffer [dh | du] when it is N; 0: separate outputs)."""
+  dhu_gmem: one [M, 2N] buffer [dh | du]; du's columns start at du_col_offset = N."""
   wg = lax.axis_index("wg")
   buf = hu_smem.at[wg]
   bar = hu_barrier.at[wg]
@@ -324,18 +326,18 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dh_gmem, du_gmem, hu_smem, hu_barrier,
     buf.at[0][...] = dh.astype(buf.dtype)
     buf.at[1][...] = du.astype(buf.dtype)
     plgpu.commit_smem()
-    for i, (dst, offset) in enumerate(((dh_gmem, 0), (du_gmem, du_col_offset))):
-      ladder_store(buf.at[i], dst.at[:, pl.ds(offset + col, _EPI_N)], smem_row, gmem_row, count,
-                   rows)
+    for i, offset in enumerate((0, du_col_offset)):
+      ladder_store(buf.at[i], dhu_gmem.at[:, pl.ds(offset + col, _EPI_N)], smem_row, gmem_row,
+                   count, rows)
 
 
 # ----------------------------------------------------------------------------
-# Row-tiled kernel: forward / dgrad / swiglu / sum2
+# Row-tiled kernel: forward / dgrad / swiglu / dswiglu
 # ----------------------------------------------------------------------------
 
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
-                      concat_out: bool = False,
+                      b_col_offsets: tuple = (),
                       m: int, k: int, n: int, num_tiles: int, block_m: int, block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
                       num_ctas: Optional[int] = None,
@@ -367,8 +369,8 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   cta_n = _NUM_COMPUTE_WGS * wg_n
   k_iters = k // block_k
   n_tiles = n // cta_n
-  pairs = {"plain": ((0, 0, 0),), "dswiglu": ((0, 0, 0),), "swiglu": ((0, 0, 0), (0, 1, 1)),
-           "sum2": ((0, 0, 0), (1, 1, 0))}[mode]
+  pairs = {"plain": ((0, 0, 0),), "dswiglu": ((0, 0, 0),),
+           "swiglu": ((0, 0, 0), (0, 1, 1))}[mode]
   num_acc = 2 if mode == "swiglu" else 1
 
   a_transforms = _swizzle_transforms(in_dtype, block_k)
@@ -406,11 +408,13 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
 
   def operand_views(group, load_row, nt):
     a_views = [a.at[pl.ds(load_row, block_m), :] for a in a_gmems]
-    cols = pl.ds(nt * cta_n, cta_n)
+    offsets = b_col_offsets or (0,) * num_b
     if transpose_b:
-      b_views = [b.at[group, cols, :] for b in b_gmems]
+      b_views = [b.at[group, pl.ds(off + nt * cta_n, cta_n), :]
+                 for b, off in zip(b_gmems, offsets)]
     else:
-      b_views = [b.at[group, :, cols] for b in b_gmems]
+      b_views = [b.at[group, :, pl.ds(off + nt * cta_n, cta_n)]
+                 for b, off in zip(b_gmems, offsets)]
     return a_views, b_views
 
   a0, b0 = operand_views(0, 0, 0)
@@ -462,11 +466,10 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
             if mode == "dswiglu":
               if out_gmems_ is not None or gmem_row is not None:
                 raise ValueError("mode 'dswiglu' stores its own outputs: no walk() redirection")
-              dh_out, du_out = (out_gmems[0],) * 2 if concat_out else out_gmems
-              _dswiglu_epilogue(vals[0], *epi_in_gmems, dh_out, du_out, epi_smem, hu_barrier,
+              # one [m, 2n] output [dh | du]
+              _dswiglu_epilogue(vals[0], *epi_in_gmems, out_gmems[0], epi_smem, hu_barrier,
                                 load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
-                                count=hi - lo, rows=block_m, col0=col0,
-                                du_col_offset=n if concat_out else 0)
+                                count=hi - lo, rows=block_m, col0=col0, du_col_offset=n)
               return
             _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
@@ -505,10 +508,13 @@ def _cta_subset_loop(total, cta_offset: int, num_ctas: int, body):
 
 def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: bool,
                      out_dtype, in_dtype, save_hu: bool, config: KernelConfig,
-                     smem: int = device_lib.HOPPER_SMEM_BYTES) -> dict:
+                     smem: int = device_lib.HOPPER_SMEM_BYTES,
+                     b_col_offsets: tuple = ()) -> dict:
   """Validates one row-tiled launch on operands padded to the tile grid and
   returns the static keyword arguments of `_row_tiled_kernel` (one source of
   truth for the standalone launch and for kernels that embed the body).
+  b_col_offsets: per rhs operand, where its n output columns start in it (mode
+  "swiglu" reads w_gate_up twice, at 0 and F); () = all 0.
   Raises ValueError if the tile does not fit in `smem` bytes."""
   if mode not in _MODE_OPERANDS:
     raise ValueError(f"unknown {mode=}; expected one of {tuple(_MODE_OPERANDS)}")
@@ -522,12 +528,17 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raise ValueError(f"{block_m=} must be a power of two (ragged TMA store ladder)")
   if k % block_k:
     raise ValueError(f"{k=} must be divisible by {block_k=}")
+  if b_col_offsets and (len(b_col_offsets) != launch.num_b
+                        or any(o % cta_n for o in b_col_offsets)):
+    raise ValueError(f"{b_col_offsets=} must give each of the {launch.num_b} rhs operands "
+                     f"a multiple of the CTA tile width {cta_n}")
   if n % cta_n:
     raise ValueError(f"{n=} must be divisible by the CTA tile width {cta_n}")
   if m % block_m:
     raise ValueError(f"{m=} must be divisible by {block_m=}")
   stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
-  return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, m=m, k=k, n=n,
+  return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
+              m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m), block_m=block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)
 
@@ -535,36 +546,38 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
 def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool,
                     out_dtype, save_hu: bool, config: KernelConfig, interpret,
                     zero_window: Optional[int] = None, epi_inputs: Sequence = (),
-                    concat_out: bool = False):
+                    b_col_offsets: tuple = ()):
   """Launch the row-tiled kernel on operands already padded to the tile grid.
   zero_window: see `_row_tile_plan` (None: dead rows come back zero).
 
   a_list: [M, K] each; b_list: [G, K, N] (or [G, N, K] with transpose_b).
   Returns a tuple of [M, N] outputs. Mode "dswiglu": epi_inputs = (h, u) [M, N]
-  (x.dtype), read by the epilogue; returns (dh, du) [M, N] in out_dtype, or with
-  concat_out=True one [M, 2N] buffer [dh | du] (for a dx launch over K = 2N).
+  (x.dtype), read by the epilogue; returns one [M, 2N] buffer [dh | du] in out_dtype
+  (the lhs of the dx launch over K = 2N and of the [dw_gate | dw_up] wgrad).
+  b_col_offsets: see `row_tiled_params`; N is then each rhs's width minus the
+  largest offset (mode "swiglu" on [w_gate | w_up]: offsets (0, F), N = F).
   """
   if (mode == "dswiglu") != (len(epi_inputs) == 2):
     raise ValueError(f"mode {mode!r} takes epi_inputs=(h, u) exactly when it is 'dswiglu'")
-  if concat_out and mode != "dswiglu":
-    raise ValueError(f"concat_out is only for mode 'dswiglu', got {mode!r}")
   m, k = a_list[0].shape
   g = b_list[0].shape[0]
   n = b_list[0].shape[1] if transpose_b else b_list[0].shape[2]
+  n -= max(b_col_offsets, default=0)
   in_dtype = a_list[0].dtype
   for x in (*a_list, *b_list):
     if x.dtype != in_dtype:
       raise ValueError(f"all operands must share one dtype, got {x.dtype} and {in_dtype}")
   params = row_tiled_params(m, k, n, g, mode=mode, transpose_b=transpose_b, out_dtype=out_dtype,
-                            in_dtype=in_dtype, save_hu=save_hu, config=config)
+                            in_dtype=in_dtype, save_hu=save_hu, config=config,
+                            b_col_offsets=b_col_offsets)
   plan = _row_tile_plan(group_sizes, m, config.block_m, zero_window)
-  num_out = 3 if (mode == "swiglu" and save_hu) else 2 if mode == "dswiglu" else 1
+  num_out = 3 if (mode == "swiglu" and save_hu) else 1
   for x in epi_inputs:
     if x.shape != (m, n) or x.dtype != out_dtype:
       raise ValueError(f"epilogue input {x.shape} {x.dtype} must be {(m, n)} {out_dtype}")
-  body = functools.partial(_row_tiled_kernel, concat_out=concat_out, **params)
-  out_type = (tuple(jax.ShapeDtypeStruct((m, n), out_dtype) for _ in range(num_out))
-              if not concat_out else (jax.ShapeDtypeStruct((m, 2 * n), out_dtype),))
+  body = functools.partial(_row_tiled_kernel, **params)
+  out_n = 2 * n if mode == "dswiglu" else n
+  out_type = tuple(jax.ShapeDtypeStruct((m, out_n), out_dtype) for _ in range(num_out))
   kernel = plgpu.kernel(
       body,
       kernel_name=f"grouped_gemm_{mode}{'_t' if transpose_b else ''}",   # names in profiles
@@ -824,34 +837,50 @@ def grouped_matmul(lhs, rhs, group_sizes, *, config: KernelConfig = KernelConfig
   return _grouped_matmul_fn(config, resolve_interpret(interpret))(lhs, rhs, group_sizes)
 
 
-def _swiglu_padded_weights(w_gate, w_up, w_down, config: KernelConfig):
-  """Pad F to the CTA tile of the fused gate/up kernel (block_n) with zeros.
-
-  Zero columns of w_gate/w_up give h = u = 0, so a = silu(0) * 0 = 0 in the
-  padded columns, and the zero rows of w_down add nothing: the FFN is exact in
-  the padded space and only the (small) weights are copied.
-  """
-  f = w_gate.shape[2]
-  # F is an output dim of the gate/up kernel (CTA tile block_n), of the da dgrad
-  # (2 block_n) and of the dw_down wgrad (2 block_m), and a contraction dim (block_k).
-  f_p = _round_up(f, math.lcm(2 * config.block_n, 2 * config.block_m, config.block_k))
-  return (_pad_axis(w_gate, 2, f_p), _pad_axis(w_up, 2, f_p), _pad_axis(w_down, 1, f_p), f_p)
+def _swiglu_padded_f(f: int, config: KernelConfig) -> int:
+  """F padded to every tile it meets: an output dim of the gate/up kernel (CTA tile
+  block_n), of the da dgrad (2 block_n) and of the dw_down wgrad (2 block_m); a
+  contraction dim (block_k); [dh | du]'s 2F is the dx contraction and the dw_gate_up
+  wgrad's N, both multiples of these."""
+  return _round_up(f, math.lcm(2 * config.block_n, 2 * config.block_m, config.block_k))
 
 
-def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save: bool,
+def _pad_gate_up(w_gate_up, f_p: int):
+  """[G, H, 2F] -> [G, H, 2 f_p]: each half padded with zero columns (no copy when
+  F = f_p, the case of every benchmark shape). Zero columns give h = u = 0, so
+  a = silu(0) * 0 = 0 there, and the zero rows of w_down add nothing: the FFN is
+  exact in the padded space."""
+  g, h, two_f = w_gate_up.shape
+  f = two_f // 2
+  if f == f_p:
+    return w_gate_up
+  halves = _pad_axis(w_gate_up.reshape(g, h, 2, f), 3, f_p)
+  return halves.reshape(g, h, 2 * f_p)
+
+
+def _unpad_gate_up(w, f: int):
+  """The inverse of `_pad_gate_up` on a [G, H, 2 f_p] gradient."""
+  g, h, two_fp = w.shape
+  f_p = two_fp // 2
+  if f == f_p:
+    return w
+  return w.reshape(g, h, 2, f_p)[..., :f].reshape(g, h, 2 * f)
+
+
+def _swiglu_forward(x, w_gate_up, w_down, group_sizes, config, interpret, save: bool,
                     zero_window=None):
   m, h_dim = x.shape
-  wg_p, wu_p, wd_p, _ = _swiglu_padded_weights(w_gate, w_up, w_down, config)
+  f_p = _swiglu_padded_f(w_down.shape[1], config)
   h_p = _round_up(h_dim, config.block_k)
   h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)
   m_p = _padded_rows(m, config)
   x_p = _pad_axis(_pad_axis(x, 1, h_p), 0, m_p)
-  wg_p = _pad_axis(wg_p, 1, h_p)
-  wu_p = _pad_axis(wu_p, 1, h_p)
-  wd_p = _pad_axis(wd_p, 2, h_out)
-  outs = _row_tiled_call([x_p], [wg_p, wu_p], group_sizes, mode="swiglu", transpose_b=False,
+  wgu_p = _pad_axis(_pad_gate_up(w_gate_up, f_p), 1, h_p)
+  wd_p = _pad_axis(_pad_axis(w_down, 1, f_p), 2, h_out)
+  # h from columns [0, f_p) of w_gate_up, u from [f_p, 2 f_p): the same array twice
+  outs = _row_tiled_call([x_p], [wgu_p, wgu_p], group_sizes, mode="swiglu", transpose_b=False,
                          out_dtype=x.dtype, save_hu=save, config=config, interpret=interpret,
-                         zero_window=zero_window)
+                         zero_window=zero_window, b_col_offsets=(0, f_p))
   a = outs[0]  # [m_p, F_p]
   (y,) = _row_tiled_call([a], [wd_p], group_sizes, mode="plain", transpose_b=False,
                          out_dtype=x.dtype, save_hu=False, config=config, interpret=interpret,
@@ -860,101 +889,82 @@ def _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, sav
   return y, outs
 
 
-def swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
+def swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
                     interpret=None, zero_window: Optional[int] = None,
-                    fuse_da_epilogue: bool = False, dx_concat_k: bool = False):
+                    fuse_da_epilogue: bool = False):
   """The backward pass of `grouped_swiglu_ffn` (formulas in its docstring) from its
   saved residuals a, h, u ([m_p, F_p], the gate/up epilogue's outputs). Returns
-  (dx [M, H], dw_gate, dw_up, dw_down). Also the backward pass of the fused uniep
-  forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u.
-
-  dx_concat_k (needs fuse_da_epilogue; EXPERIMENTAL, not yet run on a GPU): the da
-  epilogue writes [dh | du] into one [m_p, 2 F_p] buffer; dx is then one "plain"
-  launch over K = 2 F_p against [w_gate | w_up] (one N-128 accumulator per warpgroup
-  instead of "sum2"'s two N-64 operand pairs; the weights are concatenated per call),
-  and dw_gate, dw_up one wgrad launch over N = 2 F_p. dw bits unchanged; dx sums
-  the dh blocks, then the du blocks (another float32 order than "sum2")."""
+  (dx [M, H], dw_gate_up [G, H, 2F], dw_down). Also the backward pass of the fused
+  uniep forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u."""
   interpret = resolve_interpret(interpret)
   m, h_dim = x.shape
-  f_dim = w_gate.shape[2]
+  f_dim = w_down.shape[1]
   kw = dict(config=config, interpret=interpret)
-  wg_p, wu_p, wd_p, f_p = _swiglu_padded_weights(w_gate, w_up, w_down, config)
+  f_p = _swiglu_padded_f(f_dim, config)
+  wgu_p = _pad_gate_up(w_gate_up, f_p)
+  wd_p = _pad_axis(w_down, 1, f_p)
   m_p = a.shape[0]
   h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
   h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
   dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
-  if dx_concat_k and not fuse_da_epilogue:
-    raise ValueError("dx_concat_k needs fuse_da_epilogue=True (the da epilogue writes [dh | du])")
   da_args = ([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes)
   if fuse_da_epilogue:
-    # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, dh and du: [m_p, f_p] each,
-    # or one [m_p, 2 f_p] buffer [dh | du] with dx_concat_k
-    dhu = _row_tiled_call(*da_args, mode="dswiglu", transpose_b=True, out_dtype=x.dtype,
-                          save_hu=False, zero_window=zero_window, epi_inputs=(h, u),
-                          concat_out=dx_concat_k, **kw)
+    # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, [dh | du]: [m_p, 2 f_p]
+    (dhu,) = _row_tiled_call(*da_args, mode="dswiglu", transpose_b=True, out_dtype=x.dtype,
+                             save_hu=False, zero_window=zero_window, epi_inputs=(h, u), **kw)
   else:
     # da = dy @ w_down^T, float32 out: [m_p, f_p]; dh, du by XLA over all m_p rows
     (da,) = _row_tiled_call(*da_args, mode="plain", transpose_b=True, out_dtype=jnp.float32,
                             save_hu=False, zero_window=zero_window, **kw)
     dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
-    dhu = (dh.astype(x.dtype), du.astype(x.dtype))
-  wg_t, wu_t = _pad_axis(wg_p, 1, h_out), _pad_axis(wu_p, 1, h_out)
-  x_w = _pad_axis(x, 0, m_p)
-  if dx_concat_k:
-    # dx = [dh | du] @ [w_gate | w_up]^T, one "plain" launch over K = 2 f_p: [m_p, h_out];
-    # dw_gate, dw_up = x^T [dh | du], one wgrad over N = 2 f_p: [G, H, 2 f_p]
-    (dx,) = _row_tiled_call(list(dhu), [jnp.concatenate([wg_t, wu_t], axis=2)], group_sizes,
-                            mode="plain", transpose_b=True, out_dtype=x.dtype, save_hu=False,
-                            zero_window=zero_window, **kw)
-    dw_cat = gmm_wgrad(x_w, dhu[0], group_sizes, out_dtype=w_gate.dtype, **kw)
-    dw_gate, dw_up = dw_cat[:, :, :f_dim], dw_cat[:, :, f_p:f_p + f_dim]
-  else:
-    dh, du = dhu
-    # dx = dh @ w_gate^T + du @ w_up^T in one kernel: [m_p, h_out]
-    (dx,) = _row_tiled_call([dh, du], [wg_t, wu_t], group_sizes, mode="sum2", transpose_b=True,
-                            out_dtype=x.dtype, save_hu=False, zero_window=zero_window, **kw)
-    dw_gate = gmm_wgrad(x_w, dh, group_sizes, out_dtype=w_gate.dtype, **kw)[:, :, :f_dim]
-    dw_up = gmm_wgrad(x_w, du, group_sizes, out_dtype=w_up.dtype, **kw)[:, :, :f_dim]
+    dhu = jnp.concatenate([dh, du], axis=1).astype(x.dtype)
+  # dx = [dh | du] @ w_gate_up^T: one plain dgrad over K = 2 f_p, [m_p, h_out]
+  (dx,) = _row_tiled_call([dhu], [_pad_axis(wgu_p, 1, h_out)], group_sizes, mode="plain",
+                          transpose_b=True, out_dtype=x.dtype, save_hu=False,
+                          zero_window=zero_window, **kw)
   dx = dx[:m, :h_dim]
+  x_w = _pad_axis(x, 0, m_p)
+  # [dw_gate | dw_up] = x^T [dh | du]: one wgrad over N = 2 f_p
+  dw_gate_up = _unpad_gate_up(gmm_wgrad(x_w, dhu, group_sizes, out_dtype=w_gate_up.dtype, **kw),
+                              f_dim)
   dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
                       out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
-  return dx, dw_gate, dw_up, dw_down
+  return dx, dw_gate_up, dw_down
 
 
 @functools.lru_cache(maxsize=None)
-def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_epilogue: bool,
-               dx_concat_k: bool = False):
+def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_epilogue: bool):
   # the wgrad reads up to block_k rows past a group's end: those stay zero
   zw = None if zero_dead_rows else config.block_k
 
   @jax.custom_vjp
-  def f(x, w_gate, w_up, w_down, group_sizes):
-    y, _ = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret, save=False,
+  def f(x, w_gate_up, w_down, group_sizes):
+    y, _ = _swiglu_forward(x, w_gate_up, w_down, group_sizes, config, interpret, save=False,
                            zero_window=zw)
     return y
 
-  def fwd(x, w_gate, w_up, w_down, group_sizes):
-    y, (a, h, u) = _swiglu_forward(x, w_gate, w_up, w_down, group_sizes, config, interpret,
+  def fwd(x, w_gate_up, w_down, group_sizes):
+    y, (a, h, u) = _swiglu_forward(x, w_gate_up, w_down, group_sizes, config, interpret,
                                    save=True, zero_window=zw)
-    return y, (x, w_gate, w_up, w_down, group_sizes, a, h, u)
+    return y, (x, w_gate_up, w_down, group_sizes, a, h, u)
 
   def bwd(res, dy):
-    x, w_gate, w_up, w_down, group_sizes, a, h, u = res
-    return swiglu_backward(x, w_gate, w_up, w_down, group_sizes, a, h, u, dy, config=config,
+    x, w_gate_up, w_down, group_sizes, a, h, u = res
+    return swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, config=config,
                            interpret=interpret, zero_window=zw,
-                           fuse_da_epilogue=fuse_da_epilogue, dx_concat_k=dx_concat_k) + (None,)
+                           fuse_da_epilogue=fuse_da_epilogue) + (None,)
 
   f.defvjp(fwd, bwd)
   return f
 
 
-def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
+def grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
                        config: KernelConfig = KernelConfig(), interpret=None,
-                       zero_dead_rows: bool = True, fuse_da_epilogue: bool = False,
-                       dx_concat_k: bool = False):
+                       zero_dead_rows: bool = True, fuse_da_epilogue: bool = False):
   """SwiGLU expert FFN over grouped rows, differentiable (custom_vjp).
 
-  x [M, H], w_gate/w_up [G, H, F], w_down [G, F, H], group_sizes [G] -> y [M, H]:
+  x [M, H], w_gate_up [G, H, 2F] = [w_gate | w_up], w_down [G, F, H], group_sizes [G]
+  -> y [M, H]:
     h = x @ w_gate[g], u = x @ w_up[g]      (one kernel, two f32 accumulators)
     a = (silu(h) * u) in f32, cast to x.dtype
     y = a @ w_down[g] (f32 accumulation), cast to x.dtype.
@@ -972,14 +982,16 @@ def grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, *,
     da = dy @ w_down^T (f32);  s = sigmoid(h)
     dh = da * u * s * (1 + h (1 - s)),  du = da * h * s   (XLA, over all rows; with
         fuse_da_epilogue=True, measured faster, the MoE layer's default: in da's
-        epilogue, mode "dswiglu", da never stored)
-    dx = dh @ w_gate^T + du @ w_up^T (one "sum2" kernel; dx_concat_k=True,
-        EXPERIMENTAL: one "plain" kernel over [dh | du] and [w_gate | w_up], see
-        `swiglu_backward`)
-    dw_gate = x^T dh, dw_up = x^T du, dw_down = a^T dy (wgrad kernel).
+        epilogue, mode "dswiglu", da never stored), into one buffer [dh | du]
+    dx = [dh | du] @ w_gate_up^T (one plain kernel over K = 2F)
+    dw_gate_up = x^T [dh | du] (one wgrad over N = 2F), dw_down = a^T dy.
   """
-  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows, fuse_da_epilogue,
-                    dx_concat_k)(x, w_gate, w_up, w_down, group_sizes)
+  two_f = w_gate_up.shape[-1]
+  if w_gate_up.ndim != 3 or two_f % 2 or w_down.ndim != 3 or w_down.shape[1] != two_f // 2:
+    raise ValueError(f"w_gate_up {w_gate_up.shape} must be [G, H, 2F] and w_down "
+                     f"{w_down.shape} [G, F, H]")
+  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows,
+                    fuse_da_epilogue)(x, w_gate_up, w_down, group_sizes)
 
 
 # ----------------------------------------------------------------------------
@@ -1018,11 +1030,12 @@ def reference_gmm_wgrad(lhs, dout, group_sizes, out_dtype=None):
   return out.astype(out_dtype or lhs.dtype)
 
 
-def reference_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes):
+def reference_swiglu_ffn(x, w_gate_up, w_down, group_sizes):
   """The FFN with lax.ragged_dot (f32 accumulation, same casts as the kernel)."""
   gs = group_sizes.astype(jnp.int32)
-  h = lax.ragged_dot(x, w_gate, gs, preferred_element_type=jnp.float32)
-  u = lax.ragged_dot(x, w_up, gs, preferred_element_type=jnp.float32)
+  f = w_gate_up.shape[2] // 2
+  h = lax.ragged_dot(x, w_gate_up[:, :, :f], gs, preferred_element_type=jnp.float32)
+  u = lax.ragged_dot(x, w_gate_up[:, :, f:], gs, preferred_element_type=jnp.float32)
   a = (jax.nn.silu(h) * u).astype(x.dtype)
   y = lax.ragged_dot(a, w_down, gs, preferred_element_type=jnp.float32)
   y = jnp.where(_dead_row_mask(x.shape[0], group_sizes), y, 0.0)

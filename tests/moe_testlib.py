@@ -13,8 +13,9 @@ def make_params(key, *, experts, hidden, ffn, dtype=jnp.float32, bias=None):
   s_in, s_ff = hidden ** -0.5, ffn ** -0.5
   return uniep_jax.MoEParams(
       router=jax.random.normal(k[0], (hidden, experts), jnp.float32),
-      w_gate=(jax.random.normal(k[1], (experts, hidden, ffn)) * s_in).astype(dtype),
-      w_up=(jax.random.normal(k[2], (experts, hidden, ffn)) * s_in).astype(dtype),
+      w_gate_up=uniep_jax.join_gate_up(
+          (jax.random.normal(k[1], (experts, hidden, ffn)) * s_in).astype(dtype),
+          (jax.random.normal(k[2], (experts, hidden, ffn)) * s_in).astype(dtype)),
       w_down=(jax.random.normal(k[3], (experts, ffn, hidden)) * s_ff).astype(dtype),
       expert_bias=bias)
 

@@ -124,14 +124,14 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
   ks = jax.random.split(jax.random.key(3), 3)
   gs = jnp.array([100, 0, 170], jnp.int32)                 # empty group, dead rows
   x = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
-  w_gate = (jax.random.normal(ks[1], (g, kdim, n)) * kdim**-0.5).astype(jnp.bfloat16)
-  w_up = (jax.random.normal(ks[2], (g, kdim, n)) * kdim**-0.5).astype(jnp.bfloat16)
+  w_gate_up = (jax.random.normal(ks[1], (g, kdim, 2 * n)) * kdim**-0.5).astype(jnp.bfloat16)
   cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
-  ref = gg._row_tiled_call([x], [w_gate, w_up], gs, mode="swiglu", transpose_b=False,
-                           out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET)
+  ref = gg._row_tiled_call([x], [w_gate_up, w_gate_up], gs, mode="swiglu", transpose_b=False,
+                           out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET,
+                           b_col_offsets=(0, n))
   params = gg.row_tiled_params(m, kdim, n, g, mode="swiglu", transpose_b=False,
                                out_dtype=jnp.bfloat16, in_dtype=jnp.bfloat16, save_hu=True,
-                               config=cfg)
+                               config=cfg, b_col_offsets=(0, n))
   offset, count = 1, 2          # CTA 0 idles (stands for a transfer CTA)
 
   def body(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem):
@@ -146,23 +146,23 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
       grid=(offset + count,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=gg.resolve_interpret(INTERPRET))
-  got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), x, w_gate, w_up)
+  got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), x, w_gate_up, w_gate_up)
   assert_no_races()
   for a, b in zip(got, ref):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
 def _lower_fused(mesh, r, kernel, transfer, fused, ns=256, h=256, f=192, el=2):
-  def body(x, s, d, l, gs, wg, wu):
-    return fdg.fused_dispatch_gate_up(x, s[0], d[0], l[0], gs[0], wg, wu, out_rows=r * ns,
+  def body(x, s, d, l, gs, wgu):
+    return fdg.fused_dispatch_gate_up(x, s[0], d[0], l[0], gs[0], wgu, out_rows=r * ns,
                                       axis_name="expert", kernel=kernel, transfer=transfer,
                                       fused=fused)
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 7, out_specs=P("expert"),
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"),
                      check_vma=False)
   sh = NamedSharding(mesh, P("expert"))
   s = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
   args = (s((r * ns, h), jnp.bfloat16), s((r, r, el)), s((r, r, el)), s((r, r, el)),
-          s((r, el)), s((r * el, h, f), jnp.bfloat16), s((r * el, h, f), jnp.bfloat16))
+          s((r, el)), s((r * el, h, 2 * f), jnp.bfloat16))
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 

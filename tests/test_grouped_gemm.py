@@ -107,56 +107,54 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
     np.testing.assert_array_equal(f32(out[g]), 0.0)
 
 
-@pytest.mark.parametrize("mode", ["swiglu", "sum2", "dswiglu"])
+@pytest.mark.parametrize("mode", ["swiglu", "dswiglu"])
 def test_fused_modes_no_races(mode):
-  """The three fused variants of the row-tiled kernel against their definition."""
+  """The fused variants of the row-tiled kernel against their definition."""
   m, k, n = 256, 128, 128
   ks = jax.random.split(jax.random.key(3), 4)
   gs = jnp.asarray(GROUP_SIZES)
   g = len(GROUP_SIZES)
   if mode == "swiglu":
+    # on w_gate_up [g, k, 2n] = [w_gate | w_up], read at column offsets 0 and n
     x = rand(ks[0], (m, k))
-    wg_, wu_ = rand(ks[1], (g, k, n), k**-0.5), rand(ks[2], (g, k, n), k**-0.5)
-    a, h, u = gg._row_tiled_call([x], [wg_, wu_], gs, mode="swiglu", transpose_b=False,
-                                 out_dtype=BF16, save_hu=True, config=CONFIG, interpret=INTERPRET)
+    wgu = rand(ks[1], (g, k, 2 * n), k**-0.5)
+    a, h, u = gg._row_tiled_call([x], [wgu, wgu], gs, mode="swiglu", transpose_b=False,
+                                 out_dtype=BF16, save_hu=True, config=CONFIG, interpret=INTERPRET,
+                                 b_col_offsets=(0, n))
     assert_no_races()
+    assert a.shape == h.shape == u.shape == (m, n)
     xf = x.astype(jnp.float32)
-    h_ref = gg.reference_gmm(xf, wg_.astype(jnp.float32), gs, jnp.float32)
-    u_ref = gg.reference_gmm(xf, wu_.astype(jnp.float32), gs, jnp.float32)
+    h_ref = gg.reference_gmm(xf, wgu[:, :, :n].astype(jnp.float32), gs, jnp.float32)
+    u_ref = gg.reference_gmm(xf, wgu[:, :, n:].astype(jnp.float32), gs, jnp.float32)
     assert_bf16_close(h, h_ref)
     assert_bf16_close(u, u_ref)
     assert_bf16_close(a, jax.nn.silu(h_ref) * u_ref)
-  elif mode == "dswiglu":
+    with pytest.raises(ValueError, match="b_col_offsets"):
+      gg._row_tiled_call([x], [wgu, wgu], gs, mode="swiglu", transpose_b=False, out_dtype=BF16,
+                         save_hu=True, config=CONFIG, interpret=INTERPRET, b_col_offsets=(0, 64))
+  else:
     # dy [m, k] @ w_down^T (w_down [g, n, k] read transposed) -> da, then the SwiGLU
-    # derivative with the saved h, u [m, n]; dead rows (past the groups) come back zero
+    # derivative with the saved h, u [m, n] into one [m, 2n] buffer [dh | du]; dead
+    # rows (past the groups) come back zero
     n = 256                                   # a plain-width launch: CTA tile 2 x 128
     dy, wd = rand(ks[0], (m, k)), rand(ks[1], (g, n, k), k**-0.5)
     total = int(GROUP_SIZES.sum())
     h, u = rand(ks[2], (m, n)).at[total:].set(0), rand(ks[3], (m, n)).at[total:].set(0)
-    dh, du = gg._row_tiled_call([dy], [wd], gs, mode="dswiglu", transpose_b=True,
+    (dhu,) = gg._row_tiled_call([dy], [wd], gs, mode="dswiglu", transpose_b=True,
                                 out_dtype=BF16, save_hu=False, config=CONFIG,
                                 interpret=INTERPRET, epi_inputs=(h, u))
     assert_no_races()
+    assert dhu.shape == (m, 2 * n)
+    dh, du = dhu[:, :n], dhu[:, n:]
     da = gg.reference_gmm_dgrad(dy.astype(jnp.float32), wd.astype(jnp.float32), gs, jnp.float32)
     hf, uf = h.astype(jnp.float32), u.astype(jnp.float32)
     sg = jax.nn.sigmoid(hf)
     assert_bf16_close(dh, da * uf * sg * (1.0 + hf * (1.0 - sg)))
     assert_bf16_close(du, da * hf * sg)
-    np.testing.assert_array_equal(f32(dh[total:]), 0.0)
+    np.testing.assert_array_equal(f32(dhu[total:]), 0.0)
     with pytest.raises(ValueError, match="epi_inputs"):
       gg._row_tiled_call([dy], [wd], gs, mode="dswiglu", transpose_b=True, out_dtype=BF16,
                          save_hu=False, config=CONFIG, interpret=INTERPRET)
-  else:
-    a0, a1 = rand(ks[0], (m, k)), rand(ks[1], (m, k))
-    b0, b1 = rand(ks[2], (g, n, k), k**-0.5), rand(ks[3], (g, n, k), k**-0.5)
-    (out,) = gg._row_tiled_call([a0, a1], [b0, b1], gs, mode="sum2", transpose_b=True,
-                                out_dtype=jnp.float32, save_hu=False, config=CONFIG,
-                                interpret=INTERPRET)
-    assert_no_races()
-    ref = (gg.reference_gmm_dgrad(a0.astype(jnp.float32), b0.astype(jnp.float32), gs, jnp.float32)
-           + gg.reference_gmm_dgrad(a1.astype(jnp.float32), b1.astype(jnp.float32), gs,
-                                    jnp.float32))
-    np.testing.assert_allclose(f32(out), f32(ref), rtol=1e-5, atol=1e-4)
 
 
 def test_grouped_matmul_gradients():
@@ -176,10 +174,8 @@ def test_grouped_matmul_gradients():
   assert_bf16_close(dw, dw_ref, atol=1e-3)
 
 
-# the backward's variants: dh, du by an XLA pass; in the da epilogue; and the latter
-# with dx as one "plain" launch over [dh | du] (dx_concat_k: its own test below)
-BACKWARDS = {"xla": {}, "epilogue": dict(fuse_da_epilogue=True),
-             "concat_k": dict(fuse_da_epilogue=True, dx_concat_k=True)}
+# the backward's variants: dh, du by an XLA pass; in the da epilogue
+BACKWARDS = {"xla": {}, "epilogue": dict(fuse_da_epilogue=True)}
 
 
 # the block_k window past the live rows (GROUP_SIZES) that zero_dead_rows=False still zeroes
@@ -188,34 +184,37 @@ WINDOW_END = -(-LIVE_ROWS // CONFIG.block_k) * CONFIG.block_k
 
 
 def _ffn_operands(seed: int, m: int, h: int = 128, f: int = 96):
-  """x [m, h], w_gate, w_up [G, h, f], w_down [G, f, h], a cotangent dy [m, h] and the
-  group sizes of a SwiGLU FFN test (F = 96: not a multiple of 64)."""
+  """x [m, h], w_gate_up [G, h, 2f], w_down [G, f, h], a cotangent dy [m, h] and the
+  group sizes of a SwiGLU FFN test (F = 96: not a multiple of 64, each half padded)."""
   g = len(GROUP_SIZES)
   ks = jax.random.split(jax.random.key(seed), 5)
   x = rand(ks[0], (m, h))
-  w_gate, w_up = rand(ks[1], (g, h, f), h**-0.5), rand(ks[2], (g, h, f), h**-0.5)
+  w_gate_up = rand(ks[1], (g, h, 2 * f), h**-0.5)
   w_down = rand(ks[3], (g, f, h), f**-0.5)
-  return x, w_gate, w_up, w_down, rand(ks[4], (m, h)), jnp.asarray(GROUP_SIZES)
+  return x, w_gate_up, w_down, rand(ks[4], (m, h)), jnp.asarray(GROUP_SIZES)
 
 
 @pytest.mark.parametrize("backward", ["xla", "epilogue"])
 def test_swiglu_ffn_forward_and_gradients(backward):
-  x, w_gate, w_up, w_down, dy, gs = _ffn_operands(5, 256)
+  x, w_gate_up, w_down, dy, gs = _ffn_operands(5, 256)
   ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
                                          **BACKWARDS[backward])
-  y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
+  y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
   grads = vjp(dy)
   # Forward: exactly the documented casts (a rounded to bf16), f32 accumulation.
-  y_ref = gg.reference_swiglu_ffn(x, w_gate, w_up, w_down, gs)
+  y_ref = gg.reference_swiglu_ffn(x, w_gate_up, w_down, gs)
   rel = np.linalg.norm(f32(y) - f32(y_ref)) / np.linalg.norm(f32(y_ref))
   assert rel < 4e-3, rel
   np.testing.assert_array_equal(f32(y[int(GROUP_SIZES.sum()):]), 0.0)
   # Gradients vs jax.grad of the ragged_dot reference in float32. The kernel path
   # rounds h, u (saved) and dh, du (GEMM inputs) to bf16: allow bf16-level error.
   ref = lambda *a: gg.reference_swiglu_ffn(*[v.astype(jnp.float32) for v in a], gs)
-  _, vjp_ref = jax.vjp(ref, x, w_gate, w_up, w_down)
+  _, vjp_ref = jax.vjp(ref, x, w_gate_up, w_down)
   grads_ref = vjp_ref(dy.astype(jnp.float32))
-  for name, got, want in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, grads_ref):
+  f = w_down.shape[1]
+  split = lambda g: (g[0], g[1][..., :f], g[1][..., f:], g[2])  # noqa: E731  gate, up apart
+  for name, got, want in zip(("dx", "dw_gate", "dw_up", "dw_down"), split(grads),
+                             split(grads_ref)):
     assert got.shape == want.shape and got.dtype == BF16, name
     rel = np.linalg.norm(f32(got) - f32(want)) / np.linalg.norm(f32(want))
     assert rel < 1e-2, (name, rel)
@@ -227,7 +226,7 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(backward):
   tiles past a block_k window. Live rows of y and dx and every weight gradient are
   bitwise those of the zeroing mode; the window rows are zero; the cotangent's
   dead rows past the window are never read (NaN there changes nothing)."""
-  x, w_gate, w_up, w_down, dy, gs = _ffn_operands(9, 384)   # 196 dead rows of 384
+  x, w_gate_up, w_down, dy, gs = _ffn_operands(9, 384)   # 196 dead rows of 384
   total, window_end = LIVE_ROWS, WINDOW_END
   dy = dy.at[total:].set(0.0)
   dy_nan = dy.at[window_end:].set(jnp.nan)
@@ -235,7 +234,7 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(backward):
   def run(zero, cot):
     ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
                                            zero_dead_rows=zero, **BACKWARDS[backward])
-    y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
+    y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
     return y, vjp(cot)
 
   y0, g0 = run(True, dy)
@@ -249,33 +248,26 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(backward):
   np.testing.assert_array_equal(f32(g1[0][total:window_end]), 0.0)
 
 
-def test_dx_concat_k_keeps_the_weight_gradient_bits():
-  """dx_concat_k, in the MoE layer's mode (dead tiles skipped; the cotangent NaN past
-  the block_k window, never read): the same live rows of y and the same weight
-  gradients, bit for bit, as the epilogue variant (one wgrad over [dh | du] sums each
-  column as two did); dx within bf16 rounding of it (another float32 order over K),
-  zero in the window. (NaN rows share the last live row tile: they are computed
-  and never stored.)"""
-  x, w_gate, w_up, w_down, dy, gs = _ffn_operands(11, 256)
-  total, window_end = LIVE_ROWS, WINDOW_END
-  dy = dy.at[total:].set(0.0).at[window_end:].set(jnp.nan)
-
-  def run(backward):
-    ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
-                                           zero_dead_rows=False, **BACKWARDS[backward])
-    y, vjp = jax.vjp(ffn, x, w_gate, w_up, w_down)
-    dx, *dw = vjp(dy)
-    return y[:total], dx[:window_end], tuple(dw)
-
-  y0, dx0, dw0 = run("epilogue")
-  y1, dx1, dw1 = run("concat_k")
-  chex.assert_trees_all_equal((y1, dw1), (y0, dw0))
-  rel = np.linalg.norm(f32(dx1[:total]) - f32(dx0[:total])) / np.linalg.norm(f32(dx0[:total]))
-  assert 0 < rel < 1e-2, rel   # another summation order: close, not equal
-  np.testing.assert_array_equal(f32(dx1[total:]), 0.0)
-  with pytest.raises(ValueError, match="dx_concat_k needs fuse_da_epilogue"):
-    jax.vjp(lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,
-                                             dx_concat_k=True), x, w_gate, w_up, w_down)[1](dy)
+def test_swiglu_ffn_never_copies_the_weights():
+  """With F a multiple of the tiles (every benchmark shape), neither pass copies
+  w_gate_up or its gradient: gate/up reads it at two column offsets, dx contracts
+  over its 2F columns and the wgrad writes [dw_gate | dw_up] in place. The program
+  of the forward and backward holds no concatenate, pad or slice producing a
+  weight-sized array (the two-array layout copied 2 x 3.8 GB per layer and step on
+  deepseek-like)."""
+  f = gg._swiglu_padded_f(1, CONFIG)
+  x, w_gate_up, w_down, dy, gs = _ffn_operands(13, 256, h=f, f=f)
+  for backward in BACKWARDS:
+    ffn = lambda *a, kw=BACKWARDS[backward]: gg.grouped_swiglu_ffn(  # noqa: E731
+        *a, gs, config=CONFIG, interpret=INTERPRET, zero_dead_rows=False, **kw)
+    grads = jax.jit(lambda *a: jax.vjp(ffn, *a)[1](dy))
+    hlo = grads.lower(x, w_gate_up, w_down).as_text()
+    g, h = w_gate_up.shape[:2]
+    for shape in (f"{g}x{h}x{2 * f}", f"{g}x{h}x{f}"):
+      copies = [line for line in hlo.splitlines()
+                if f"tensor<{shape}xbf16>" in line.split("->")[-1]
+                and any(op in line for op in ("concatenate", "stablehlo.pad", "stablehlo.slice"))]
+      assert not copies, (backward, copies)
 
 
 def test_row_split_invariance_bitwise():

@@ -29,12 +29,12 @@ def _x(seed=1):
 def test_partitioning_metadata(mesh_factory):
   moe = _make(mesh_factory(2, 4), n_shared=1, use_expert_bias=True)
   specs = nnx.get_partition_spec(nnx.state(moe))
-  assert tuple(specs["w_gate"].get_value()) == ("expert", None, None)
+  assert tuple(specs["w_gate_up"].get_value()) == ("expert", None, None)
   assert tuple(specs["w_down"].get_value()) == ("expert", None, None)
   assert tuple(specs["router"].get_value()) == (None, None)
   # eager placement on the mesh: each expert-axis rank holds E/4 experts
-  shard_shapes = {s.data.shape for s in moe.w_gate.get_value().addressable_shards}
-  assert shard_shapes == {(E // 4, H, F)}
+  shard_shapes = {s.data.shape for s in moe.w_gate_up.get_value().addressable_shards}
+  assert shard_shapes == {(E // 4, H, 2 * F)}
   # the bias is state, not a trainable parameter
   params = nnx.state(moe, nnx.Param)
   assert "expert_bias" not in params

@@ -118,7 +118,7 @@ def test_gradients_match_reference(backend, data, ep):
   g = _loss(backend, data, ep, 2, _cfg(backend))(x, p)
   g_ref = _loss("dense_reference", 1, 1, 2, UniEPConfig(backend="dense_reference"))(x, p)
   for name, a, b in [("x", g[0], g_ref[0]), ("router", g[1].router, g_ref[1].router),
-                     ("w_gate", g[1].w_gate, g_ref[1].w_gate), ("w_up", g[1].w_up, g_ref[1].w_up),
+                     ("w_gate_up", g[1].w_gate_up, g_ref[1].w_gate_up),
                      ("w_down", g[1].w_down, g_ref[1].w_down)]:
     assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
 
@@ -140,8 +140,9 @@ def test_capacity_drops_are_counted_and_zeroed():
   # the reference with dropped slots' weights set to zero
   ref_w = np.where(keep, np.asarray(out.topk_weights), 0.0)
   p32 = jax.tree.map(lambda a: a, p)
-  h = jnp.einsum("nh,ehf->enf", x, p32.w_gate)
-  u = jnp.einsum("nh,ehf->enf", x, p32.w_up)
+  w_gate, w_up = uniep_jax.split_gate_up(p32.w_gate_up)
+  h = jnp.einsum("nh,ehf->enf", x, w_gate)
+  u = jnp.einsum("nh,ehf->enf", x, w_up)
   y_all = jnp.einsum("enf,efh->enh", jax.nn.silu(h) * u, p32.w_down)
   y_sel = np.asarray(y_all)[topk, np.arange(tokens)[:, None]]
   y_ref = np.einsum("tk,tkh->th", ref_w, y_sel)
@@ -249,8 +250,9 @@ def test_receive_bound_drops_deterministically_and_counts(data, ep):
   out = uniep_jax.route(x, p.router, top_k, cfg.routing, p.expert_bias)
   keep = _expected_receive_drops(np.asarray(out.topk_experts), data, ep, tps, cap, E)
   assert int(aux["dropped"]) == int((~keep).sum()) > 0
-  h = jnp.einsum("nh,ehf->enf", x, p.w_gate, precision="highest")
-  u = jnp.einsum("nh,ehf->enf", x, p.w_up, precision="highest")
+  w_gate, w_up = uniep_jax.split_gate_up(p.w_gate_up)
+  h = jnp.einsum("nh,ehf->enf", x, w_gate, precision="highest")
+  u = jnp.einsum("nh,ehf->enf", x, w_up, precision="highest")
   y_all = jnp.einsum("enf,efh->enh", jax.nn.silu(h) * u, p.w_down, precision="highest")
   y_sel = np.asarray(y_all)[np.asarray(out.topk_experts), np.arange(tokens)[:, None]]
   y_ref = np.einsum("tk,tkh->th", np.where(keep, np.asarray(out.topk_weights), 0.0), y_sel)
@@ -360,27 +362,26 @@ def test_uniep_layer_lowers_for_cuda(bound, fused):
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ps).lower(
         lowering_platforms=("cuda",)).as_text()
   # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
-  # (11 Mosaic GPU custom calls when written); fused: Kernels A and B forward, then
-  # v1's backward (2 transfers + 5 GEMM kernels)
-  assert text.count("stablehlo.custom_call @mosaic_gpu") >= (8 if fused is None else 7)
+  # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
+  # fused: Kernels A and B forward, then v1's backward (2 transfers + 4 GEMM kernels)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == (10 if fused is None else 8)
 
 
 def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
-                                      w_gate, w_up, *, out_rows, axis_name, kernel, transfer,
+                                      w_gate_up, *, out_rows, axis_name, kernel, transfer,
                                       fused):
   """Kernel A's contract in plain JAX + the grouped GEMM's swiglu body: recv rows no
   segment covers hold garbage, as in the kernel."""
-  from pallas_kernels import fused_dispatch_gemm as fdg
   from pallas_kernels import grouped_gemm as gg
   recv = _simulated_transfer(rows_sorted, seg_src, seg_dst, seg_len, out_rows=out_rows,
                              config=transfer, axis_name=axis_name)
   m_p = gg._round_up(out_rows, kernel.block_m)
   recv = jnp.pad(recv, ((0, m_p - out_rows), (0, 0)), constant_values=1e4)
-  f_p = gg._round_up(w_gate.shape[2], fdg._f_multiple(kernel))
-  a, h, u = gg._row_tiled_call([recv], [gg._pad_axis(w_gate, 2, f_p), gg._pad_axis(w_up, 2, f_p)],
-                               group_sizes, mode="swiglu", transpose_b=False,
-                               out_dtype=rows_sorted.dtype, save_hu=True, config=kernel,
-                               interpret=None)
+  f_p = gg._swiglu_padded_f(w_gate_up.shape[2] // 2, kernel)
+  wgu = gg._pad_gate_up(w_gate_up, f_p)
+  a, h, u = gg._row_tiled_call([recv], [wgu, wgu], group_sizes, mode="swiglu",
+                               transpose_b=False, out_dtype=rows_sorted.dtype, save_hu=True,
+                               config=kernel, interpret=None, b_col_offsets=(0, f_p))
   return recv, a, h, u
 
 

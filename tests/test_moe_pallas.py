@@ -66,21 +66,3 @@ def test_swiglu_grad_in_kernel_same_forward_close_gradients_deterministic():
   for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     assert rel_err(a, b) < 1e-2
   chex.assert_trees_all_equal(gb, g_b(x, p))
-
-
-def test_dx_concat_k_reaches_the_expert_ffn():
-  """UniEPConfig.dx_concat_k (EXPERIMENTAL) is passed down to the grouped GEMM's
-  backward: its gradient program holds the one [dh | du] launch (a "dswiglu" kernel
-  with a [M, 2F] output) and no "sum2" launch. Traced only (its numbers:
-  test_grouped_gemm.py::test_dx_concat_k_keeps_the_weight_gradient_bits)."""
-  import dataclasses
-  mesh = make_mesh(1, 1)
-  p = make_params(jax.random.key(0), experts=E, hidden=H, ffn=F, dtype=jnp.bfloat16)
-  x = make_x(jax.random.key(1), 64, H, jnp.bfloat16)
-
-  def grad_program(cfg):
-    return str(jax.make_jaxpr(_fns(cfg, mesh)[1])(x, p))
-
-  on, off = grad_program(dataclasses.replace(PALLAS, dx_concat_k=True)), grad_program(PALLAS)
-  assert "grouped_gemm_sum2" in off and "grouped_gemm_sum2" not in on
-  assert "grouped_gemm_dswiglu" in on

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BITWISE = ("y", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down", "aux_expert_counts", "aux_dropped")
+BITWISE = ("y", "grad_x", "grad_w_gate_up", "grad_w_down", "aux_expert_counts", "aux_dropped")
 REDUCED = ("loss", "grad_router", "aux_load_balance_loss", "aux_router_z_loss")
 
 

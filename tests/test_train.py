@@ -322,19 +322,15 @@ def test_kernel_stages_reach_the_moe_layers():
     TrainConfig(backend="xla_capacity", kernel_stages=3)
   with pytest.raises(ValueError, match="kernel_stages=0 must be >= 1"):
     TrainConfig(backend="uniep", kernel_stages=0)
-  cfg = parse_args(["--backend", "pallas", "--kernel-stages", "3", "--dx-concat-k",
-                    "--mesh", "data=2,expert=4"])
+  cfg = parse_args(["--backend", "pallas", "--kernel-stages", "2", "--mesh", "data=2,expert=4"])
   s = loop.make_setup(cfg)
   model = loop.build_model(cfg, s.model_cfg, s.mesh)
   configs = [m.config for m in model.moe_modules()]
-  assert configs and all(c.kernel.max_concurrent_steps == 3 and c.dx_concat_k for c in configs)
-  assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, dx_concat_k=True,
-                                       kernel_stages=3)
+  assert configs and all(c.kernel.max_concurrent_steps == 2 for c in configs)
+  assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, kernel_stages=2)
   assert loop.moe_options(TrainConfig(backend="uniep")) == dict(
-      swiglu_grad_in_kernel=True, dx_concat_k=False, kernel_stages=3)
+      swiglu_grad_in_kernel=True, kernel_stages=3)
   assert loop.moe_options(TrainConfig(backend="xla_dropless")) == {}
-  with pytest.raises(ValueError, match="dx_concat_k is only for --backend pallas or uniep"):
-    TrainConfig(backend="uniep", swiglu_grad_in_kernel=False, dx_concat_k=True)
 
 
 def test_swiglu_grad_in_kernel_needs_a_pallas_backend():

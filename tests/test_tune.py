@@ -35,12 +35,12 @@ def _reasons(enum):
 # Enumeration and pruning
 # ---------------------------------------------------------------------------
 def test_default_tiling_stages_match_the_kernel_docstring():
-  # grouped_gemm.py: a 128/128/64 stage is 48 KiB ("plain", "swiglu") or 64 KiB
-  # ("sum2"), epilogue 2 x 16 KiB (bf16), 227 KiB per block: 4 stages fit the
-  # 48 KiB launches; sum2 and the float32-output da (64 KiB epilogue) clamp to 3.
+  # grouped_gemm.py: a 128/128/64 stage is 48 KiB, epilogue 2 x 16 KiB (bf16),
+  # 227 KiB per block: 4 stages fit; the da launch ("dswiglu": 2 x 2 x 16 KiB of h/u
+  # slots, as much as the float32-output da's epilogue) clamps to 3.
   s4 = KernelConfig(max_concurrent_steps=4)
   stages = T.kernel_launch_stages(s4, DEEPSEEK_BWD, HOPPER.smem_bytes)
-  assert stages == (4, 4, 3, 3, 4)   # swiglu, down, da (f32), dx (sum2), wgrad
+  assert stages == (4, 4, 3, 4, 4)   # swiglu, down, da (dswiglu), dx (plain, K = 2F), wgrad
   fwd = T.kernel_launch_stages(s4, T.TuneProblem(8192, 7168, 2048, 256, 8, 4,
                                                  direction="fwd"), HOPPER.smem_bytes)
   assert fwd == (4, 4)
@@ -425,9 +425,9 @@ def test_moe_ffn_auto_uses_the_cache(tmp_path, monkeypatch):
   from uniep_jax import moe as moe_lib
   seen = []
 
-  def fake_swiglu(x, w_gate, w_up, w_down, group_sizes, *, kernel_config, **_):
+  def fake_swiglu(x, w_gate_up, w_down, group_sizes, *, kernel_config, **_):
     seen.append(kernel_config)
-    return moe_lib.swiglu_ragged_dot(x, w_gate, w_up, w_down, group_sizes)
+    return moe_lib.swiglu_ragged_dot(x, w_gate_up, w_down, group_sizes)
 
   monkeypatch.setattr(moe_lib, "swiglu_pallas", fake_swiglu)
   monkeypatch.setattr(T, "SHIPPED_CACHE", tmp_path / "shipped.json")

@@ -67,15 +67,11 @@ def test_unknown_backend_and_score_fn():
   assert UniEPConfig(backend="uniep").use_swiglu_grad_in_kernel
   assert not UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False).use_swiglu_grad_in_kernel
   assert not UniEPConfig(backend="xla_capacity").use_swiglu_grad_in_kernel
-  with pytest.raises(ValueError, match="dx_concat_k needs the SwiGLU derivative in the kernel"):
-    UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False, dx_concat_k=True)
-  with pytest.raises(ValueError, match="dx_concat_k needs"):
-    UniEPConfig(backend="xla_dropless", dx_concat_k=True)
 
 
 def test_dtype_mismatch(setup):
   x, p, mesh = setup
-  with pytest.raises(ValueError, match="w_gate dtype"):
+  with pytest.raises(ValueError, match="w_gate_up dtype"):
     _call(x.astype(jnp.bfloat16), p, mesh)
 
 
@@ -92,6 +88,10 @@ def test_weight_shape_mismatch(setup):
   x, p, mesh = setup
   with pytest.raises(ValueError, match="w_down"):
     _call(x, p.replace(w_down=p.w_down[:, :-1]), mesh)
+  with pytest.raises(ValueError, match=r"w_gate_up shape .*: the last axis must be even"):
+    _call(x, p.replace(w_gate_up=p.w_gate_up[..., :-1]), mesh)
+  with pytest.raises(ValueError, match=r"w_down shape .* must be .*w_gate_up is"):
+    _call(x, p.replace(w_gate_up=p.w_gate_up[..., :-2]), mesh)   # F - 1 vs w_down's F
   with pytest.raises(ValueError, match="router must be float32"):
     _call(x, p.replace(router=p.router.astype(jnp.bfloat16)), mesh)
   with pytest.raises(ValueError, match="mesh is required"):
@@ -108,8 +108,7 @@ def test_more_bad_inputs(setup):
   x, p, mesh = setup
   import numpy as np
   with pytest.raises(ValueError, match="x must be a floating-point"):
-    _call(x.astype(jnp.int32), p.replace(w_gate=p.w_gate.astype(jnp.int32),
-                                         w_up=p.w_up.astype(jnp.int32),
+    _call(x.astype(jnp.int32), p.replace(w_gate_up=p.w_gate_up.astype(jnp.int32),
                                          w_down=p.w_down.astype(jnp.int32)), mesh)
   with pytest.raises(ValueError, match="expert_bias must be floating"):
     _call(x, p.replace(expert_bias=jnp.zeros(E, jnp.int32)), mesh)
@@ -154,9 +153,9 @@ def test_pallas_backends_need_16bit_operands_on_gpu():
   x32 = make_x(jax.random.key(1), 8, 16)
   p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
   for backend in ("pallas", "uniep"):
-    with pytest.raises(ValueError, match=r"bfloat16 or float16 operands: x is float32, params.w_gate is float32"):
+    with pytest.raises(ValueError, match=r"bfloat16 or float16 operands: x is float32, params.w_gate_up is float32"):
       check_kernel_dtypes(backend, "gpu", x32, p32)
-    with pytest.raises(ValueError, match=r"^(?!.*x is).*params.w_up is float32"):
+    with pytest.raises(ValueError, match=r"^(?!.*x is).*params.w_down is float32"):
       check_kernel_dtypes(backend, "gpu", x32.astype(jnp.bfloat16), p32)
     check_kernel_dtypes(backend, "gpu", x32.astype(jnp.bfloat16), p16)   # fine
     check_kernel_dtypes(backend, "cpu", x32, p32)   # the interpret mode takes float32

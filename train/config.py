@@ -26,7 +26,6 @@ class TrainConfig:
   capacity_factor: float = 1.25
   swiglu_grad_in_kernel: Optional[bool] = None  # UniEPConfig.swiglu_grad_in_kernel (None: on for pallas/uniep)
   kernel_stages: Optional[int] = None  # KernelConfig.max_concurrent_steps (pallas/uniep; None: its default)
-  dx_concat_k: bool = False  # UniEPConfig.dx_concat_k (pallas/uniep; EXPERIMENTAL)
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -68,11 +67,6 @@ class TrainConfig:
     if self.swiglu_grad_in_kernel and self.backend not in ("pallas", "uniep"):
       raise ValueError(f"swiglu_grad_in_kernel is only for --backend pallas or uniep, got "
                        f"backend={self.backend!r}")
-    if self.dx_concat_k and (self.backend not in ("pallas", "uniep")
-                             or self.swiglu_grad_in_kernel is False):
-      raise ValueError(f"dx_concat_k is only for --backend pallas or uniep with the SwiGLU "
-                       f"derivative in the kernel, got backend={self.backend!r}, "
-                       f"swiglu_grad_in_kernel={self.swiglu_grad_in_kernel!r}")
     if self.kernel_stages is not None:
       if self.backend not in ("pallas", "uniep"):
         raise ValueError(f"kernel_stages is only for --backend pallas or uniep, got "
@@ -125,9 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
   a("--swiglu-grad-in-kernel", action=argparse.BooleanOptionalAction, default=None,
     help="pallas/uniep: the backward's SwiGLU derivative in the da GEMM's epilogue "
          "(UniEPConfig.swiglu_grad_in_kernel; default: on for pallas and uniep)")
-  a("--dx-concat-k", action="store_true",
-    help="pallas/uniep: dx as one grouped-GEMM launch over [dh | du] (UniEPConfig.dx_concat_k, "
-         "EXPERIMENTAL)")
   a("--kernel-stages", type=int, default=None,
     help="pallas/uniep: the grouped GEMM's TMA pipeline depth (KernelConfig.max_concurrent_steps)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")

@@ -83,8 +83,8 @@ def run(ns: argparse.Namespace, backend: str) -> dict:
   x = place(host["x"], tok_sh, dtype)
   c = place(host["c"], tok_sh, dtype)
   params = uniep_jax.MoEParams(router=place(host["router"], rep_sh, np.float32),
-                               w_gate=place(host["w_gate"], exp_sh, dtype),
-                               w_up=place(host["w_up"], exp_sh, dtype),
+                               w_gate_up=place(np.concatenate([host["w_gate"], host["w_up"]],
+                                                              axis=-1), exp_sh, dtype),
                                w_down=place(host["w_down"], exp_sh, dtype))
   config = uniep_jax.UniEPConfig(backend=backend, capacity_factor=ns.capacity_factor)
 
@@ -97,8 +97,8 @@ def run(ns: argparse.Namespace, backend: str) -> dict:
   (l, (y, aux)), (gx, gp) = fn(x, params, c)
   jax.block_until_ready(gx)
   dt = time.perf_counter() - t0
-  out = dict(y=y, loss=l, grad_x=gx, grad_router=gp.router, grad_w_gate=gp.w_gate,
-             grad_w_up=gp.w_up, grad_w_down=gp.w_down)
+  out = dict(y=y, loss=l, grad_x=gx, grad_router=gp.router, grad_w_gate_up=gp.w_gate_up,
+             grad_w_down=gp.w_down)
   out.update({f"aux_{k}": v for k, v in aux.items()})
   arrays = {k: distributed.host_value(v) for k, v in out.items()}  # collectives: every process
   arrays = {k: (v.astype(np.float32) if v.dtype == jnp.bfloat16 else v) for k, v in arrays.items()}

@@ -9,7 +9,7 @@ from uniep_jax.config import (BACKENDS, FusedConfig, KernelConfig, RoutingConfig
 from uniep_jax.layout import DispatchPlan, make_plan, sort_assignments
 from uniep_jax.moe import (moe_ffn, moe_ffn_shard, param_specs, receive_buffer_bytes,
                            validate_inputs)
-from uniep_jax.params import MoEParams
+from uniep_jax.params import MoEParams, join_gate_up, split_gate_up
 from uniep_jax.module import UniEPMoE
 from uniep_jax.reference import dense_reference_moe
 from uniep_jax.routing import RouterOutput, route
@@ -20,5 +20,5 @@ __all__ = [
     "TransferConfig", "UniEPMoE",
     "UniEPConfig", "dense_reference_moe", "make_plan", "moe_ffn", "moe_ffn_shard",
     "param_specs", "receive_buffer_bytes", "route", "sort_assignments", "validate_inputs",
-    "TuneProblem", "resolve_config",
+    "TuneProblem", "resolve_config", "join_gate_up", "split_gate_up",
 ]

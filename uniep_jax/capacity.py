@@ -28,7 +28,7 @@ def capacity_moe_shard(x, topk_experts, params, *, top_k, capacity_factor, axis_
   """Returns (y_assign [T, K, H] with dropped slots zero, dropped count (local))."""
   t, h = x.shape
   e = params.router.shape[1]
-  el = params.w_gate.shape[0]
+  el = params.w_gate_up.shape[0]
   r = e // el
   cap = capacity_per_expert(t, top_k, e, capacity_factor)
   sort_order, sorted_position, sorted_experts, group_sizes = sort_assignments(topk_experts, e)
@@ -46,7 +46,7 @@ def capacity_moe_shard(x, topk_experts, params, *, top_k, capacity_factor, axis_
   buf = gather_rows(rows_sorted, src, valid, flat, keep).reshape(r, el, cap, h)
   recv = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)       # [R(src), El, cap, H]
   recv = recv.transpose(1, 0, 2, 3).reshape(el, r * cap, h)         # [El, R*cap, H]
-  y = swiglu_batched(recv, params.w_gate, params.w_up, params.w_down)
+  y = swiglu_batched(recv, params.w_gate_up, params.w_down)
   y = y.reshape(el, r, cap, h).transpose(1, 0, 2, 3)                # [R(src), El, cap, H]
   back = jax.lax.all_to_all(y, axis_name, 0, 0, tiled=True)         # [R(dst), El, cap, H]
   back = back.reshape(e * cap, h)

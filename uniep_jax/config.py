@@ -205,12 +205,6 @@ class UniEPConfig:
     gradients differ from the XLA pass's by at most a bf16 ulp of dh (XLA fuses the
     sigmoid differently); "pallas" and "uniep" give the same bits as each other
     either way. `use_swiglu_grad_in_kernel` is the resolved value.
-  dx_concat_k: with the SwiGLU derivative in the kernel: its epilogue writes [dh | du]
-    into one buffer and dx is one grouped-GEMM launch over K = 2F against
-    [w_gate | w_up] (one 128-wide accumulator per warpgroup) instead of the
-    dual-operand "sum2" launch. EXPERIMENTAL, default off, not yet run on a GPU
-    (pallas_kernels/NOTES_grouped_gemm.md). Weight gradients keep their bits; dx
-    sums in another order, the same for "pallas" and "uniep".
   """
 
   backend: str = "xla_dropless"
@@ -222,7 +216,6 @@ class UniEPConfig:
   receive_capacity_factor: Optional[float] = None
   fused: Optional[FusedConfig] = None
   swiglu_grad_in_kernel: Optional[bool] = None
-  dx_concat_k: bool = False
 
   def __post_init__(self):
     if self.receive_capacity_factor is not None and not self.receive_capacity_factor > 0:
@@ -246,10 +239,6 @@ class UniEPConfig:
     if self.swiglu_grad_in_kernel not in (None, True, False):
       raise ValueError(f"swiglu_grad_in_kernel must be None, True or False, "
                        f"got {self.swiglu_grad_in_kernel!r}")
-    if self.dx_concat_k and not self.use_swiglu_grad_in_kernel:
-      raise ValueError(f"dx_concat_k needs the SwiGLU derivative in the kernel (backend 'pallas' "
-                       f"or 'uniep', swiglu_grad_in_kernel not False), got "
-                       f"backend={self.backend!r}, swiglu_grad_in_kernel={self.swiglu_grad_in_kernel!r}")
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")

@@ -1,7 +1,8 @@
 """Step 3: the expert FFN (SwiGLU) over rows grouped by expert.
 
-Math, exactly (for every backend):
-    h = x @ w_gate[e]        u = x @ w_up[e]           float32 accumulation
+Math, exactly (for every backend); w_gate_up[e] = [w_gate[e] | w_up[e]] ([H, 2F],
+`uniep_jax.params`):
+    [h | u] = x @ w_gate_up[e]                         float32 accumulation
     a = silu(h) * u          in float32, then cast to x.dtype
     y = a @ w_down[e]        float32 accumulation, cast to x.dtype
 """
@@ -40,20 +41,24 @@ def swiglu_grad(da, h, u):
 # slow as GShard's in fwd+bwd on mixtral-like (bench/results, targets.md).
 #   da = dy @ w_down^T (f32 out);  s = sigmoid(h)      (h, u: the f32 accumulators)
 #   dh = da * u * s * (1 + h (1 - s)),  du = da * h * s,  both cast to x.dtype
-#   dx = dh @ w_gate^T + du @ w_up^T (one f32 sum, cast);  dw_gate = x^T dh,
-#   dw_up = x^T du, dw_down = a^T dy (f32 accumulation, cast to the weights' dtype)
+#   dx = [dh | du] @ w_gate_up^T (one GEMM over K = 2F, cast);
+#   dw_gate_up = x^T [dh | du], dw_down = a^T dy (f32 accumulation, cast to the
+#   weights' dtype)
 # ---------------------------------------------------------------------------
-def _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad):
+def _split_last(hu):
+  f = hu.shape[-1] // 2
+  return hu[..., :f], hu[..., f:]
+
+
+def _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad):
   """The backward pass above; mm(p, w): p @ w, mm_t(p, w): p @ w^T (per group),
   wgrad(p, q): p^T q (per group), all with float32 accumulation."""
   dt = x.dtype
   dy = dy.astype(dt)
   da = mm_t(dy, w_down)
-  dh, du = swiglu_grad(da, h, u)
-  dh, du = dh.astype(dt), du.astype(dt)
-  dx = sum_to_type_of((mm_t(dh, w_gate) + mm_t(du, w_up)).astype(dt), x)
-  return (dx, sum_to_type_of(wgrad(x, dh).astype(w_gate.dtype), w_gate),
-          sum_to_type_of(wgrad(x, du).astype(w_up.dtype), w_up),
+  dhu = jnp.concatenate(swiglu_grad(da, h, u), axis=-1).astype(dt)
+  dx = sum_to_type_of(mm_t(dhu, w_gate_up).astype(dt), x)
+  return (dx, sum_to_type_of(wgrad(x, dhu).astype(w_gate_up.dtype), w_gate_up),
           sum_to_type_of(wgrad(a, dy).astype(w_down.dtype), w_down))
 
 
@@ -71,28 +76,29 @@ def _ragged_ops(x, group_sizes):
                                                     preferred_element_type=f32))
 
 
-def _ragged_forward(x, w_gate, w_up, w_down, group_sizes):
+def _ragged_forward(x, w_gate_up, w_down, group_sizes):
   ops = _ragged_ops(x, group_sizes)
-  h, u = ops["mm"](x, w_gate), ops["mm"](x, w_up)
+  h, u = _split_last(ops["mm"](x, w_gate_up))
   a = swiglu_activation(h, u, x.dtype)
   return ops["mm"](a, w_down).astype(x.dtype), (h, u, a)
 
 
 @jax.custom_vjp
-def swiglu_ragged_dot(x, w_gate, w_up, w_down, group_sizes):
+def swiglu_ragged_dot(x, w_gate_up, w_down, group_sizes):
   """Grouped FFN with `lax.ragged_dot`. x [M, H] rows grouped by expert
-  (group_sizes [G] int32, rows past sum(group_sizes) come back zero)."""
-  return _ragged_forward(x, w_gate, w_up, w_down, group_sizes)[0]
+  (group_sizes [G] int32, rows past sum(group_sizes) come back zero),
+  w_gate_up [G, H, 2F], w_down [G, F, H]."""
+  return _ragged_forward(x, w_gate_up, w_down, group_sizes)[0]
 
 
-def _ragged_fwd(x, w_gate, w_up, w_down, group_sizes):
-  y, (h, u, a) = _ragged_forward(x, w_gate, w_up, w_down, group_sizes)
-  return y, (x, w_gate, w_up, w_down, group_sizes, h, u, a)
+def _ragged_fwd(x, w_gate_up, w_down, group_sizes):
+  y, (h, u, a) = _ragged_forward(x, w_gate_up, w_down, group_sizes)
+  return y, (x, w_gate_up, w_down, group_sizes, h, u, a)
 
 
 def _ragged_bwd(res, dy):
-  x, w_gate, w_up, w_down, group_sizes, h, u, a = res
-  grads = _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, **_ragged_ops(x, group_sizes))
+  x, w_gate_up, w_down, group_sizes, h, u, a = res
+  grads = _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, **_ragged_ops(x, group_sizes))
   return grads + (int_cotangent(group_sizes),)
 
 
@@ -109,41 +115,39 @@ def _batched_ops(x):
                                     preferred_element_type=f32))
 
 
-def _batched_forward(x, w_gate, w_up, w_down):
+def _batched_forward(x, w_gate_up, w_down):
   mm = _batched_ops(x)["mm"]
-  h, u = mm(x, w_gate), mm(x, w_up)
+  h, u = _split_last(mm(x, w_gate_up))
   a = swiglu_activation(h, u, x.dtype)
   return mm(a, w_down).astype(x.dtype), (h, u, a)
 
 
 @jax.custom_vjp
-def swiglu_batched(x, w_gate, w_up, w_down):
-  """Per-expert FFN over a fixed-capacity batch. x [G, C, H] -> [G, C, H]."""
-  return _batched_forward(x, w_gate, w_up, w_down)[0]
+def swiglu_batched(x, w_gate_up, w_down):
+  """Per-expert FFN over a fixed-capacity batch. x [G, C, H] -> [G, C, H];
+  w_gate_up [G, H, 2F], w_down [G, F, H]."""
+  return _batched_forward(x, w_gate_up, w_down)[0]
 
 
-def _batched_fwd(x, w_gate, w_up, w_down):
-  y, (h, u, a) = _batched_forward(x, w_gate, w_up, w_down)
-  return y, (x, w_gate, w_up, w_down, h, u, a)
+def _batched_fwd(x, w_gate_up, w_down):
+  y, (h, u, a) = _batched_forward(x, w_gate_up, w_down)
+  return y, (x, w_gate_up, w_down, h, u, a)
 
 
 def _batched_bwd(res, dy):
-  x, w_gate, w_up, w_down, h, u, a = res
-  return _swiglu_grads(x, w_gate, w_up, w_down, h, u, a, dy, **_batched_ops(x))
+  x, w_gate_up, w_down, h, u, a = res
+  return _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, **_batched_ops(x))
 
 
 swiglu_batched.defvjp(_batched_fwd, _batched_bwd)
 
 
-def swiglu_pallas(x, w_gate, w_up, w_down, group_sizes, *, kernel_config,
-                  zero_dead_rows: bool = True, grad_in_kernel: bool = False,
-                  dx_concat_k: bool = False):
+def swiglu_pallas(x, w_gate_up, w_down, group_sizes, *, kernel_config,
+                  zero_dead_rows: bool = True, grad_in_kernel: bool = False):
   """Grouped FFN with our Pallas Mosaic GPU grouped GEMM (interpret mode on CPU).
   zero_dead_rows=False: rows of the output (and of dx) past the groups' rows plus a
   block_k window are left undefined (see `grouped_swiglu_ffn`). grad_in_kernel: the
-  backward's SwiGLU derivative in the da GEMM's epilogue (`fuse_da_epilogue`);
-  dx_concat_k: dx as one launch over [dh | du] (`grouped_swiglu_ffn`)."""
+  backward's SwiGLU derivative in the da GEMM's epilogue (`fuse_da_epilogue`)."""
   from pallas_kernels.grouped_gemm import grouped_swiglu_ffn  # heavy import, lazy
-  return grouped_swiglu_ffn(x, w_gate, w_up, w_down, group_sizes, config=kernel_config,
-                            zero_dead_rows=zero_dead_rows, fuse_da_epilogue=grad_in_kernel,
-                            dx_concat_k=dx_concat_k)
+  return grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, config=kernel_config,
+                            zero_dead_rows=zero_dead_rows, fuse_da_epilogue=grad_in_kernel)

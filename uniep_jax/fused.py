@@ -34,7 +34,7 @@ from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, _return_nvlink, _send_nvlink,
 from uniep_jax.layout import DispatchPlan, dispatch_segments, return_segments
 
 
-def _forward(rows_sorted, w_gate, w_up, w_down, plan: DispatchPlan, axis_name, el, kernel,
+def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, kernel,
              transfer, fused):
   from pallas_kernels import fused_dispatch_gemm, fused_gemm_return  # GPU kernels, lazy
 
@@ -42,7 +42,7 @@ def _forward(rows_sorted, w_gate, w_up, w_down, plan: DispatchPlan, axis_name, e
   recv_rows = plan.recv_valid.shape[0]
   seg = dispatch_segments(plan, rank)
   recv, a, h, u = fused_dispatch_gemm.fused_dispatch_gate_up(
-      rows_sorted, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate, w_up,
+      rows_sorted, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate_up,
       out_rows=recv_rows, axis_name=axis_name, kernel=kernel, transfer=transfer, fused=fused)
   # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
   # window after the live rows zeroed (the wgrad reads up to block_k rows past a group)
@@ -54,41 +54,39 @@ def _forward(rows_sorted, w_gate, w_up, w_down, plan: DispatchPlan, axis_name, e
   return zero_dropped_rows(y_sorted, plan, el), (recv, a, h, u)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
-def _fused_ffn(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el, kernel, transfer, fused,
-               grad_in_kernel, dx_concat_k):
-  return _forward(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el, kernel, transfer,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _fused_ffn(rows_sorted, w_gate_up, w_down, plan, axis_name, el, kernel, transfer, fused,
+               grad_in_kernel):
+  return _forward(rows_sorted, w_gate_up, w_down, plan, axis_name, el, kernel, transfer,
                   fused)[0]
 
 
-def _fused_ffn_fwd(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el, kernel, transfer,
-                   fused, grad_in_kernel, dx_concat_k):
-  y_sorted, (recv, a, h, u) = _forward(rows_sorted, w_gate, w_up, w_down, plan, axis_name, el,
+def _fused_ffn_fwd(rows_sorted, w_gate_up, w_down, plan, axis_name, el, kernel, transfer,
+                   fused, grad_in_kernel):
+  y_sorted, (recv, a, h, u) = _forward(rows_sorted, w_gate_up, w_down, plan, axis_name, el,
                                        kernel, transfer, fused)
-  return y_sorted, (recv, a, h, u, w_gate, w_up, w_down, plan)
+  return y_sorted, (recv, a, h, u, w_gate_up, w_down, plan)
 
 
-def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, dx_concat_k, res,
-                   dy_sorted):
+def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, dy_sorted):
   from pallas_kernels.grouped_gemm import swiglu_backward
 
-  recv, a, h, u, w_gate, w_up, w_down, plan = res
+  recv, a, h, u, w_gate_up, w_down, plan = res
   dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)     # the return's transpose
-  d_recv, dw_gate, dw_up, dw_down = swiglu_backward(
-      recv, w_gate, w_up, w_down, plan.recv_group_sizes, a, h, u, dy_recv, config=kernel,
-      fuse_da_epilogue=grad_in_kernel, dx_concat_k=dx_concat_k)
+  d_recv, dw_gate_up, dw_down = swiglu_backward(
+      recv, w_gate_up, w_down, plan.recv_group_sizes, a, h, u, dy_recv, config=kernel,
+      fuse_da_epilogue=grad_in_kernel)
   d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)       # the dispatch's transpose
-  return d_rows, dw_gate, dw_up, dw_down, _zero_plan_cotangent(plan)
+  return d_rows, dw_gate_up, dw_down, _zero_plan_cotangent(plan)
 
 
 _fused_ffn.defvjp(_fused_ffn_fwd, _fused_ffn_bwd)
 
 
-def fused_expert_ffn(rows_sorted, w_gate, w_up, w_down, plan: DispatchPlan, *, axis_name: str,
+def fused_expert_ffn(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, *, axis_name: str,
                      num_local_experts: int, kernel: KernelConfig, transfer: TransferConfig,
-                     fused: FusedConfig, grad_in_kernel: bool = False,
-                     dx_concat_k: bool = False) -> jax.Array:
+                     fused: FusedConfig, grad_in_kernel: bool = False) -> jax.Array:
   """Sorted rows [T*K, H] of this rank -> their expert outputs [T*K, H], sorted order
   (rows a receive bound dropped are zero). Differentiable; GPU only."""
-  return _fused_ffn(rows_sorted, w_gate, w_up, w_down, plan, axis_name, num_local_experts,
-                    kernel, transfer, fused, grad_in_kernel, dx_concat_k)
+  return _fused_ffn(rows_sorted, w_gate_up, w_down, plan, axis_name, num_local_experts,
+                    kernel, transfer, fused, grad_in_kernel)

@@ -12,7 +12,7 @@ added to the routed output) and the auxiliary-loss-free balancing bias.
 Variables and their partitioning (the `out_sharding` metadata, read by
 `nnx.get_partition_spec` / `nnx.get_named_sharding`):
   router       nnx.Param   [H, E] float32      replicated
-  w_gate/w_up  nnx.Param   [E, H, F]           (expert_axis, None, None)
+  w_gate_up    nnx.Param   [E, H, 2F]          (expert_axis, None, None); [w_gate | w_up]
   w_down       nnx.Param   [E, F, H]           (expert_axis, None, None)
   expert_bias  ExpertBias  [E] float32         replicated; never trained by gradients
   shared       SwiGLU      [H, n_shared*F] ... replicated
@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from uniep_jax.config import UniEPConfig
 from uniep_jax.moe import moe_ffn
-from uniep_jax.params import MoEParams
+from uniep_jax.params import MoEParams, join_gate_up
 
 
 class ExpertBias(nnx.Variable):
@@ -115,8 +115,9 @@ class UniEPMoE(nnx.Module):
     ep = sharding_metadata((expert_axis, None, None), mesh)
     E, H, F = num_experts, hidden, ffn
     self.router = nnx.Param(fan_in_normal(rngs.params(), (H, E), H, jnp.float32), **rep)
-    self.w_gate = nnx.Param(fan_in_normal(rngs.params(), (E, H, F), H, param_dtype), **ep)
-    self.w_up = nnx.Param(fan_in_normal(rngs.params(), (E, H, F), H, param_dtype), **ep)
+    w_gate = fan_in_normal(rngs.params(), (E, H, F), H, param_dtype)   # two draws, one array
+    w_up = fan_in_normal(rngs.params(), (E, H, F), H, param_dtype)
+    self.w_gate_up = nnx.Param(join_gate_up(w_gate, w_up), **ep)
     self.w_down = nnx.Param(fan_in_normal(rngs.params(), (E, F, H), F, param_dtype), **ep)
     self.expert_bias = (ExpertBias(jnp.zeros((E,), jnp.float32), **sharding_metadata((None,), mesh))
                         if use_expert_bias else None)
@@ -128,8 +129,7 @@ class UniEPMoE(nnx.Module):
     """The routed-expert weights as `moe_ffn` takes them (experts cast to `dtype`)."""
     return MoEParams(
         router=self.router[...],
-        w_gate=self.w_gate[...].astype(self.dtype),
-        w_up=self.w_up[...].astype(self.dtype),
+        w_gate_up=self.w_gate_up[...].astype(self.dtype),
         w_down=self.w_down[...].astype(self.dtype),
         expert_bias=None if self.expert_bias is None else self.expert_bias[...],
     )

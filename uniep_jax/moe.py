@@ -65,19 +65,22 @@ def validate_inputs(x, params: MoEParams, *, top_k, config: UniEPConfig,
     raise ValueError(f"x hidden size {x.shape[1]} does not match params.router hidden size {hidden}")
   if params.router.dtype != jnp.float32:
     raise ValueError(f"params.router must be float32, got {params.router.dtype}")
-  for name in ("w_gate", "w_up", "w_down"):
+  for name in ("w_gate_up", "w_down"):
     w = getattr(params, name)
     if w.ndim != 3:
       raise ValueError(f"params.{name} must be rank 3, got shape {w.shape}")
     if w.dtype != x.dtype:
       raise ValueError(f"params.{name} dtype {w.dtype} differs from x dtype {x.dtype}")
-  e, h, f = params.w_gate.shape
-  if params.w_up.shape != (e, h, f):
-    raise ValueError(f"params.w_up shape {params.w_up.shape} must equal params.w_gate shape {(e, h, f)}")
+  e, h, two_f = params.w_gate_up.shape
+  if two_f % 2:
+    raise ValueError(f"params.w_gate_up shape {params.w_gate_up.shape}: the last axis must be "
+                     f"even, [w_gate | w_up] of F columns each")
+  f = two_f // 2
   if params.w_down.shape != (e, f, h):
-    raise ValueError(f"params.w_down shape {params.w_down.shape} must be {(e, f, h)}")
+    raise ValueError(f"params.w_down shape {params.w_down.shape} must be {(e, f, h)} "
+                     f"(params.w_gate_up is {params.w_gate_up.shape} = [E, H, 2F])")
   if e != num_experts or h != hidden:
-    raise ValueError(f"params.w_gate shape {params.w_gate.shape} does not match "
+    raise ValueError(f"params.w_gate_up shape {params.w_gate_up.shape} does not match "
                      f"params.router [hidden={hidden}, experts={num_experts}]")
   if params.expert_bias is not None and params.expert_bias.shape != (num_experts,):
     raise ValueError(f"params.expert_bias must have shape ({num_experts},), got {params.expert_bias.shape}")
@@ -157,11 +160,11 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
   token_axes = tuple(token_axes)
   t, _ = x.shape
   num_experts = params.router.shape[1]
-  el = params.w_gate.shape[0]
+  el = params.w_gate_up.shape[0]
   uses_tuning = config.backend in ("pallas", "uniep") or config.transport == "nvlink"
   if uses_tuning and (config.kernel is None or config.transfer is None):   # "auto"
     from uniep_jax.tune import resolve_config  # tune cache, else the heuristic
-    config = resolve_config(config, tokens=t, hidden=x.shape[1], ffn=params.w_gate.shape[2],
+    config = resolve_config(config, tokens=t, hidden=x.shape[1], ffn=params.ffn,
                             experts=num_experts, top_k=top_k,
                             ep=jax.lax.axis_size(expert_axis), dtype=x.dtype)
   out = routing_lib.route(x, params.router, top_k, config.routing, params.expert_bias)
@@ -191,25 +194,23 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
               transfer=config.transfer)
     if config.fused is not None:   # "uniep" with the v2 fused kernels (uniep_jax/fused.py)
       from uniep_jax.fused import fused_expert_ffn
-      y_sorted = fused_expert_ffn(sort_rows(x, plan, top_k), params.w_gate, params.w_up,
-                                  params.w_down, plan, axis_name=expert_axis,
-                                  num_local_experts=el, kernel=config.kernel,
-                                  transfer=config.transfer, fused=config.fused,
-                                  grad_in_kernel=config.use_swiglu_grad_in_kernel,
-                                  dx_concat_k=config.dx_concat_k)
+      y_sorted = fused_expert_ffn(sort_rows(x, plan, top_k), params.w_gate_up, params.w_down,
+                                  plan, axis_name=expert_axis, num_local_experts=el,
+                                  kernel=config.kernel, transfer=config.transfer,
+                                  fused=config.fused,
+                                  grad_in_kernel=config.use_swiglu_grad_in_kernel)
       y_assign = unsort_rows(y_sorted, plan, top_k)                      # [T, K, H]
     else:
       recv = dispatch(x, plan, **kw)                                     # [R*T*K, H]
       if config.backend in ("pallas", "uniep"):
         # the receive layout holds the worst case (R*T*K rows); its dead rows are
         # never read back (collect takes the live rows only): the kernels skip them
-        y_recv = swiglu_pallas(recv, params.w_gate, params.w_up, params.w_down,
+        y_recv = swiglu_pallas(recv, params.w_gate_up, params.w_down,
                                plan.recv_group_sizes, kernel_config=config.kernel,
                                zero_dead_rows=False,
-                               grad_in_kernel=config.use_swiglu_grad_in_kernel,
-                               dx_concat_k=config.dx_concat_k)
+                               grad_in_kernel=config.use_swiglu_grad_in_kernel)
       else:
-        y_recv = swiglu_ragged_dot(recv, params.w_gate, params.w_up, params.w_down,
+        y_recv = swiglu_ragged_dot(recv, params.w_gate_up, params.w_down,
                                    plan.recv_group_sizes)
       y_assign = collect(y_recv, plan, **kw)                             # [T, K, H]
     dropped = jax.lax.psum(plan.dropped, token_axes)
@@ -242,8 +243,7 @@ def check_kernel_dtypes(backend: str, platform: str, x, params: MoEParams) -> No
   if backend not in ("pallas", "uniep") or platform != "gpu":
     return
   wide = [f"{name} is {jnp.dtype(a.dtype)}" for name, a in
-          (("x", x), ("params.w_gate", params.w_gate), ("params.w_up", params.w_up),
-           ("params.w_down", params.w_down))
+          (("x", x), ("params.w_gate_up", params.w_gate_up), ("params.w_down", params.w_down))
           if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))]
   if wide:
     raise ValueError(f"backend={backend!r} runs 16-bit wgmma kernels on GPUs, which take "
@@ -253,8 +253,7 @@ def check_kernel_dtypes(backend: str, platform: str, x, params: MoEParams) -> No
 
 def param_specs(params: MoEParams, expert_axis: str = "expert") -> MoEParams:
   """PartitionSpecs of `MoEParams`: experts over `expert_axis`, the rest replicated."""
-  return MoEParams(router=P(), w_gate=P(expert_axis), w_up=P(expert_axis),
-                   w_down=P(expert_axis),
+  return MoEParams(router=P(), w_gate_up=P(expert_axis), w_down=P(expert_axis),
                    expert_bias=None if params.expert_bias is None else P())
 
 
@@ -306,7 +305,7 @@ def _moe_ffn_in_shard_map(x, params: MoEParams, *, mesh, manual: set, top_k: int
                      f"manual; manual axes here: {tuple(sorted(manual))}")
   ep = jax.lax.axis_size(expert_axis)
   whole = lambda a: jax.ShapeDtypeStruct((a.shape[0] * ep,) + a.shape[1:], a.dtype)
-  validate_inputs(x, params.replace(w_gate=whole(params.w_gate), w_up=whole(params.w_up),
+  validate_inputs(x, params.replace(w_gate_up=whole(params.w_gate_up),
                                     w_down=whole(params.w_down)),
                   top_k=top_k, config=config, expert_axis=expert_axis)
   transport = resolve_transport(config, mesh.devices.flat[0].platform, x, params)

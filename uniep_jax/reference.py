@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from uniep_jax import routing as routing_lib
 from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import UniEPConfig
-from uniep_jax.params import MoEParams
+from uniep_jax.params import MoEParams, split_gate_up
 
 
 def dense_reference_moe(x, params: MoEParams, *, top_k: int, config: UniEPConfig = UniEPConfig()):
@@ -22,8 +22,9 @@ def dense_reference_moe(x, params: MoEParams, *, top_k: int, config: UniEPConfig
   hi = jax.lax.Precision.HIGHEST
   x32 = x.astype(f32)
   out = routing_lib.route(x32, params.router, top_k, config.routing, params.expert_bias)
-  h = jnp.einsum("nh,ehf->enf", x32, params.w_gate.astype(f32), precision=hi)
-  u = jnp.einsum("nh,ehf->enf", x32, params.w_up.astype(f32), precision=hi)
+  w_gate, w_up = split_gate_up(params.w_gate_up.astype(f32))
+  h = jnp.einsum("nh,ehf->enf", x32, w_gate, precision=hi)
+  u = jnp.einsum("nh,ehf->enf", x32, w_up, precision=hi)
   a = jax.nn.silu(h) * u
   y_all = jnp.einsum("enf,efh->enh", a, params.w_down.astype(f32), precision=hi)  # [E, N, H]
   n = x.shape[0]

@@ -19,12 +19,12 @@ Pruning, before anything is compiled (`check_candidate`, raises
 `InvalidCandidate` with the reason; `enumerate_candidates` collects them):
   * the dataclasses' own shape-free checks (multiples of 64, powers of two, ...);
   * block_m a power of two (the grouped GEMM's ragged TMA store ladder);
-  * block_n a multiple of 128 (the fused SwiGLU and dx kernels give each compute
+  * block_n a multiple of 128 (the fused SwiGLU kernel gives each compute
     warpgroup block_n / 2 columns, which must be a multiple of the 64-column
     epilogue);
   * shared memory: for every launch the layer makes (gate/up "swiglu", down
     "plain", and for "bwd" da "dswiglu" (the default; the XLA-pass variant's "plain"
-    with a float32 output needs the same SMEM), dx "sum2" and the three wgrads), the
+    with a float32 output needs the same SMEM), dx "plain" and the three wgrads), the
     kernel's own `grouped_gemm.smem_bytes` (row-tiled) and
     `grouped_gemm._Launch` (wgrad) at ONE stage must fit the device's capacity
     (`pallas_kernels.device.smem_capacity`), else the kernel cannot run. Above
@@ -326,8 +326,8 @@ def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capaci
                            "(ragged TMA store ladder of the grouped GEMM)")
   if (kernel.block_n // 2) % 64:
     raise InvalidCandidate(f"block_n={kernel.block_n} must be a multiple of 128: the SwiGLU "
-                           "and dx kernels give each warpgroup block_n/2 columns, a multiple "
-                           "of the 64-column epilogue")
+                           "kernel gives each warpgroup block_n/2 columns, a multiple of the "
+                           "64-column epilogue")
   p, bm, bn, bk = problem, kernel.block_m, kernel.block_n, kernel.block_k
   dt = jnp.dtype(p.dtype)
   f_p = _round_up(p.ffn, math.lcm(2 * bn, 2 * bm, bk))
@@ -338,7 +338,7 @@ def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capaci
     # da: "dswiglu" (bf16 h/u/dh/du slots, 2 x 16 KiB per warpgroup) needs the SMEM of
     # the XLA-pass variant's "plain" launch with a float32 output (1 x 32 KiB)
     launches += [("bwd da (dswiglu)", "dswiglu", dt, h_k // bk),
-                 ("bwd dx (sum2)", "sum2", dt, f_p // bk)]
+                 ("bwd dx (plain over K = 2F)", "plain", dt, 2 * f_p // bk)]
   stages = []
   for what, mode, out_dt, k_iters in launches:
     def bytes_at(s, mode=mode, out_dt=out_dt):
@@ -601,20 +601,20 @@ class LayerRunner:
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from uniep_jax.params import MoEParams
+    from uniep_jax.params import MoEParams, join_gate_up
     p, mesh = self.problem, self.mesh
     e, h, f, dt = p.experts, p.hidden, p.ffn, jnp.dtype(p.dtype)
     n = p.tokens * mesh.size
-    specs = MoEParams(router=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert"),
-                      expert_bias=None)
+    specs = MoEParams(router=P(), w_gate_up=P("expert"), w_down=P("expert"), expert_bias=None)
     tok = P(tuple(mesh.axis_names), None)
 
     def init(key):
       k = jax.random.split(key, 6)
       params = MoEParams(
           router=jax.random.normal(k[0], (h, e), jnp.float32) * h ** -0.5,
-          w_gate=(jax.random.normal(k[1], (e, h, f), jnp.float32) * h ** -0.5).astype(dt),
-          w_up=(jax.random.normal(k[2], (e, h, f), jnp.float32) * h ** -0.5).astype(dt),
+          w_gate_up=join_gate_up(
+              (jax.random.normal(k[1], (e, h, f), jnp.float32) * h ** -0.5).astype(dt),
+              (jax.random.normal(k[2], (e, h, f), jnp.float32) * h ** -0.5).astype(dt)),
           w_down=(jax.random.normal(k[3], (e, f, h), jnp.float32) * f ** -0.5).astype(dt))
       x = jax.random.normal(k[4], (n, h), jnp.float32).astype(dt)
       ct = jax.random.normal(k[5], (n, h), jnp.float32).astype(dt)  # cotangent of y
