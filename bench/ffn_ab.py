@@ -24,6 +24,9 @@ live rows balanced over the E/R local experts and M = factor x live rows
                    (abtmp/ in .git/info/exclude, carried to the device)
 
   python -m bench.ffn_ab [--shapes deepseek-like,mixtral-like] [--alt abtmp/gg_alt.py]
+      [--profile]   (also a kernel-level profile of ffn_fwdbwd_skip_fused_da, and of
+                     alt_ffn_fwdbwd with --alt: each launch's time, bench/profile_layer.py's
+                     reduction; traces under --out/trace_*)
 
 Writes ffn_ab_<device>.json (median ms, TFLOP/s per row) under --out.
 """
@@ -63,7 +66,28 @@ def _fwdbwd(ffn):
   return fn
 
 
-def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
+def _profile(fn, args, trace_dir: str, calls: int = 2) -> dict:
+  """Kernel table and timeline (one device) of `calls` calls of the jitted fn."""
+  import glob
+  from bench.profile_layer import _events, summarize
+  jax.block_until_ready(fn(*args))
+  with jax.profiler.trace(trace_dir):
+    for _ in range(calls):
+      jax.block_until_ready(fn(*args))
+  path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+             key=os.path.getmtime)
+  for raw in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+    os.remove(raw)
+  table = summarize(*_events(path), calls=calls, min_us=50.0)
+  dev = next(iter(table.values()))
+  n = len(dev["timeline"]) // calls
+  return dict(span_per_call_ms=dev["span_per_call_us"] / 1e3,
+              busy_per_call_ms=dev["busy_per_call_us"] / 1e3,
+              kernels=dev["kernels"], timeline_one_call=dev["timeline"][-n:] if n else [])
+
+
+def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
+              profile_dir: str | None = None, skip_timing: bool = False) -> dict:
   cfg = KernelConfig()
   g = shape.local_experts
   live = shape.rows
@@ -83,6 +107,8 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
   ms = {}
 
   def t(name, fn, *args):
+    if skip_timing:
+      return
     try:
       ms[name] = 1e3 * time_fn(jax.jit(fn), *args, reps=reps, trials=trials)
     except Exception as e:  # noqa: BLE001 - record and go on
@@ -125,6 +151,25 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
     else:
       t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, **alt_kw)),
         x, wgu, wd, gs, dy)
+  profiles = {}
+  if profile_dir is not None:
+    cases = [("ffn_fwdbwd_skip_fused_da", ffn(zero_dead_rows=False, fuse_da_epilogue=True),
+              (x, wgu, wd, gs, dy))]
+    if alt is not None:
+      alt_w = (wg, wu, wd) if "w_gate" in inspect.signature(alt.grouped_swiglu_ffn).parameters \
+          else (wgu, wd)
+      cases.append(("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, **alt_kw)),
+                    (x, *alt_w, gs, dy)))
+    for name, fn, args in cases:
+      try:
+        profiles[name] = _profile(jax.jit(fn), args,
+                                  os.path.join(profile_dir, f"trace_{shape.name}_{name}"))
+        print(f"  profile {name}: " + ", ".join(
+            f"{e['name'][:40]} {e['ms']}" for e in profiles[name]["timeline_one_call"]),
+              flush=True)
+      except Exception as e:  # noqa: BLE001 - record and go on
+        profiles[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(f"  profile {name}: {profiles[name]['error']}", flush=True)
   xd = jax.random.normal(ks[0], (live, h), bf)
   wdense = (jax.random.normal(ks[1], (h, f)) * h ** -0.5).astype(bf)
   t("dense", lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(bf),
@@ -137,7 +182,8 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int) -> dict:
                dense=gemm)
   tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
-              median_ms=ms, tflops=tflops, fused_da_check=checks)
+              median_ms=ms, tflops=tflops, fused_da_check=checks,
+              **({"profile": profiles} if profiles else {}))
 
 
 def _compare_fused_da(x, wgu, wd, gs, dy, cfg, live):
@@ -176,6 +222,10 @@ def main(argv=None):
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--trials", type=int, default=3)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--profile", action="store_true",
+                  help="kernel-level profile of the FFN fwd+bwd (and of --alt's)")
+  ap.add_argument("--skip-timing", action="store_true",
+                  help="with --profile: only the profiles and the fused_da check")
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
@@ -187,7 +237,9 @@ def main(argv=None):
   for name in args.shapes.split(","):
     for factor in (int(v) for v in args.dead_factors.split(",")):
       print(f"[{name}] rows x{factor}", flush=True)
-      rows.append(run_shape(CONFIGS[name], factor, alt, args.reps, args.trials))
+      rows.append(run_shape(CONFIGS[name], factor, alt, args.reps, args.trials,
+                            profile_dir=out if args.profile else None,
+                            skip_timing=args.skip_timing))
       common.write_json(path, dict(meta, benchmark="ffn_ab", rows=rows))
   return 0
 

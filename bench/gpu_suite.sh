@@ -21,7 +21,9 @@ if [[ "$CHECK" == "1" ]]; then
   grep -v "^PASS" "$OUT/check.log" | grep -E "^FAIL|passed|Error|error" | head -40
 fi
 BACKENDS="${BACKENDS:-xla_capacity,xla_dropless_padded,pallas}"
-if [[ -f "$OUT/uniep_ok" || "${FORCE_UNIEP:-0}" == "1" ]]; then BACKENDS="$BACKENDS,uniep"; fi
+if [[ -f "$OUT/uniep_ok" || "${FORCE_UNIEP:-0}" == "1" ]] && [[ ",$BACKENDS," != *",uniep,"* ]]; then
+  BACKENDS="$BACKENDS,uniep"   # once: a BACKENDS naming uniep already ran it twice (run8)
+fi
 echo "bench backends: $BACKENDS" | tee -a "$OUT/suite.log"
 timeout "$BENCH_S" python3 -m bench.moe_layer --shapes "$SHAPES" --routings "$ROUTINGS" \
   --directions "$DIRECTIONS" --backends "$BACKENDS" --budget-s $((BENCH_S - 50)) --out "$OUT" \
