@@ -9,6 +9,9 @@ live rows balanced over the E/R local experts and M = factor x live rows
   plain_fwd        one plain forward x @ w_gate (N = F): the kernel's own rate
   gate_up_fwd      the fused gate/up launch (mode "swiglu" on w_gate_up, saving h and u)
   gate_up_fwd_skip the same with the dead tiles skipped (zero_window = block_k)
+  gate_up_fwd_skip_two_arrays  the same launch with w_gate and w_up as two arrays (the
+                   layout before w_gate_up): was the 1 ms it lost on deepseek-like
+                   (NOTES_grouped_gemm.md) the one array's row pitch?
   ffn_fwdbwd       the whole FFN forward + backward (grouped_swiglu_ffn, VJP)
   ffn_fwdbwd_skip  the same with zero_dead_rows=False (the MoE layer's mode)
   ffn_fwdbwd_skip_fused_da  and with fuse_da_epilogue=True (dh, du in da's epilogue:
@@ -127,6 +130,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   t("plain_fwd", lambda a, b, s: gg.gmm(a, b, s, config=cfg, interpret=False), x, wg, gs)
   t("gate_up_fwd", gate_up(None), x, wgu_p, gs)
   t("gate_up_fwd_skip", gate_up(cfg.block_k), x, wgu_p, gs)
+  t("gate_up_fwd_skip_two_arrays", lambda a, b, c, s: gg._row_tiled_call(
+      [a], [b, c], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True, config=cfg,
+      interpret=False, zero_window=cfg.block_k), x, wgu_p[:, :, :f_p], wgu_p[:, :, f_p:], gs)
   t("ffn_fwdbwd", ffn(), x, wgu, wd, gs, dy)
   t("ffn_fwdbwd_skip", ffn(zero_dead_rows=False), x, wgu, wd, gs, dy)
   t("ffn_fwdbwd_skip_fused_da", ffn(zero_dead_rows=False, fuse_da_epilogue=True),
@@ -176,6 +182,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
     xd, wdense)
   gemm = 2.0 * live * h * f   # FLOPs of one of the FFN's GEMMs over the live rows
   flops = dict(plain_fwd=gemm, gate_up_fwd=2 * gemm, gate_up_fwd_skip=2 * gemm,
+               gate_up_fwd_skip_two_arrays=2 * gemm,
                gate_up_as_plain=2 * gemm, dx=2 * gemm,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm,
