@@ -341,3 +341,43 @@ def test_swiglu_grad_in_kernel_needs_a_pallas_backend():
   assert cfg.swiglu_grad_in_kernel is True and cfg.backend == "uniep"
   assert parse_args(["--backend", "uniep", "--no-swiglu-grad-in-kernel"]).swiglu_grad_in_kernel is False
   assert parse_args(["--backend", "xla_dropless"]).swiglu_grad_in_kernel is None
+
+
+def test_checkpoint_from_before_the_gate_up_array_restores_bitwise(tmp_path):
+  """A checkpoint with the experts' w_gate and w_up apart (written before w_gate_up)
+  restores into today's template: each w_gate_up leaf, in the params and in the
+  optimizer state's copy, is [w_gate | w_up] bit for bit, on the template's sharding."""
+  import chex
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from train.checkpoint import Checkpointer
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  ep = NamedSharding(mesh, P("expert", None, None))
+  rep = NamedSharding(mesh, P())
+  k = jax.random.split(jax.random.key(0), 3)
+  wg, wu = (jax.device_put(jax.random.normal(key, (8, 16, 24)), ep) for key in k[:2])
+  embed = jax.device_put(jax.random.normal(k[2], (32, 16)), rep)
+  old_params = {"embed": embed, "layers.0.ffn.w_gate": wg, "layers.0.ffn.w_up": wu}
+  tx = optax.adam(1e-3)
+  old_opt = tx.init(old_params)
+  old_opt = jax.tree.map(lambda a: a + 1.5, old_opt)   # moments not all zero
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(3, dict(params=old_params, rest={}, opt_state=old_opt))
+  ckpt.close()
+
+  new_params = {"embed": jnp.zeros_like(embed),
+                "layers.0.ffn.w_gate_up": jax.device_put(jnp.zeros((8, 16, 48)), ep)}
+  template = dict(params=new_params, rest={}, opt_state=tx.init(new_params))
+  got = Checkpointer(str(tmp_path / "ckpt")).restore(3, template)
+  join = lambda d: {"embed": d["embed"], "layers.0.ffn.w_gate_up": jnp.concatenate(  # noqa: E731
+      [d["layers.0.ffn.w_gate"], d["layers.0.ffn.w_up"]], axis=-1)}
+  chex.assert_trees_all_equal(got["params"], join(old_params))
+  chex.assert_trees_all_equal(got["opt_state"][0].mu, join(old_opt[0].mu))
+  chex.assert_trees_all_equal(got["opt_state"][0].nu, join(old_opt[0].nu))
+  assert got["params"]["layers.0.ffn.w_gate_up"].sharding.is_equivalent_to(ep, 3)
+  # and a checkpoint in today's layout restores as it is
+  ckpt = Checkpointer(str(tmp_path / "new"))
+  ckpt.save(1, got)
+  ckpt.close()
+  chex.assert_trees_all_equal(Checkpointer(str(tmp_path / "new")).restore(1, template), got)

@@ -2,6 +2,11 @@
 
 Arrays are restored onto the shardings of a template (the freshly initialised
 state), so a resumed run continues with bit-identical values on the same layout.
+
+Checkpoints written before the experts' gate and up weights became one array
+(`*.w_gate` and `*.w_up` leaves, [E, H, F] each; now `*.w_gate_up` [E, H, 2F]) are
+restored too: read with a template in the old layout, then joined (`join_gate_up`),
+in the parameters and in every optimizer-state copy of them (Adam's moments).
 """
 
 from __future__ import annotations
@@ -11,6 +16,46 @@ from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+
+from uniep_jax.params import join_gate_up
+
+_JOINED, _GATE, _UP = "w_gate_up", "w_gate", "w_up"
+
+
+def _has_joined(d) -> bool:
+  return isinstance(d, dict) and any(isinstance(k, str) and k.endswith(_JOINED) for k in d)
+
+
+def _split_layout(tree):
+  """The template in the layout before w_gate_up: each flat-dict entry `<x>w_gate_up`
+  [..., 2F] becomes `<x>w_gate` and `<x>w_up` [..., F] (same sharding)."""
+  def split(d):
+    out = {}
+    for k, v in d.items():
+      if isinstance(k, str) and k.endswith(_JOINED):
+        half = jax.ShapeDtypeStruct(v.shape[:-1] + (v.shape[-1] // 2,), v.dtype,
+                                    sharding=v.sharding)
+        base = k[:-len(_JOINED)]
+        out[base + _GATE], out[base + _UP] = half, half
+      else:
+        out[k] = v
+    return out
+  return jax.tree.map(lambda d: split(d) if _has_joined(d) else d, tree, is_leaf=_has_joined)
+
+
+def _join_layout(tree, template):
+  """The inverse of `_split_layout` on restored arrays, placed on the template's shardings."""
+  def join(d, t):
+    out = {}
+    for k, v in t.items():
+      if isinstance(k, str) and k.endswith(_JOINED):
+        base = k[:-len(_JOINED)]
+        out[k] = jax.device_put(join_gate_up(d[base + _GATE], d[base + _UP]), v.sharding)
+      else:
+        out[k] = d[k]
+    return out
+  return jax.tree.map(lambda t, d: join(d, t) if _has_joined(t) else d, template, tree,
+                      is_leaf=_has_joined)
 
 
 class Checkpointer:
@@ -28,7 +73,21 @@ class Checkpointer:
   def restore(self, step: int, template: dict[str, Any]) -> dict[str, Any]:
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+    if self._separate_gate_up(step) and not self._separate_gate_up_in(abstract):
+      old = self.manager.restore(step, args=ocp.args.StandardRestore(_split_layout(abstract)))
+      return _join_layout(old, abstract)
     return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+
+  def _separate_gate_up(self, step: int) -> bool:
+    """Whether the checkpoint at `step` has the experts' gate and up weights apart."""
+    meta = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "default")
+    return self._separate_gate_up_in(getattr(meta, "item_metadata", meta))
+
+  @staticmethod
+  def _separate_gate_up_in(tree) -> bool:
+    keys = [p[-1].key for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if p and isinstance(p[-1], jax.tree_util.DictKey)]
+    return any(isinstance(k, str) and k.endswith("." + _UP) for k in keys)
 
   def close(self) -> None:
     self.manager.wait_until_finished()
