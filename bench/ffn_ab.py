@@ -16,6 +16,8 @@ live rows balanced over the E/R local experts and M = factor x live rows
   ffn_fwdbwd_skip  the same with zero_dead_rows=False (the MoE layer's mode)
   ffn_fwdbwd_skip_fused_da  and with fuse_da_epilogue=True (dh, du in da's epilogue:
                    the MoE layer's default)
+  ffn_fwdbwd_skip_fused_da_epi2  and with KernelConfig.epilogue_slots=2 (EXPERIMENTAL;
+                   its bits against one slot's: fused_da_check["epilogue_slots_2"])
   gate_up_as_plain  x @ w_gate_up by the "plain" launch (one N=128 accumulator per
                    warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
   dx               the dx launch alone: [dh | du] @ w_gate_up^T, "plain" over K = 2F
@@ -37,6 +39,7 @@ Writes ffn_ab_<device>.json (median ms, TFLOP/s per row) under --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -124,8 +127,8 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
         [a], [b, b], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
         config=cfg, interpret=False, zero_window=zero_window, b_col_offsets=(0, f_p))
 
-  def ffn(**kw):
-    return _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(*a, config=cfg, interpret=False, **kw))
+  def ffn(config=cfg, **kw):
+    return _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(*a, config=config, interpret=False, **kw))
 
   t("plain_fwd", lambda a, b, s: gg.gmm(a, b, s, config=cfg, interpret=False), x, wg, gs)
   t("gate_up_fwd", gate_up(None), x, wgu_p, gs)
@@ -136,6 +139,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   t("ffn_fwdbwd", ffn(), x, wgu, wd, gs, dy)
   t("ffn_fwdbwd_skip", ffn(zero_dead_rows=False), x, wgu, wd, gs, dy)
   t("ffn_fwdbwd_skip_fused_da", ffn(zero_dead_rows=False, fuse_da_epilogue=True),
+    x, wgu, wd, gs, dy)
+  cfg_epi2 = dataclasses.replace(cfg, epilogue_slots=2)
+  t("ffn_fwdbwd_skip_fused_da_epi2", ffn(cfg_epi2, zero_dead_rows=False, fuse_da_epilogue=True),
     x, wgu, wd, gs, dy)
   # The dual-accumulator gate/up launch against a "plain" launch of the same FLOPs
   # (per-warpgroup N 64 with two accumulators, against N 128 with one)
@@ -149,6 +155,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
       [a], [b], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
     dhu, gg._pad_axis(wgu_p, 1, h_out), gs)
   checks = _compare_fused_da(x, wgu, wd, gs, dy, cfg, live)
+  checks["epilogue_slots_2"] = _compare_bits(
+      ffn(zero_dead_rows=False, fuse_da_epilogue=True),
+      ffn(cfg_epi2, zero_dead_rows=False, fuse_da_epilogue=True), (x, wgu, wd, gs, dy), live)
   if alt is not None:
     alt_kw = dict(config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True)
     if "w_gate" in inspect.signature(alt.grouped_swiglu_ffn).parameters:
@@ -182,7 +191,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
     xd, wdense)
   gemm = 2.0 * live * h * f   # FLOPs of one of the FFN's GEMMs over the live rows
   flops = dict(plain_fwd=gemm, gate_up_fwd=2 * gemm, gate_up_fwd_skip=2 * gemm,
-               gate_up_fwd_skip_two_arrays=2 * gemm,
+               gate_up_fwd_skip_two_arrays=2 * gemm, ffn_fwdbwd_skip_fused_da_epi2=9 * gemm,
                gate_up_as_plain=2 * gemm, dx=2 * gemm,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm,
@@ -191,6 +200,24 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
               median_ms=ms, tflops=tflops, fused_da_check=checks,
               **({"profile": profiles} if profiles else {}))
+
+
+def _compare_bits(ref_fn, fn, args, live):
+  """On the GPU: does fn give ref_fn's bits (y and dx over the live rows, the weight
+  gradients), and its own twice? (e.g. KernelConfig.epilogue_slots=2, whose stores
+  overlap the next chunk: a race would show here, not in the CPU interpret mode.)"""
+  def run(f):
+    y, g = jax.jit(f)(*args)
+    return jax.device_get((y[:live], g[0][:live]) + tuple(g[1:]))
+  try:
+    ref, got, again = run(ref_fn), run(fn), run(fn)
+  except Exception as e:  # noqa: BLE001 - record and go on
+    print(f"  bits check: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+  out = dict(bitwise_equal=all(bool((r == g).all()) for r, g in zip(ref, got)),
+             repeatable=all(bool((g == a).all()) for g, a in zip(got, again)))
+  print(f"  bits check: {out}", flush=True)
+  return out
 
 
 def _compare_fused_da(x, wgu, wd, gs, dy, cfg, live):

@@ -168,14 +168,16 @@ class _Launch:
   a_cols: int  # columns of each lhs stage tile
   out_itemsize: int
   in_itemsize: int
-  epi_buffers: int = 1  # epilogue slots per warpgroup (2 in "dswiglu": h and u)
+  epi_buffers: int = 1  # epilogue buffers per warpgroup (2 in "dswiglu": h and u)
+  epi_slots: int = 1  # copies of them (KernelConfig.epilogue_slots; 1 in "dswiglu")
 
   def stage_bytes(self) -> int:
     return self.in_itemsize * (
         self.num_a * self.block_m * self.a_cols + self.num_b * self.block_k * self.b_cols)
 
   def epilogue_bytes(self, epi_rows: int) -> int:
-    return _NUM_COMPUTE_WGS * self.epi_buffers * epi_rows * _EPI_N * self.out_itemsize
+    return (_NUM_COMPUTE_WGS * self.epi_buffers * self.epi_slots * epi_rows * _EPI_N
+            * self.out_itemsize)
 
   def stages(self, requested: int, k_iters: int, epi_rows: int, smem: int) -> int:
     fit = (smem - _SMEM_RESERVE - self.epilogue_bytes(epi_rows)) // self.stage_bytes()
@@ -204,7 +206,8 @@ def _launch_of(config: KernelConfig, mode: str, in_dtype, out_dtype) -> "_Launch
   wg_n = config.block_n if num_b == 1 else config.block_n // 2
   return _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
                  jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize,
-                 epi_buffers=2 if mode == "dswiglu" else 1)
+                 epi_buffers=2 if mode == "dswiglu" else 1,
+                 epi_slots=1 if mode == "dswiglu" else config.epilogue_slots)
 
 
 def _swizzle_transforms(dtype, minor: int):
@@ -280,20 +283,36 @@ def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int]
 
 def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, rows: int,
                     col0, ragged: bool):
-  """Each compute warpgroup stores its [rows, wg_n] values through its own
-  [rows, _EPI_N] SMEM slot, chunk by chunk (see the module doc, "epilogue")."""
+  """Each compute warpgroup stores its [rows, wg_n] values through its own SMEM
+  slots (epi_smem [warpgroups, slots, rows, _EPI_N]), chunk by chunk (see the module
+  doc, "epilogue"). One slot: before each chunk, wait until every earlier TMA store
+  has read the slot. Two slots (KernelConfig.epilogue_slots=2): chunk i goes through
+  slot i % 2 and its stores are ONE bulk-async group, so chunk i is written while
+  chunk i - 1's store is still reading the other slot; before chunk i >= 2, wait
+  until at most one group (chunk i - 1's) is pending, i.e. chunk i - 2's store, the
+  last reader of this slot, is done; before the tile's first chunk wait for all (the
+  previous tile's stores, done long before after a whole mainloop)."""
   wg = lax.axis_index("wg")
-  slot = epi_smem.at[wg]
+  slots = epi_smem.shape[1]
+  i = 0
   for val, out_gmem in zip(vals, out_gmems):
     for c in range(val.shape[1] // _EPI_N):
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+      slot = epi_smem.at[wg, i % slots]
+      if slots == 1 or i == 0:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
+      elif i >= slots:
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
       slot[...] = val[:, c * _EPI_N:(c + 1) * _EPI_N].astype(slot.dtype)
       plgpu.commit_smem()
       dst = out_gmem.at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)]
+      per_store = slots == 1   # one slot: each store its own group (as measured before)
       if ragged:
-        ladder_store(slot, dst, smem_row, gmem_row, count, rows)
+        ladder_store(slot, dst, smem_row, gmem_row, count, rows, commit_group=per_store)
       else:
-        plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)])
+        plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)], commit_group=per_store)
+      if not per_store:
+        plgpu.commit_smem_to_gmem_group()
+      i += 1
 
 
 def _silu_mul(h, u):
@@ -337,7 +356,7 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load
 
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
-                      b_col_offsets: tuple = (),
+                      b_col_offsets: tuple = (), epi_slots: int = 1,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
                       num_ctas: Optional[int] = None,
@@ -427,7 +446,8 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                                       out_gmems[0].dtype),
                   hu_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=_NUM_COMPUTE_WGS))
   else:
-    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmems[0].dtype))
+    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N),
+                                      out_gmems[0].dtype))
 
   @functools.partial(
       pl.run_scoped,
@@ -538,7 +558,7 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raise ValueError(f"{m=} must be divisible by {block_m=}")
   stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
-              m=m, k=k, n=n,
+              epi_slots=launch.epi_slots, m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m), block_m=block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)
 
@@ -598,7 +618,8 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
 
 
 def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int,
-                  block_m: int, block_n: int, block_k: int, stages: int, in_dtype):
+                  block_m: int, block_n: int, block_k: int, stages: int, in_dtype,
+                  epi_slots: int = 1):
   _, k_out = lhs_gmem.shape
   _, n_out = dout_gmem.shape
   cta_k = _NUM_COMPUTE_WGS * block_m
@@ -648,7 +669,7 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
       pl.run_scoped,
       pipeline_allocs=alloc_pipeline.get_allocations(
           lhs_gmem.at[:, pl.ds(0, cta_k)], dout_gmem.at[:, pl.ds(0, block_n)]),
-      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, _EPI_N), out_gmem.dtype),
+      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N), out_gmem.dtype),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epi_smem):
@@ -680,6 +701,13 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def wgrad_launch(config: KernelConfig, in_dtype, out_dtype) -> _Launch:
+  """The static shape of a wgrad launch (its SMEM: `_Launch.stage_bytes`, `epilogue_bytes`)."""
+  return _Launch(config.block_k, config.block_k, config.block_n // 2, 1, 1, config.block_n,
+                 _NUM_COMPUTE_WGS * config.block_m, jnp.dtype(out_dtype).itemsize,
+                 jnp.dtype(in_dtype).itemsize, epi_slots=config.epilogue_slots)
+
+
 def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, interpret):
   """drhs[g] = lhs[rows g]^T @ dout[rows g] on operands padded to the tile grid."""
   m, k_out = lhs.shape
@@ -696,14 +724,14 @@ def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, inte
   in_dtype = lhs.dtype
   if dout.dtype != in_dtype:
     raise ValueError(f"lhs and dout must share one dtype, got {lhs.dtype} and {dout.dtype}")
-  launch = _Launch(block_k, block_k, block_n // 2, 1, 1, block_n, cta_k,
-                   jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize)
+  launch = wgrad_launch(config, in_dtype, out_dtype)
   stages = launch.stages(config.max_concurrent_steps, m // block_k, block_m,
                          device_lib.HOPPER_SMEM_BYTES)
   starts, ends = _group_bounds(group_sizes, m)
   bounds = jnp.concatenate([starts, ends]).astype(jnp.int32)
   body = functools.partial(_wgrad_kernel, num_groups=g, block_m=block_m, block_n=block_n,
-                           block_k=block_k, stages=stages, in_dtype=in_dtype)
+                           block_k=block_k, stages=stages, in_dtype=in_dtype,
+                           epi_slots=launch.epi_slots)
   kernel = plgpu.kernel(
       body,
       kernel_name="grouped_gemm_wgrad",

@@ -270,6 +270,34 @@ def test_swiglu_ffn_never_copies_the_weights():
       assert not copies, (backward, copies)
 
 
+def test_two_epilogue_slots_change_no_bit():
+  """KernelConfig.epilogue_slots=2 (chunk i stored while chunk i + 1 is written to the
+  other slot): the FFN's forward and backward in the MoE layer's mode give the same
+  bits as one slot, with no race. Covers the gate/up epilogue (3 chunks: a, h, u, so
+  the third waits for the first), the plain launches (down, dx: 2 chunks) and the
+  wgrads, over ragged row tiles."""
+  import dataclasses
+  x, w_gate_up, w_down, dy, gs = _ffn_operands(17, 256)
+  dy = dy.at[LIVE_ROWS:].set(0.0)
+
+  def run(cfg):
+    ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=cfg, interpret=INTERPRET,  # noqa
+                                           zero_dead_rows=False, fuse_da_epilogue=True)
+    y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
+    dx, dwgu, dwd = vjp(dy)
+    return y[:LIVE_ROWS], dx[:LIVE_ROWS], dwgu, dwd
+
+  one = run(CONFIG)
+  two = run(dataclasses.replace(CONFIG, epilogue_slots=2))
+  assert_no_races()
+  chex.assert_trees_all_equal(two, one)
+  with pytest.raises(ValueError, match="epilogue_slots=3 must be 1 or 2"):
+    KernelConfig(epilogue_slots=3)
+  # the SMEM model counts the second slot: 16 KiB more per warpgroup for a bf16 plain tile
+  assert (gg.smem_bytes(dataclasses.replace(CONFIG, epilogue_slots=2)) - gg.smem_bytes(CONFIG)
+          == 2 * 128 * 64 * 2)
+
+
 def test_row_split_invariance_bitwise():
   """The same rows give the same bits whether launched together or split."""
   m, k, n = 256, 128, 128

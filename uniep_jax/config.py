@@ -53,9 +53,9 @@ class KernelConfig:
     which other rows share the launch (no M-dependent split-K). In the Pallas
     grouped GEMM (pallas_kernels/grouped_gemm.py) each CTA runs 2 compute
     warpgroups: block_n is the width of ONE warpgroup's tile (CTA tile
-    block_m x 2*block_n for forward/dgrad; the fused SwiGLU gate/up and the dx
-    kernel use block_n/2 per warpgroup, so block_n must be a multiple of 128
-    there), and wgrad tiles are 2*block_m (K) x block_n (N). block_m must be a
+    block_m x 2*block_n for forward/dgrad; the fused SwiGLU gate/up kernel uses
+    block_n/2 per warpgroup, so block_n must be a multiple of 128 there), and
+    wgrad tiles are 2*block_m (K) x block_n (N). block_m must be a
     power of two (ragged row stores).
   max_concurrent_steps: TMA pipeline depth (shared-memory stages). Default 3: the
     tuner's layer forward on 4x H100, mixtral-like, 4 -> 3 stages: 13.49 -> 11.89 ms
@@ -63,6 +63,12 @@ class KernelConfig:
     step 67.3 -> 66.2 ms (bench/results/tune/, train_throughput_*_run7.json). The
     bits do not depend on it (every tuned candidate gave the same checksum).
   num_sms: persistent grid size; None reads the device's SM count.
+  epilogue_slots: SMEM staging slots per compute warpgroup for the output stores
+    (1 or 2; not "dswiglu", which has its own). 1 (default, measured): each 64-column
+    chunk waits until the previous chunk's TMA store has read the slot. 2
+    (EXPERIMENTAL, not yet run on a GPU): chunk i is written while chunk i - 1 is
+    still being stored, for 16 KiB more SMEM per warpgroup (bf16, block_m 128).
+    The bits do not depend on it.
   """
 
   block_m: int = 128
@@ -70,6 +76,7 @@ class KernelConfig:
   block_k: int = 64
   max_concurrent_steps: int = 3
   num_sms: Optional[int] = None
+  epilogue_slots: int = 1
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -80,6 +87,8 @@ class KernelConfig:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
     if self.num_sms is not None and self.num_sms < 1:
       raise ValueError(f"num_sms={self.num_sms} must be >= 1")
+    if self.epilogue_slots not in (1, 2):
+      raise ValueError(f"epilogue_slots={self.epilogue_slots} must be 1 or 2")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -347,7 +347,7 @@ def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capaci
                               f"{what} with block_m={bm} block_n={bn} block_k={bk}"))
   if p.direction == "bwd":
     # The wgrad kernel has no public smem function: the same _Launch it builds in _wgrad_call.
-    launch = gg._Launch(bk, bk, bn // 2, 1, 1, bn, 2 * bm, dt.itemsize, dt.itemsize)
+    launch = gg.wgrad_launch(kernel, dt, dt)
     m_w = _round_up(_round_up(p.recv_rows, bm), bk)
 
     def wgrad_bytes(s):
