@@ -22,7 +22,7 @@ DEEPSEEK_BWD = T.TuneProblem(8192, 7168, 2048, 256, 8, 4, "bfloat16", "bwd")
 
 def _space(**kw):
   base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(3,),
-              chunk_rows=(128,), num_ctas=(64,), col_tile=(256,), fused=())
+              epilogue_slots=(1,), chunk_rows=(128,), num_ctas=(64,), col_tile=(256,), fused=())
   base.update(kw)
   return T.SearchSpace(**base)
 

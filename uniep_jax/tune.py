@@ -4,7 +4,8 @@ What is tuned
 -------------
 A candidate is one `Candidate(kernel: KernelConfig, transfer: TransferConfig,
 fused: FusedConfig | None)`:
-  KernelConfig    block_m, block_n, block_k, max_concurrent_steps (grouped GEMM)
+  KernelConfig    block_m, block_n, block_k, max_concurrent_steps, epilogue_slots
+                  (grouped GEMM)
   TransferConfig  chunk_rows, num_ctas, col_tile                 (NVLink rows)
   FusedConfig     n_comm, recv_chunk_rows  (the v2 fused kernels; None: v1)
 `SearchSpace` lists the values of each knob; the product of the kernel and
@@ -223,7 +224,8 @@ class Candidate:
   def label(self) -> str:
     k, t = self.kernel, self.transfer
     label = (f"m{k.block_m}_n{k.block_n}_k{k.block_k}_s{k.max_concurrent_steps}"
-             f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
+             + (f"_e{k.epilogue_slots}" if k.epilogue_slots != 1 else "")
+             + f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
     if self.fused is not None:
       label += f"|f{self.fused.n_comm}_b{self.fused.recv_chunk_rows}"
     return label
@@ -232,6 +234,7 @@ class Candidate:
     knobs = dict(block_m=self.kernel.block_m, block_n=self.kernel.block_n,
                  block_k=self.kernel.block_k,
                  max_concurrent_steps=self.kernel.max_concurrent_steps,
+                 epilogue_slots=self.kernel.epilogue_slots,
                  chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
                  col_tile=self.transfer.col_tile)
     if self.fused is not None:
@@ -239,7 +242,7 @@ class Candidate:
     return knobs
 
 
-KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps")
+KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilogue_slots")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
 FUSED_KNOBS = ("n_comm", "recv_chunk_rows")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
@@ -252,7 +255,8 @@ def kernel_label(kernel: KernelConfig) -> str:
 def candidate_from_knobs(knobs: dict) -> Candidate:
   """Builds a candidate; the dataclasses' own checks raise InvalidCandidate."""
   try:
-    kernel = KernelConfig(**{k: knobs[k] for k in KERNEL_KNOBS})
+    # reports from before a knob existed lack it: the dataclass default then
+    kernel = KernelConfig(**{k: knobs[k] for k in KERNEL_KNOBS if k in knobs})
   except ValueError as e:
     raise InvalidCandidate(f"KernelConfig: {e}") from None
   try:
@@ -276,6 +280,7 @@ class SearchSpace:
   block_n: Sequence[int] = (64, 128, 256)
   block_k: Sequence[int] = (64, 128)
   max_concurrent_steps: Sequence[int] = (2, 3, 4, 5, 6)
+  epilogue_slots: Sequence[int] = (1, 2)
   chunk_rows: Sequence[int] = (32, 64, 128, 256)
   # At most 96 of 132 SMs: the transfer's cross-rank wait needs all its CTAs
   # resident while other streams' kernels (NCCL) run (ep_transfer.py).
@@ -425,7 +430,7 @@ def check_candidate(cand: Candidate, problem: TuneProblem, device: DeviceFacts,
   per-launch stage counts rather than the requested max_concurrent_steps)."""
   stages = kernel_launch_stages(cand.kernel, problem, device.smem_bytes)
   k = cand.kernel
-  sig = (k.block_m, k.block_n, k.block_k, stages)
+  sig = (k.block_m, k.block_n, k.block_k, stages, k.epilogue_slots)
   if uses_transfer:
     from uniep_jax.dispatch import ZERO_WINDOW_ROWS
     if k.block_k > ZERO_WINDOW_ROWS:
@@ -1219,7 +1224,6 @@ def plot(result: TuneResult, path: str) -> None:
   knobs = KERNEL_KNOBS + TRANSFER_KNOBS
   fig, grid = plt.subplots(2, 4, figsize=(13, 6.4), sharey=True)
   axes = list(grid.flat)
-  axes[-1].axis("off")
   ok = [t for t in result.trials if t.status == "ok"]
   bad = [t for t in result.trials if t.status == "mismatch"]
   best, dflt = result.best, result.default_trial()
