@@ -125,9 +125,9 @@ def _jitted(config: KernelConfig):
   wgrad = jax.jit(lambda a, d, s: gg.gmm_wgrad(a, d, s, config=config, interpret=False))
   ffn = jax.jit(lambda *a: gg.grouped_swiglu_ffn(*a, config=config, interpret=False))
 
-  def ffn_train(x, wg, wu, wd, s, dy):
+  def ffn_train(x, wgu, wd, s, dy):
     y, vjp = jax.vjp(lambda *a: gg.grouped_swiglu_ffn(*a, s, config=config, interpret=False),
-                     x, wg, wu, wd)
+                     x, wgu, wd)
     return y, vjp(dy)
 
   ragged = jax.jit(lambda a, b, s: jax.lax.ragged_dot(
@@ -181,11 +181,12 @@ def bench_shape(shape: MoeShape, load: str, config: KernelConfig, reps: int, tri
     return jnp.stack([jnp.dot(a[s0:e0].T, d[s0:e0], preferred_element_type=jnp.float32)
                       for s0, e0 in spans])
 
-  def ffn_ref(x, wg, wu, wd):
+  def ffn_ref(x, wgu, wd):
     outs = []
+    f_half = wgu.shape[2] // 2
     for i, (s0, e0) in zip(check_groups, spans):
-      hh = jnp.dot(x[s0:e0], wg[i], preferred_element_type=jnp.float32)
-      uu = jnp.dot(x[s0:e0], wu[i], preferred_element_type=jnp.float32)
+      hh = jnp.dot(x[s0:e0], wgu[i, :, :f_half], preferred_element_type=jnp.float32)
+      uu = jnp.dot(x[s0:e0], wgu[i, :, f_half:], preferred_element_type=jnp.float32)
       aa = (jax.nn.silu(hh) * uu).astype(x.dtype)
       outs.append(jnp.dot(aa, wd[i], preferred_element_type=jnp.float32))
     return jnp.concatenate(outs, axis=0)
@@ -222,14 +223,17 @@ def bench_shape(shape: MoeShape, load: str, config: KernelConfig, reps: int, tri
                                        max_concurrent_steps=4, grid_block_n=1))
     record("ragged_dot_mgpu_fwd", mg, x, w, gs)
 
-  # The fused SwiGLU FFN (3 GEMMs forward, 6 backward).
+  # The fused SwiGLU FFN (the FLOPs of 3 GEMMs forward, 6 backward) on
+  # w_gate_up = [w | wu]: one gate/up launch and the down GEMM forward; da, dx (K = 2F)
+  # and 2 wgrads backward.
   wu = (jax.random.normal(ks[3], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
+  wgu = jnp.concatenate([w, wu], axis=2)
   wd = (jax.random.normal(ks[4], (g, f, h), jnp.float32) / np.sqrt(f)).astype(bf)
   dy = jax.random.normal(ks[5], (m, h), jnp.float32).astype(bf)
   if check_on:
-    check("ffn_fwd", ffn, lambda x_, a_, b_, c_, s_: ffn_ref(x_, a_, b_, c_), x, w, wu, wd, gs)
-  record("ours_ffn_fwd", ffn, x, w, wu, wd, gs, flop=3 * flops)
-  record("ours_ffn_fwd_bwd", ffn_train, x, w, wu, wd, gs, dy, flop=9 * flops)
+    check("ffn_fwd", ffn, lambda x_, a_, c_, s_: ffn_ref(x_, a_, c_), x, wgu, wd, gs)
+  record("ours_ffn_fwd", ffn, x, wgu, wd, gs, flop=3 * flops)
+  record("ours_ffn_fwd_bwd", ffn_train, x, wgu, wd, gs, dy, flop=9 * flops)
 
   t = res["tflops"]
   if "dense_jnp_dot" in t:

@@ -333,7 +333,10 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
   of a, h, u are zero. GPU only (remote refs and semaphores).
   """
   ns, hidden = rows_sorted.shape
-  el, _, two_f = w_gate_up.shape
+  el, w_hidden, two_f = w_gate_up.shape
+  if two_f % 2 or w_hidden != rows_sorted.shape[1] or el != group_sizes.shape[0]:
+    raise ValueError(f"w_gate_up {w_gate_up.shape} must be [El={group_sizes.shape[0]}, "
+                     f"H={rows_sorted.shape[1]}, 2F] ([w_gate | w_up])")
   ffn = two_f // 2
   num_peers = seg_len.shape[0]
   dtype = rows_sorted.dtype

@@ -49,8 +49,9 @@ GEMM CTAs (all num_sms of them), through the `walk` hook of the GEMM body:
     out_remote = remote_ref(out, peer (me + j) mod R)   (j == 0: out itself)
     tiles peer_start[j] ... peer_start[j+1]-1 x column tiles, CTA c takes
       linear indices c, c + num_sms, ... (nd_loop's order on each offset's list):
-      pipeline over K (block_k steps), epilogue: [block_m, 64] SMEM slot per
-      compute warpgroup --TMA store ladder (rows [lo, hi) only)--> out_remote[dst_row:]
+      pipeline over K (block_k steps), epilogue: [block_m, 64] SMEM slot(s) per
+      compute warpgroup (KernelConfig.epilogue_slots) --TMA store ladder (rows
+      [lo, hi) only)--> out_remote[dst_row:]
   compute wgs: wait_smem_to_gmem(0); signal returned_sem[c] on every rank
   wg 0: wait returned_sem[c] == 2 R (decrement: one waiter per semaphore)
 

@@ -52,8 +52,10 @@ SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 3 stages; up to 4 fi
   per stage  A [block_m, block_k] per lhs operand (16 KiB) and
              B [block_k, 2 wg_n] per rhs operand (16 or 32 KiB), 128B swizzle;
              48 KiB;
-  epilogue   [2 warpgroups, block_m, 64] in the output dtype, unswizzled so a
-             row range can start anywhere (16 KiB per warpgroup in bf16).
+  epilogue   [2 warpgroups, slots, block_m, 64] in the output dtype, unswizzled so
+             a row range can start anywhere (16 KiB per warpgroup and slot in
+             bf16; slots = KernelConfig.epilogue_slots, 1 by default; "dswiglu"
+             has its own [2 warpgroups, 2 (h, u), block_m, 64]).
   `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB).
 
 Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
@@ -68,11 +70,13 @@ Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
                end of each pipeline it waits the outstanding consumed barriers,
                so every tile starts with all stages free and barrier phases
                aligned (this is what makes back-to-back tiles race-free).
-  epilogue     each compute warpgroup owns its own epilogue slot; before
-               writing it, `wait_smem_to_gmem(0, wait_read_only=True)` waits
-               until its previous TMA stores have read the slot; then
-               `commit_smem()` (proxy fence) before the TMA store. No barrier is
-               shared between warpgroups in the epilogue.
+  epilogue     each compute warpgroup owns its own epilogue slot(s); before
+               writing one, `wait_smem_to_gmem(0, wait_read_only=True)` waits
+               until its previous TMA stores have read it (with 2 slots: each
+               chunk's stores are one bulk-async group and `wait_smem_to_gmem(1)`
+               before chunk i >= 2 waits for chunk i - 2's, `_store_epilogue`);
+               then `commit_smem()` (proxy fence) before the TMA store. No
+               barrier is shared between warpgroups in the epilogue.
 Partial row ranges are stored with a ladder of power-of-two-row TMA stores
 (block_m, block_m/2, ..., 1 rows; the bits of hi - lo), so rows outside
 [lo, hi) are never written.

@@ -273,9 +273,11 @@ def test_swiglu_ffn_never_copies_the_weights():
 def test_two_epilogue_slots_change_no_bit():
   """KernelConfig.epilogue_slots=2 (chunk i stored while chunk i + 1 is written to the
   other slot): the FFN's forward and backward in the MoE layer's mode give the same
-  bits as one slot, with no race. Covers the gate/up epilogue (3 chunks: a, h, u, so
-  the third waits for the first), the plain launches (down, dx: 2 chunks) and the
-  wgrads, over ragged row tiles."""
+  bits as one slot (slot indexing, chunk order, ragged ladders). Covers the gate/up
+  epilogue (3 chunks: a, h, u, so the third reuses the first's slot), the plain
+  launches (down, dx: 2 chunks) and the wgrads. The interpret mode runs TMA stores
+  synchronously and ignores bulk-async groups, so a missing wait or group commit
+  cannot show here: bench/ffn_ab.py checks the bits on the GPU."""
   import dataclasses
   x, w_gate_up, w_down, dy, gs = _ffn_operands(17, 256)
   dy = dy.at[LIVE_ROWS:].set(0.0)

@@ -358,7 +358,9 @@ def test_checkpoint_from_before_the_gate_up_array_restores_bitwise(tmp_path):
   k = jax.random.split(jax.random.key(0), 3)
   wg, wu = (jax.device_put(jax.random.normal(key, (8, 16, 24)), ep) for key in k[:2])
   embed = jax.device_put(jax.random.normal(k[2], (32, 16)), rep)
-  old_params = {"embed": embed, "layers.0.ffn.w_gate": wg, "layers.0.ffn.w_up": wu}
+  # a dense SwiGLU (a shared expert) keeps its w_gate / w_up: not converted
+  shared = {"layers.0.ffn.shared.w_gate": embed[:16] * 2, "layers.0.ffn.shared.w_up": embed[:16]}
+  old_params = {"embed": embed, "layers.0.ffn.w_gate": wg, "layers.0.ffn.w_up": wu, **shared}
   tx = optax.adam(1e-3)
   old_opt = tx.init(old_params)
   old_opt = jax.tree.map(lambda a: a + 1.5, old_opt)   # moments not all zero
@@ -367,11 +369,13 @@ def test_checkpoint_from_before_the_gate_up_array_restores_bitwise(tmp_path):
   ckpt.close()
 
   new_params = {"embed": jnp.zeros_like(embed),
-                "layers.0.ffn.w_gate_up": jax.device_put(jnp.zeros((8, 16, 48)), ep)}
+                "layers.0.ffn.w_gate_up": jax.device_put(jnp.zeros((8, 16, 48)), ep),
+                **jax.tree.map(jnp.zeros_like, shared)}
   template = dict(params=new_params, rest={}, opt_state=tx.init(new_params))
   got = Checkpointer(str(tmp_path / "ckpt")).restore(3, template)
   join = lambda d: {"embed": d["embed"], "layers.0.ffn.w_gate_up": jnp.concatenate(  # noqa: E731
-      [d["layers.0.ffn.w_gate"], d["layers.0.ffn.w_up"]], axis=-1)}
+      [d["layers.0.ffn.w_gate"], d["layers.0.ffn.w_up"]], axis=-1),
+      **{k: d[k] for k in shared}}
   chex.assert_trees_all_equal(got["params"], join(old_params))
   chex.assert_trees_all_equal(got["opt_state"][0].mu, join(old_opt[0].mu))
   chex.assert_trees_all_equal(got["opt_state"][0].nu, join(old_opt[0].nu))

@@ -36,16 +36,24 @@ def _reasons(enum):
 # ---------------------------------------------------------------------------
 def test_default_tiling_stages_match_the_kernel_docstring():
   # grouped_gemm.py: a 128/128/64 stage is 48 KiB, epilogue 2 x 16 KiB (bf16),
-  # 227 KiB per block: 4 stages fit; the da launch ("dswiglu": 2 x 2 x 16 KiB of h/u
-  # slots, as much as the float32-output da's epilogue) clamps to 3.
+  # 227 KiB per block: 4 stages fit; the da launches ("dswiglu": 2 x 2 x 16 KiB of h/u
+  # buffers; the XLA-pass variant's float32-output da: 2 x 32 KiB) clamp to 3.
   s4 = KernelConfig(max_concurrent_steps=4)
   stages = T.kernel_launch_stages(s4, DEEPSEEK_BWD, HOPPER.smem_bytes)
-  assert stages == (4, 4, 3, 4, 4)   # swiglu, down, da (dswiglu), dx (plain, K = 2F), wgrad
+  # swiglu, down, da (dswiglu), da (plain, f32 out), dx (plain, K = 2F), wgrad
+  assert stages == (4, 4, 3, 3, 4, 4)
+  # two epilogue slots: 16 KiB more per warpgroup in bf16, 32 in float32: the float32
+  # da drops to 2 stages (dswiglu keeps its own buffers), the others keep 3
+  e2 = KernelConfig(epilogue_slots=2)
+  assert T.kernel_launch_stages(e2, DEEPSEEK_BWD, HOPPER.smem_bytes) == (3, 3, 3, 2, 3, 3)
+  big = KernelConfig(block_m=256, epilogue_slots=2)   # float32 da epilogue alone: 256 KiB
+  with pytest.raises(T.InvalidCandidate, match="bwd da \\(plain, float32 out\\)"):
+    T.kernel_launch_stages(big, DEEPSEEK_BWD, HOPPER.smem_bytes)
   fwd = T.kernel_launch_stages(s4, T.TuneProblem(8192, 7168, 2048, 256, 8, 4,
                                                  direction="fwd"), HOPPER.smem_bytes)
   assert fwd == (4, 4)
   # the default (3 stages, measured faster) fits every launch unclamped
-  assert T.kernel_launch_stages(KernelConfig(), DEEPSEEK_BWD, HOPPER.smem_bytes) == (3,) * 5
+  assert T.kernel_launch_stages(KernelConfig(), DEEPSEEK_BWD, HOPPER.smem_bytes) == (3,) * 6
 
 
 def test_pruning_rejects_with_reasons():

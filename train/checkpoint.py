@@ -22,6 +22,12 @@ from uniep_jax.params import join_gate_up
 _JOINED, _GATE, _UP = "w_gate_up", "w_gate", "w_up"
 
 
+def _dict_keys(tree) -> list:
+  """The string keys of every leaf's innermost dict (e.g. 'layers.0.ffn.w_gate_up')."""
+  return [p[-1].key for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+          if p and isinstance(p[-1], jax.tree_util.DictKey) and isinstance(p[-1].key, str)]
+
+
 def _has_joined(d) -> bool:
   return isinstance(d, dict) and any(isinstance(k, str) and k.endswith(_JOINED) for k in d)
 
@@ -73,21 +79,25 @@ class Checkpointer:
   def restore(self, step: int, template: dict[str, Any]) -> dict[str, Any]:
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
-    if self._separate_gate_up(step) and not self._separate_gate_up_in(abstract):
+    if self._written_before_gate_up(step, abstract):
       old = self.manager.restore(step, args=ocp.args.StandardRestore(_split_layout(abstract)))
       return _join_layout(old, abstract)
     return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
-  def _separate_gate_up(self, step: int) -> bool:
-    """Whether the checkpoint at `step` has the experts' gate and up weights apart."""
-    meta = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "default")
-    return self._separate_gate_up_in(getattr(meta, "item_metadata", meta))
-
-  @staticmethod
-  def _separate_gate_up_in(tree) -> bool:
-    keys = [p[-1].key for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if p and isinstance(p[-1], jax.tree_util.DictKey)]
-    return any(isinstance(k, str) and k.endswith("." + _UP) for k in keys)
+  def _written_before_gate_up(self, step: int, abstract) -> bool:
+    """Whether the checkpoint at `step` holds `<x>w_gate` and `<x>w_up` where the
+    template has `<x>w_gate_up` (dense SwiGLUs keep their w_gate / w_up today)."""
+    joined = [k for k in _dict_keys(abstract) if k.endswith(_JOINED)]
+    if not joined:
+      return False
+    reader = ocp.StandardCheckpointer()
+    try:
+      meta = reader.metadata(self.directory / str(step) / "default")
+    finally:
+      reader.close()
+    stored = set(_dict_keys(getattr(meta, "item_metadata", meta)))
+    bases = [k[:-len(_JOINED)] for k in joined if k not in stored]
+    return any(b + _GATE in stored and b + _UP in stored for b in bases)
 
   def close(self) -> None:
     self.manager.wait_until_finished()

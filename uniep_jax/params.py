@@ -54,7 +54,7 @@ def join_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
 
 
 def split_gate_up(w_gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """[..., 2F] -> (w_gate [..., F], w_up [..., F]) (views of `w_gate_up`'s halves)."""
+  """[..., 2F] -> (w_gate [..., F], w_up [..., F]): `w_gate_up`'s two halves (slices)."""
   two_f = w_gate_up.shape[-1]
   if two_f % 2:
     raise ValueError(f"w_gate_up's last axis ({two_f}) must be even: [w_gate | w_up]")

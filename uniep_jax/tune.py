@@ -24,8 +24,9 @@ Pruning, before anything is compiled (`check_candidate`, raises
     warpgroup block_n / 2 columns, which must be a multiple of the 64-column
     epilogue);
   * shared memory: for every launch the layer makes (gate/up "swiglu", down
-    "plain", and for "bwd" da "dswiglu" (the default; the XLA-pass variant's "plain"
-    with a float32 output needs the same SMEM), dx "plain" and the three wgrads), the
+    "plain", and for "bwd" da "dswiglu" (the default) and the XLA-pass variant's
+    "plain" with a float32 output (swiglu_grad_in_kernel=False: with 2 epilogue
+    slots it needs more SMEM than dswiglu), dx "plain" and the two wgrads), the
     kernel's own `grouped_gemm.smem_bytes` (row-tiled) and
     `grouped_gemm._Launch` (wgrad) at ONE stage must fit the device's capacity
     (`pallas_kernels.device.smem_capacity`), else the kernel cannot run. Above
@@ -340,9 +341,12 @@ def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capaci
   launches = [("fwd gate/up (swiglu)", "swiglu", dt, h_k // bk),
               ("fwd down (plain)", "plain", dt, f_p // bk)]
   if p.direction == "bwd":
-    # da: "dswiglu" (bf16 h/u/dh/du slots, 2 x 16 KiB per warpgroup) needs the SMEM of
-    # the XLA-pass variant's "plain" launch with a float32 output (1 x 32 KiB)
+    # da: "dswiglu" (bf16 h/u/dh/du buffers, 2 x 16 KiB per warpgroup, one slot) and the
+    # XLA-pass variant's "plain" launch with a float32 output (32 KiB per warpgroup and
+    # epilogue slot: with 2 slots, more than dswiglu), either may run (a cached config
+    # serves swiglu_grad_in_kernel=False too)
     launches += [("bwd da (dswiglu)", "dswiglu", dt, h_k // bk),
+                 ("bwd da (plain, float32 out)", "plain", jnp.dtype(jnp.float32), h_k // bk),
                  ("bwd dx (plain over K = 2F)", "plain", dt, 2 * f_p // bk)]
   stages = []
   for what, mode, out_dt, k_iters in launches:
