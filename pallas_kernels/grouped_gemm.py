@@ -136,6 +136,7 @@ from pallas_kernels import device as device_lib
 from pallas_kernels.tma import ladder_store
 from uniep_jax.config import KernelConfig
 from uniep_jax.experts import swiglu_grad
+from uniep_jax.params import split_gate_up
 from uniep_jax.ragged import block_pieces, enumerate_runs
 
 _NONE, _COMPUTE, _ZERO = 0, 1, 2
@@ -298,6 +299,7 @@ def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, row
   previous tile's stores, done long before after a whole mainloop)."""
   wg = lax.axis_index("wg")
   slots = epi_smem.shape[1]
+  per_store = slots == 1   # one slot: each store its own group (as measured before)
   i = 0
   for val, out_gmem in zip(vals, out_gmems):
     for c in range(val.shape[1] // _EPI_N):
@@ -309,7 +311,6 @@ def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, row
       slot[...] = val[:, c * _EPI_N:(c + 1) * _EPI_N].astype(slot.dtype)
       plgpu.commit_smem()
       dst = out_gmem.at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)]
-      per_store = slots == 1   # one slot: each store its own group (as measured before)
       if ragged:
         ladder_store(slot, dst, smem_row, gmem_row, count, rows, commit_group=per_store)
       else:
@@ -324,7 +325,7 @@ def _silu_mul(h, u):
 
 
 def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load_row,
-                      smem_row, gmem_row, count, rows: int, col0, du_col_offset: int):
+                      smem_row, gmem_row, count, rows: int, col0):
   """The "dswiglu" epilogue of one compute warpgroup: da [rows, wg_n] (f32, the
   accumulator) -> dh, du of the same rows and F columns, chunk by chunk:
     TMA-load h, u [rows, 64] (rows load_row.., the saved residuals) into this
@@ -333,7 +334,8 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load
       s = sigmoid(h), dh = da * u * s * (1 + h (1 - s)), du = da * h * s   (f32)
     write dh, du over h, u, fence, and store rows [lo, hi) with the TMA ladder.
   Before each chunk's loads, the previous chunk's stores must have read the buffer.
-  dhu_gmem: one [M, 2N] buffer [dh | du]; du's columns start at du_col_offset = N."""
+  dhu_gmem: one [M, 2N] buffer [dh | du] (du's columns start at N)."""
+  du_col_offset = dhu_gmem.shape[1] // 2
   wg = lax.axis_index("wg")
   buf = hu_smem.at[wg]
   bar = hu_barrier.at[wg]
@@ -493,7 +495,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
               # one [m, 2n] output [dh | du]
               _dswiglu_epilogue(vals[0], *epi_in_gmems, out_gmems[0], epi_smem, hu_barrier,
                                 load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
-                                count=hi - lo, rows=block_m, col0=col0, du_col_offset=n)
+                                count=hi - lo, rows=block_m, col0=col0)
               return
             _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
@@ -1065,9 +1067,9 @@ def reference_gmm_wgrad(lhs, dout, group_sizes, out_dtype=None):
 def reference_swiglu_ffn(x, w_gate_up, w_down, group_sizes):
   """The FFN with lax.ragged_dot (f32 accumulation, same casts as the kernel)."""
   gs = group_sizes.astype(jnp.int32)
-  f = w_gate_up.shape[2] // 2
-  h = lax.ragged_dot(x, w_gate_up[:, :, :f], gs, preferred_element_type=jnp.float32)
-  u = lax.ragged_dot(x, w_gate_up[:, :, f:], gs, preferred_element_type=jnp.float32)
+  w_gate, w_up = split_gate_up(w_gate_up)
+  h = lax.ragged_dot(x, w_gate, gs, preferred_element_type=jnp.float32)
+  u = lax.ragged_dot(x, w_up, gs, preferred_element_type=jnp.float32)
   a = (jax.nn.silu(h) * u).astype(x.dtype)
   y = lax.ragged_dot(a, w_down, gs, preferred_element_type=jnp.float32)
   y = jnp.where(_dead_row_mask(x.shape[0], group_sizes), y, 0.0)

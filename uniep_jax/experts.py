@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from uniep_jax.dispatch import int_cotangent, sum_to_type_of
+from uniep_jax.params import split_gate_up
 
 
 def _precision(dtype):
@@ -45,11 +46,6 @@ def swiglu_grad(da, h, u):
 #   dw_gate_up = x^T [dh | du], dw_down = a^T dy (f32 accumulation, cast to the
 #   weights' dtype)
 # ---------------------------------------------------------------------------
-def _split_last(hu):
-  f = hu.shape[-1] // 2
-  return hu[..., :f], hu[..., f:]
-
-
 def _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad):
   """The backward pass above; mm(p, w): p @ w, mm_t(p, w): p @ w^T (per group),
   wgrad(p, q): p^T q (per group), all with float32 accumulation."""
@@ -78,7 +74,7 @@ def _ragged_ops(x, group_sizes):
 
 def _ragged_forward(x, w_gate_up, w_down, group_sizes):
   ops = _ragged_ops(x, group_sizes)
-  h, u = _split_last(ops["mm"](x, w_gate_up))
+  h, u = split_gate_up(ops["mm"](x, w_gate_up))
   a = swiglu_activation(h, u, x.dtype)
   return ops["mm"](a, w_down).astype(x.dtype), (h, u, a)
 
@@ -117,7 +113,7 @@ def _batched_ops(x):
 
 def _batched_forward(x, w_gate_up, w_down):
   mm = _batched_ops(x)["mm"]
-  h, u = _split_last(mm(x, w_gate_up))
+  h, u = split_gate_up(mm(x, w_gate_up))
   a = swiglu_activation(h, u, x.dtype)
   return mm(a, w_down).astype(x.dtype), (h, u, a)
 

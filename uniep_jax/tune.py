@@ -336,7 +336,7 @@ def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capaci
                            "64-column epilogue")
   p, bm, bn, bk = problem, kernel.block_m, kernel.block_n, kernel.block_k
   dt = jnp.dtype(p.dtype)
-  f_p = _round_up(p.ffn, math.lcm(2 * bn, 2 * bm, bk))
+  f_p = gg._swiglu_padded_f(p.ffn, kernel)   # as the FFN pads it
   h_k = _round_up(p.hidden, bk)
   launches = [("fwd gate/up (swiglu)", "swiglu", dt, h_k // bk),
               ("fwd down (plain)", "plain", dt, f_p // bk)]
