@@ -44,7 +44,8 @@ SWEEP_SHAPES = {"tiny-gpu": common.MoEShape("tiny-gpu", 2048, 1024, 512, 32, 4)}
 TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/64, 3 stages
            uniep_jax.KernelConfig(max_concurrent_steps=4),
            uniep_jax.KernelConfig(block_k=128, max_concurrent_steps=3),
-           uniep_jax.KernelConfig(block_m=64)]
+           uniep_jax.KernelConfig(block_m=64),
+           uniep_jax.KernelConfig(epilogue_slots=2)]
 TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
              for c, n, t in itertools.product((32, 128), (16, 64), (128, 256))]
 # the v2 fused kernels (EXPERIMENTAL), with the default transfer: B a multiple of every
@@ -105,7 +106,8 @@ def main(argv=None):
   x, p = _inputs(shape, mesh)
   points, mismatches, skipped = [], [], []
   reference = {}
-  tag_of = lambda kc: f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"  # noqa: E731
+  tag_of = lambda kc: (f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"  # noqa: E731
+                       + ("/e2" if kc.epilogue_slots == 2 else ""))
   for kc in TILINGS:
     tag = tag_of(kc)
     try:

@@ -30,8 +30,9 @@
 #            (e.g. mixtral-like) the training step of that model instead (1 layer, 64
 #            experts at most, $PROF_MESH; $PROF_BACKENDS are training backends then,
 #            e.g. xla_capacity,uniep,uniep+xla_dswiglu)
-#   tune     the autotuner on one shape and direction (python -m uniep_jax.tune; $TUNE_SHAPE
-#            default deepseek-like, $TUNE_DIRECTION default fwd, $TUNE_ARGS extra flags;
+#   tune     the autotuner on each shape of $TUNE_SHAPE (comma list, default deepseek-like;
+#            SECONDS split evenly between them) and one direction (python -m uniep_jax.tune;
+#            $TUNE_DIRECTION default fwd, $TUNE_ARGS extra flags;
 #            $TUNE_WORKERS compile threads, default 8; XLA deterministic ($TUNE_XLA_FLAGS
 #            overrides), as training runs; continues from bench/results/tune when the
 #            flags match; copy back tune/* and tuned_configs.json)
@@ -120,13 +121,17 @@ run_phase() {  # name seconds
                  ${PROF_MESH:+--mesh "$PROF_MESH"} \
                  --out "$dir" >> "$dir/log" 2>&1 || { prc=$?; break; }
              done; (exit $prc) ;;
-    tune)    cp uniep_jax/tuned_configs.json "$dir/" && XLA_FLAGS="${TUNE_XLA_FLAGS-$DET}" \
-               timeout -s USR1 -k 15 "$secs" \
-               python3 -m uniep_jax.tune --moe-config "${TUNE_SHAPE:-deepseek-like}" \
-               --ep "$(nvidia-smi -L | wc -l)" --direction "${TUNE_DIRECTION:-fwd}" \
-               --budget-s $((secs - 60)) --cache "$dir/tuned_configs.json" --out "$dir/tune" \
-               --compile-workers "${TUNE_WORKERS:-8}" \
-               --resume bench/results/tune --no-progress ${TUNE_ARGS:-} > "$dir/log" 2>&1 ;;
+    tune)    local shape trc=0 shapes=(${TUNE_SHAPE:-deepseek-like}) ; shapes=(${shapes[@]//,/ })
+             local each=$((secs / ${#shapes[@]}))
+             cp uniep_jax/tuned_configs.json "$dir/"
+             for shape in "${shapes[@]}"; do   # one budget each; one cache, one report dir
+               XLA_FLAGS="${TUNE_XLA_FLAGS-$DET}" timeout -s USR1 -k 15 "$each" \
+                 python3 -m uniep_jax.tune --moe-config "$shape" \
+                 --ep "$(nvidia-smi -L | wc -l)" --direction "${TUNE_DIRECTION:-fwd}" \
+                 --budget-s $((each - 60)) --cache "$dir/tuned_configs.json" --out "$dir/tune" \
+                 --compile-workers "${TUNE_WORKERS:-8}" \
+                 --resume bench/results/tune --no-progress ${TUNE_ARGS:-} >> "$dir/log" 2>&1 || trc=$?
+             done; (exit $trc) ;;
     mp)      OUT="$dir" LIMIT_S="${MP_LIMIT_S:-60}" timeout "$secs" \
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;
