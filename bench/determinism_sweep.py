@@ -24,9 +24,11 @@ Writes determinism_sweep_<device>_ep<R>.json; exits 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -79,13 +81,27 @@ def sweep_order(tilings: list, points: list) -> list:
   return [(t, pt) for pt in points for t in tilings]
 
 
-def _run(mesh, shape, cfg, x, p):
+_LOWER_LOCK = threading.Lock()
+
+
+def _compile(mesh, shape, cfg, x, p):
+  """The forward output and the gradients of x and every parameter, compiled once:
+  the three runs of a point are one program run three times (what arrival order
+  could change), not three compilations. Lowerings run one at a time (Mosaic GPU's
+  Python lowering keeps module-global state, as in uniep_jax.tune), XLA's compiles
+  in parallel."""
   def loss(x, p):
     y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=shape.top_k, config=cfg)
     w = jnp.cos(jnp.arange(y.shape[-1], dtype=jnp.float32))
     return jnp.sum(y.astype(jnp.float32) * w) + aux["load_balance_loss"], y
 
-  (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, p)
+  with _LOWER_LOCK:
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)).lower(x, p)
+  return lowered.compile()
+
+
+def _checksums(compiled, x, p):
+  (_, y), g = compiled(x, p)
   return tree_checksum(y), tree_checksum(g)
 
 
@@ -96,6 +112,7 @@ def main(argv=None):
   ap.add_argument("--ep", type=int, default=0)
   ap.add_argument("--budget-s", type=float, default=480)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--compile-workers", type=int, default=8)
   args = ap.parse_args(argv)
   t0 = time.time()
   shape = {**common.SHAPES, **SWEEP_SHAPES}[args.shape]
@@ -108,28 +125,40 @@ def main(argv=None):
   reference = {}
   tag_of = lambda kc: (f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"  # noqa: E731
                        + ("/e2" if kc.epilogue_slots == 2 else ""))
-  for kc in TILINGS:
-    tag = tag_of(kc)
-    try:
-      reference[tag] = _run(mesh, shape, uniep_jax.UniEPConfig(backend="pallas", kernel=kc), x, p)
-    except Exception as e:  # noqa: BLE001
-      traceback.print_exc(limit=2)
-      points.append(dict(kernel=tag, backend="pallas", error=repr(e)[:300]))
+  # Compilation dominates (~20 s a point on 2x H100): compile ahead in threads, in
+  # sweep order, while earlier points run. Run it with XLA's deterministic ops (as
+  # device_session's sweep phase does): XLA's GEMM autotuning would otherwise time
+  # kernels while other compiles run, and could pick differently per program.
+  pool = concurrent.futures.ThreadPoolExecutor(args.compile_workers)
+  compile_ = lambda cfg: pool.submit(_compile, mesh, shape, cfg, x, p)  # noqa: E731
+  ref_jobs = {tag_of(kc): compile_(uniep_jax.UniEPConfig(backend="pallas", kernel=kc))
+              for kc in TILINGS}
   default_t = uniep_jax.TransferConfig()
   transfer_points = ([(default_t, None)] + [(tc, None) for tc in TRANSFERS if tc != default_t]
                      + [(default_t, fc) for fc in FUSED])
-  for kc, (tc, fc) in sweep_order(TILINGS, transfer_points):
+  order = sweep_order(TILINGS, transfer_points)
+  jobs = [compile_(uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc, fused=fc))
+          for kc, (tc, fc) in order]
+  for tag, job in ref_jobs.items():
+    try:
+      reference[tag] = _checksums(job.result(), x, p)
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc(limit=2)
+      points.append(dict(kernel=tag, backend="pallas", error=repr(e)[:300]))
+  for (kc, (tc, fc)), job in zip(order, jobs):
     tag = tag_of(kc)
     if tag not in reference:   # its pallas reference failed (recorded above)
+      job.cancel()
       continue
     if time.time() - t0 > args.budget_s:
+      job.cancel()
       skipped.append(dict(kernel=tag, transfer=str(tc), fused=str(fc), why="time budget"))
       continue
-    cfg = uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc, fused=fc)
     row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
                fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows])
     try:
-      runs = [_run(mesh, shape, cfg, x, p) for _ in range(3)]
+      compiled = job.result()
+      runs = [_checksums(compiled, x, p) for _ in range(3)]
       row.update(checksums=runs[0], repeatable=all(r == runs[0] for r in runs),
                  equals_pallas=runs[0] == reference[tag])
       if not (row["repeatable"] and row["equals_pallas"]):
@@ -140,6 +169,7 @@ def main(argv=None):
       row["error"] = repr(e)[:300]
     points.append(row)
     print(row, flush=True)
+  pool.shutdown(wait=False, cancel_futures=True)
   tilings_agree = len({v for v in reference.values()}) == 1
   payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,
                  pallas_reference=reference, points=points, mismatches=mismatches,

@@ -75,7 +75,7 @@ run_phase() {  # name seconds
                bash bench/gpu_suite.sh "${SHAPES:-mixtral-like,deepseek-like,qwen3-like,small-experts}" \
                "${ROUTINGS:-balanced}" "${DIRECTIONS:-fwdbwd}" 0 > "$dir/log" 2>&1 ;;
     check)   timeout "$secs" python3 -m bench.check_moe_gpu --quick --out "$dir" > "$dir/log" 2>&1 ;;
-    sweep)   timeout "$secs" python3 -m bench.determinism_sweep --budget-s $((secs - 40)) \
+    sweep)   XLA_FLAGS="$DET" timeout "$secs" python3 -m bench.determinism_sweep --budget-s $((secs - 40)) \
                --out "$dir" > "$dir/log" 2>&1 ;;
     train)   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
                timeout -s USR1 -k 15 "$secs" python3 -m bench.train_throughput \
