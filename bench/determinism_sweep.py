@@ -24,6 +24,7 @@ Writes determinism_sweep_<device>_ep<R>.json; exits 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import itertools
 import os
@@ -113,6 +114,9 @@ def main(argv=None):
   ap.add_argument("--budget-s", type=float, default=480)
   ap.add_argument("--out", default=None)
   ap.add_argument("--compile-workers", type=int, default=8)
+  ap.add_argument("--start", type=int, default=0,
+                  help="skip the first START points of the sweep order (a run cut by its "
+                       "budget covered them; the pallas references are computed again)")
   args = ap.parse_args(argv)
   t0 = time.time()
   shape = {**common.SHAPES, **SWEEP_SHAPES}[args.shape]
@@ -136,23 +140,38 @@ def main(argv=None):
   default_t = uniep_jax.TransferConfig()
   transfer_points = ([(default_t, None)] + [(tc, None) for tc in TRANSFERS if tc != default_t]
                      + [(default_t, fc) for fc in FUSED])
-  order = sweep_order(TILINGS, transfer_points)
-  jobs = [compile_(uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc, fused=fc))
-          for kc, (tc, fc) in order]
+  order = sweep_order(TILINGS, transfer_points)[args.start:]
+  # compiles run at most 2 x workers points ahead (a run cut by its budget then
+  # waits for few compiles at exit)
+  window = 2 * args.compile_workers
+  jobs = collections.deque()
+
+  def submit_next():
+    i = len(jobs) + done[0]
+    if i < len(order):
+      kc, (tc, fc) = order[i]
+      jobs.append(compile_(uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc,
+                                                 fused=fc)))
+  done = [0]
+  for _ in range(window):
+    submit_next()
   for tag, job in ref_jobs.items():
     try:
       reference[tag] = _checksums(job.result(), x, p)
     except Exception as e:  # noqa: BLE001
       traceback.print_exc(limit=2)
       points.append(dict(kernel=tag, backend="pallas", error=repr(e)[:300]))
-  for (kc, (tc, fc)), job in zip(order, jobs):
+  for kc, (tc, fc) in order:
+    job = jobs.popleft()
+    done[0] += 1
     tag = tag_of(kc)
-    if tag not in reference:   # its pallas reference failed (recorded above)
-      job.cancel()
-      continue
-    if time.time() - t0 > args.budget_s:
+    if time.time() - t0 > args.budget_s:   # past the budget: nothing more is compiled
       job.cancel()
       skipped.append(dict(kernel=tag, transfer=str(tc), fused=str(fc), why="time budget"))
+      continue
+    submit_next()
+    if tag not in reference:   # its pallas reference failed (recorded above)
+      job.cancel()
       continue
     row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
                fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows])
@@ -171,13 +190,14 @@ def main(argv=None):
     print(row, flush=True)
   pool.shutdown(wait=False, cancel_futures=True)
   tilings_agree = len({v for v in reference.values()}) == 1
-  payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,
+  payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep, start=args.start,
                  pallas_reference=reference, points=points, mismatches=mismatches,
                  skipped=skipped, all_tilings_agree=tilings_agree,
                  swept=sum("checksums" in r for r in points))
   kind = meta["device_kind"].replace(" ", "_")
   common.write_json(os.path.join(common.out_dir(args.out),
-                                 f"determinism_sweep_{kind}_ep{ep}.json"), payload)
+                                 f"determinism_sweep_{kind}_ep{ep}"
+                                 + (f"_from{args.start}" if args.start else "") + ".json"), payload)
   errors = sum("error" in r for r in points)
   print(f"{payload['swept']} points swept, {len(mismatches)} mismatches, {errors} errors, "
         f"{len(skipped)} skipped; tilings agree with each other: {tilings_agree}")
