@@ -67,6 +67,33 @@ def test_determinism_sweep_covers_every_tiling_first():
   assert [t for t, _ in order[:len(TILINGS)]] == TILINGS
 
 
+def _fake_sweep(monkeypatch, checksum_of):
+  """The sweep's scheduling on the CPU: compiling and running a point is faked (the
+  uniep backend's transfer kernels need GPUs); `checksum_of(cfg)` gives its bits."""
+  from bench import common, determinism_sweep
+  monkeypatch.setitem(determinism_sweep.SWEEP_SHAPES, "cpu-tiny",
+                      common.MoEShape("cpu-tiny", 64, 128, 128, 8, 2))
+  monkeypatch.setattr(determinism_sweep, "_compile", lambda mesh, shape, cfg, x, p: cfg)
+  monkeypatch.setattr(determinism_sweep, "_checksums", lambda cfg, x, p: checksum_of(cfg))
+  return determinism_sweep
+
+
+def test_determinism_sweep_runs_every_point_and_reports_a_mismatch(tmp_path, monkeypatch):
+  sweep = _fake_sweep(monkeypatch, lambda cfg: ("same",))
+  assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--out", str(tmp_path)]) == 0
+  got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.json")).read_text())
+  assert got["swept"] == len(sweep.TILINGS) * (1 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
+  assert not got["mismatches"] and not got["skipped"]
+  # a point whose bits differ from its "pallas" reference is reported and fails the run
+  bad = lambda cfg: ("other",) if cfg.backend == "uniep" and cfg.fused is not None else ("same",)  # noqa: E731
+  sweep = _fake_sweep(monkeypatch, bad)
+  assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--start", "5",
+                     "--out", str(tmp_path)]) == 1
+  got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2_from5.json")).read_text())
+  assert len(got["mismatches"]) == len(sweep.TILINGS) * len(sweep.FUSED)
+  assert all(m["fused"] is not None for m in got["mismatches"])
+
+
 def test_train_throughput_backend_options():
   assert train_throughput.parse_backend("uniep") == dict(backend="uniep")
   assert train_throughput.parse_backend("uniep+xla_dswiglu+s3+b4") == dict(
