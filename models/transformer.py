@@ -151,6 +151,48 @@ def _embed_bwd(mesh, grad_dtype, res, ct):
 embed_lookup.defvjp(_embed_fwd, _embed_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def lm_head_logits(x: jax.Array, w_head: jax.Array, mesh=None) -> jax.Array:
+  """x [B, S, H] (the compute dtype), w_head [H, V] (float32 parameter) -> float32 logits.
+
+  The forward GEMM runs on x's dtype with float32 accumulation. The backward casts
+  the float32 logit cotangent to x's dtype before its two GEMMs (dx = dlogits @ w^T,
+  dw = x^T @ dlogits, both accumulated in float32), as mixed-precision training does
+  for the output layer. Left to autodiff, the float32 cotangent promoted both GEMMs
+  to float32 operands: on H100 they ran as TF32 kernels, 4.0 + 2.5 ms of a ~66 ms
+  mixtral-like training step (bench/results/profiles/profile_train_*_after_opt_sharding.json),
+  for ~2.7 ms of bf16 work at the rate of the forward's bf16 head GEMM in the same
+  profile (an estimate, not yet measured). With float32 x this is the plain einsum."""
+  return _head_fwd_logits(x, w_head)
+
+
+def _head_fwd_logits(x, w_head):
+  return jnp.einsum("bsh,hv->bsv", x, w_head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _lm_head_fwd(x, w_head, mesh):
+  return _head_fwd_logits(x, w_head), (x, w_head)
+
+
+def _lm_head_bwd(mesh, res, ct):
+  x, w_head = res
+  ct, w = ct.astype(x.dtype), w_head.astype(x.dtype)
+  xs = x
+  if jax.default_backend() == "cpu":
+    # XLA:CPU cannot run some bf16 x bf16 -> f32 dots ("Unsupported element type for
+    # DotThunk", the tied head's): the same exact products, in float32 operands
+    ct, w, xs = ct.astype(jnp.float32), w.astype(jnp.float32), x.astype(jnp.float32)
+  dx = jnp.einsum("bsv,hv->bsh", ct, w, preferred_element_type=jnp.float32)
+  kw = {}
+  if mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types):
+    kw["out_sharding"] = NamedSharding(mesh, P(None, None))
+  dw = jnp.einsum("bsh,bsv->hv", xs, ct, preferred_element_type=jnp.float32, **kw)
+  return dx.astype(x.dtype), dw.astype(w_head.dtype)
+
+
+lm_head_logits.defvjp(_lm_head_fwd, _lm_head_bwd)
+
+
 class Transformer(nnx.Module):
   """tokens [B, S] int32 -> (logits [B, S, V] float32, aux of the MoE layers)."""
 
@@ -184,7 +226,10 @@ class Transformer(nnx.Module):
       x = blk(x)
     x = self.final_norm(x)
     w_head = self.embed[...].T if self.head is None else self.head[...]  # [H, V]
-    logits = jnp.einsum("bsh,hv->bsv", x, w_head.astype(dt), preferred_element_type=jnp.float32)
+    if dt == jnp.float32:   # all float32 already: autodiff's own transpose
+      logits = jnp.einsum("bsh,hv->bsv", x, w_head, preferred_element_type=jnp.float32)
+    else:
+      logits = lm_head_logits(x, w_head, self.mesh)
     moes = self.moe_modules()
     aux = {k: jnp.stack([jnp.asarray(m.aux.get_value()[k]) for m in moes]) for k in AUX_KEYS}
     return logits, aux

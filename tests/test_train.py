@@ -272,6 +272,44 @@ def test_embedding_backward_is_the_scatter_sum(mesh_factory, explicit, grad_dtyp
   assert np.all(np.asarray(ours)[12:] == 0)    # rows no token uses
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_backward_runs_on_the_compute_dtype(tied):
+  """The bf16 model's output layer: the float32 logit cotangent is cast to bf16 before
+  the backward GEMMs (which autodiff had promoted to float32 operands), and the
+  gradients are autodiff's of the same computation with that cotangent."""
+  import jax.numpy as jnp
+  from models.transformer import lm_head_logits
+
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (2, 5, 16)).astype(jnp.bfloat16)
+  w = jax.random.normal(k[1], (40, 16) if tied else (16, 40))
+  ct = jax.random.normal(k[2], (2, 5, 40))
+  head = (lambda w: w.T) if tied else (lambda w: w)  # noqa: E731
+  loss = lambda x, w: jnp.sum(lm_head_logits(x, head(w)) * ct)  # noqa: E731
+  dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  # float32 references from the cotangent rounded to bf16 (what the backward feeds its
+  # GEMMs): dw is accumulated and returned in float32, dx accumulated in float32 and
+  # rounded to bf16 once
+  ct16 = ct.astype(jnp.bfloat16).astype(jnp.float32)
+  w16 = head(w).astype(jnp.bfloat16).astype(jnp.float32)               # [H, V]
+  hp = jax.lax.Precision.HIGHEST
+  rdx = jnp.einsum("bsv,hv->bsh", ct16, w16, precision=hp)
+  rdw = jnp.einsum("bsh,bsv->hv", x.astype(jnp.float32), ct16, precision=hp)
+  rdw = rdw.T if tied else rdw
+  np.testing.assert_allclose(np.asarray(dw), np.asarray(rdw), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(dx), np.asarray(rdx.astype(jnp.bfloat16)))
+  # no GEMM of the backward takes a float32 operand (lowered for the GPU's rules; the
+  # CPU's own lowering upcasts, see _lm_head_bwd)
+  from unittest import mock
+  with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+  operands = [line.rsplit(": (", 1)[1].split(") ->")[0] for line in hlo.splitlines()
+              if "dot_general" in line]
+  assert len(operands) == 2, operands          # dx and dw (the loss is linear in the logits)
+  assert all(o.count("xbf16>") == 2 for o in operands), operands
+
+
 def test_nccl_group_launch_is_the_default_and_an_explicit_setting_wins(monkeypatch):
   from train.mesh import request_nccl_group_launch
   monkeypatch.delenv("NCCL_LAUNCH_MODE", raising=False)
