@@ -59,7 +59,10 @@ TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
 # the v2 fused kernels (EXPERIMENTAL), with the default transfer: B a multiple of every
 # tiling's block_m
 FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
-         uniep_jax.FusedConfig(n_comm=48, recv_chunk_rows=2048)]
+         uniep_jax.FusedConfig(n_comm=48, recv_chunk_rows=2048),
+         # Kernel A with v1's down GEMM and return, and the fused backward (EXPERIMENTAL)
+         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
+                               backward=True)]
 
 
 def _inputs(shape, mesh):
@@ -182,7 +185,8 @@ def main(argv=None):
       job.cancel()
       continue
     row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
-               fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows])
+               fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows,
+                                              fc.return_in_kernel, fc.backward])
     try:
       compiled = job.result()
       runs = [_checksums(compiled, x, p) for _ in range(3)]

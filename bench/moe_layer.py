@@ -43,6 +43,11 @@ BACKEND_CONFIGS = {
     # EXPERIMENTAL v2 forward (uniep_jax/fused.py): Kernels A and B, v1's backward
     "uniep_fused": uniep_jax.UniEPConfig(
         backend="uniep", fused=uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=2048)),
+    # EXPERIMENTAL: Kernel A, v1's down GEMM and return, and the fused backward (the dy
+    # dispatch with the da GEMM in one launch)
+    "uniep_fused_bwd": uniep_jax.UniEPConfig(
+        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=2048,
+                                                     return_in_kernel=False, backward=True)),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
 }

@@ -118,19 +118,23 @@ class TrainCase:
 def parse_backend(backend: str) -> dict:
   """"uniep+xla_dswiglu+s3+b4" -> the TrainConfig fields it sets: backend "uniep", then
   swiglu_grad_in_kernel ('+dswiglu' True, '+xla_dswiglu' False), kernel_stages ('+sN':
-  KernelConfig.max_concurrent_steps=N), and grad_buckets ('+bN');
+  KernelConfig.max_concurrent_steps=N), grad_buckets ('+bN') and fused ('+fused': the
+  v2 fused kernels, models.transformer.TRAIN_FUSED);
   fields not named keep their defaults."""
   base, *options = backend.split("+")
   fields = dict(backend=base)
   for option in options:
     if option in ("dswiglu", "xla_dswiglu"):
       fields["swiglu_grad_in_kernel"] = option == "dswiglu"
+    elif option == "fused":
+      fields["fused"] = True
     elif option[:1] in "sb" and option[1:].isdigit():
       fields["kernel_stages" if option[0] == "s" else "grad_buckets"] = int(option[1:])
     else:
       raise ValueError(f"backend {backend!r}: the options are '+dswiglu' / '+xla_dswiglu' "
                        f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on), "
-                       f"'+sN' (KernelConfig.max_concurrent_steps=N) and '+bN' (grad_buckets=N)")
+                       f"'+sN' (KernelConfig.max_concurrent_steps=N), '+bN' (grad_buckets=N) "
+                       f"and '+fused' (the v2 fused kernels)")
   return fields
 
 
@@ -234,7 +238,8 @@ def main(argv=None):
   ap.add_argument("--backends", default=",".join(BACKENDS),
                   help="comma list of backends with options (parse_backend): '+xla_dswiglu' the "
                        "SwiGLU derivative by an XLA pass, '+sN' N pipeline stages, '+bN' N "
-                       "gradient buckets, e.g. uniep,uniep+s4,uniep+b3")
+                       "gradient buckets, '+fused' the v2 fused kernels (EXPERIMENTAL), e.g. "
+                       "uniep,uniep+s4,uniep+b3,uniep+fused")
   ap.add_argument("--max-experts", type=int, default=64,
                   help="cap on each model's expert count, to fit (0: the config's)")
   ap.add_argument("--batch", type=int, default=8)

@@ -23,10 +23,14 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
-from uniep_jax.config import KernelConfig, UniEPConfig
+from uniep_jax.config import FusedConfig, KernelConfig, UniEPConfig
 from uniep_jax.module import SwiGLU, UniEPMoE, fan_in_normal, sharding_metadata
 
 AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped")
+# `Transformer(fused=True)` (backend "uniep"; EXPERIMENTAL): Kernel A forward (dispatch +
+# gate/up in one launch) with v1's down GEMM and return, and the fused backward (the dy
+# dispatch + the da GEMM in one launch); the bits are v1's.
+TRAIN_FUSED = FusedConfig(n_comm=32, recv_chunk_rows=2048, return_in_kernel=False, backward=True)
 
 
 class RMSNorm(nnx.Module):
@@ -199,13 +203,14 @@ class Transformer(nnx.Module):
   def __init__(self, c: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
                backend: str = "xla_dropless", capacity_factor: float = 1.25,
                swiglu_grad_in_kernel: Optional[bool] = None,
-               kernel_stages: Optional[int] = None, rngs: nnx.Rngs):
+               kernel_stages: Optional[int] = None, fused: bool = False, rngs: nnx.Rngs):
     self.c, self.mesh = c, mesh
     self.dtype = jnp.dtype(c.dtype)
     kernel = (KernelConfig() if kernel_stages is None
               else KernelConfig(max_concurrent_steps=kernel_stages))
     moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor,
-                             swiglu_grad_in_kernel=swiglu_grad_in_kernel, kernel=kernel)
+                             swiglu_grad_in_kernel=swiglu_grad_in_kernel, kernel=kernel,
+                             fused=TRAIN_FUSED if fused else None)
     kw = sharding_metadata((None, None), mesh)
     self.embed = nnx.Param(fan_in_normal(rngs.params(), (c.vocab_size, c.d_model), c.d_model,
                                           jnp.float32), **kw)

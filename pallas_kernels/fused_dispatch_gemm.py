@@ -248,10 +248,15 @@ def _transfer_scope(work_gmem, src_gmem, recv_gmem, chunk_sem, *, item_rows, col
 # ----------------------------------------------------------------------------
 
 
-def _fused_kernel(work_gmem, plan_gmem, rows_gmem, w_gate_up_gmem,
-                  recv_gmem, a_gmem, h_gmem, u_gmem, *, transfer_kw: dict, gemm_kw: dict,
-                  n_comm: int, num_sms: int, num_chunks: int, recv_chunk_rows: int,
-                  axis_name, num_peers: int):
+def _fused_kernel(work_gmem, plan_gmem, rows_gmem, *refs, num_in: int, gemm_in: tuple,
+                  transfer_kw: dict, gemm_kw: dict, n_comm: int, num_sms: int, num_chunks: int,
+                  recv_chunk_rows: int, axis_name, num_peers: int):
+  """refs: the GEMM's other inputs (num_in of them), then the outputs: recv (the
+  GEMM's lhs, which peers write into) and the GEMM's outputs. gemm_in: the indices
+  of the inputs the GEMM body takes after its lhs (its rhs operands, then its
+  epilogue inputs): (0, 0) for "swiglu" (w_gate_up read twice, at column offsets 0
+  and F), (0, 1, 2) for "dswiglu" (w_down, h, u)."""
+  inputs, recv_gmem, gemm_outs = refs[:num_in], refs[num_in], refs[num_in + 1:]
   c = lax.axis_index("sm")
   chunk_sem = pl.get_global(plgpu.SemaphoreType.REGULAR((num_chunks,)))
   expected = num_peers * n_comm
@@ -267,9 +272,7 @@ def _fused_kernel(work_gmem, plan_gmem, rows_gmem, w_gate_up_gmem,
       plgpu.semaphore_wait(chunk_sem.at[load_row // recv_chunk_rows], expected,
                            decrement=False)
 
-    # w_gate_up twice: gate at column 0, up at f_p (gemm_kw's b_col_offsets)
-    gg._row_tiled_kernel(plan_gmem, recv_gmem, w_gate_up_gmem, w_gate_up_gmem, a_gmem, h_gmem,
-                         u_gmem,
+    gg._row_tiled_kernel(plan_gmem, recv_gmem, *(inputs[i] for i in gemm_in), *gemm_outs,
                          cta_offset=n_comm, num_ctas=num_sms - n_comm, before_tile=wait_rows,
                          **gemm_kw)
 
@@ -288,10 +291,14 @@ class _Static:
 
 def validate(*, out_rows: int, hidden: int, ffn: int, num_local_experts: int, dtype,
              kernel: KernelConfig, transfer: TransferConfig, fused: FusedConfig,
-             smem: int | None = None) -> _Static:
+             smem: int | None = None, mode: str = "swiglu") -> _Static:
   """All static checks of a fused launch, with the derived sizes. Raises
   ValueError before anything is traced (B vs block_m, n_comm vs num_sms, the
-  SMEM of each role, H vs block_k)."""
+  SMEM of each role, H vs block_k). mode: the GEMM role's, "swiglu" (the forward's
+  gate/up) or "dswiglu" (the backward's da = dy @ w_down^T with dh, du in its
+  epilogue)."""
+  if mode not in ("swiglu", "dswiglu"):
+    raise ValueError(f"{mode=} must be 'swiglu' (forward) or 'dswiglu' (backward)")
   smem = device_lib.smem_capacity() if smem is None else smem
   num_sms = device_lib.num_sms(kernel.num_sms)
   b = fused.recv_chunk_rows
@@ -310,9 +317,15 @@ def validate(*, out_rows: int, hidden: int, ffn: int, num_local_experts: int, dt
   # GEMM role SMEM: the grouped GEMM's own check (raises if one stage does not fit)
   m_p = gg._round_up(out_rows, kernel.block_m)
   f_p = gg._swiglu_padded_f(ffn, kernel)
-  gemm_kw = gg.row_tiled_params(m_p, hidden, f_p, num_local_experts, mode="swiglu",
-                                transpose_b=False, out_dtype=dtype, in_dtype=dtype,
-                                save_hu=True, config=kernel, smem=smem, b_col_offsets=(0, f_p))
+  if mode == "swiglu":   # [rows | H] @ w_gate_up [H, 2F_p] at column offsets 0 and F_p
+    gemm_kw = gg.row_tiled_params(m_p, hidden, f_p, num_local_experts, mode="swiglu",
+                                  transpose_b=False, out_dtype=dtype, in_dtype=dtype,
+                                  save_hu=True, config=kernel, smem=smem,
+                                  b_col_offsets=(0, f_p))
+  else:                  # [dy | H] @ w_down[F_p, H]^T, as grouped_gemm.swiglu_backward's da
+    gemm_kw = gg.row_tiled_params(m_p, hidden, f_p, num_local_experts, mode="dswiglu",
+                                  transpose_b=True, out_dtype=dtype, in_dtype=dtype,
+                                  save_hu=False, config=kernel, smem=smem)
   return _Static(m_p=m_p, f_p=f_p, num_sms=num_sms, num_chunks=-(-m_p // b),
                  col_tile=col_tile, gemm_kw=gemm_kw)
 
@@ -338,16 +351,66 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
     raise ValueError(f"w_gate_up {w_gate_up.shape} must be [El={group_sizes.shape[0]}, "
                      f"H={rows_sorted.shape[1]}, 2F] ([w_gate | w_up])")
   ffn = two_f // 2
-  num_peers = seg_len.shape[0]
   dtype = rows_sorted.dtype
   if w_gate_up.dtype != dtype:
     raise ValueError(f"all operands must share one dtype, got {w_gate_up.dtype} and {dtype}")
   st = validate(out_rows=out_rows, hidden=hidden, ffn=ffn, num_local_experts=el, dtype=dtype,
                 kernel=kernel, transfer=transfer, fused=fused)
+  outs = ((st.m_p, hidden),) + ((st.m_p, st.f_p),) * 3
+  return _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
+                 (gg._pad_gate_up(w_gate_up, st.f_p),), gemm_in=(0, 0), out_shapes=outs,
+                 name="fused_dispatch_gate_up", st=st, axis_name=axis_name, kernel=kernel,
+                 transfer=transfer, fused=fused)
+
+
+def fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_down, h, u, *,
+                           out_rows: int, axis_name: str,
+                           kernel: KernelConfig = KernelConfig(),
+                           transfer: TransferConfig = TransferConfig(),
+                           fused: FusedConfig = FusedConfig()):
+  """The backward's twin of `fused_dispatch_gate_up` (EXPERIMENTAL, `FusedConfig.backward`):
+  the dispatch of dy (the transpose of the return: the same segments as the forward's
+  dispatch) and da = dy @ w_down^T with the SwiGLU derivative in its epilogue (grouped
+  GEMM mode "dswiglu"), in one launch, each GEMM tile waiting only for its chunk.
+
+  dy_sorted [Ns, H]: this rank's sorted-order cotangent rows; seg_*, group_sizes: as
+  for the forward; w_down [El, F, H]; h, u [M_p, F_p]: the forward's residuals (its
+  gate/up launch's outputs). Returns (dy_recv [M_p, H], dhu [M_p, 2 F_p] = [dh | du]):
+  dhu is what `grouped_gemm.swiglu_backward`'s "dswiglu" launch writes (same body,
+  same tile plan, same block_k: only WHEN a tile runs changes); dy_recv rows that no
+  segment covers are undefined (the caller zeroes the window the wgrad reads). GPU only.
+  """
+  ns, hidden = dy_sorted.shape
+  el, ffn, w_hidden = w_down.shape
+  if w_hidden != hidden or el != group_sizes.shape[0]:
+    raise ValueError(f"w_down {w_down.shape} must be [El={group_sizes.shape[0]}, F, "
+                     f"H={hidden}]")
+  dtype = dy_sorted.dtype
+  if w_down.dtype != dtype or h.dtype != dtype or u.dtype != dtype:
+    raise ValueError(f"all operands must share one dtype, got dy {dtype}, w_down "
+                     f"{w_down.dtype}, h {h.dtype}, u {u.dtype}")
+  st = validate(out_rows=out_rows, hidden=hidden, ffn=ffn, num_local_experts=el, dtype=dtype,
+                kernel=kernel, transfer=transfer, fused=fused, mode="dswiglu")
+  if h.shape != (st.m_p, st.f_p) or u.shape != (st.m_p, st.f_p):
+    raise ValueError(f"h {h.shape} and u {u.shape} must be [M_p, F_p] = {(st.m_p, st.f_p)} "
+                     f"(the forward's gate/up outputs)")
+  outs = ((st.m_p, hidden), (st.m_p, 2 * st.f_p))
+  return _launch(dy_sorted, seg_src, seg_dst, seg_len, group_sizes,
+                 (gg._pad_axis(w_down, 1, st.f_p), h, u), gemm_in=(0, 1, 2), out_shapes=outs,
+                 name="fused_dispatch_dswiglu", st=st, axis_name=axis_name, kernel=kernel,
+                 transfer=transfer, fused=fused)
+
+
+def _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, inputs: tuple, *,
+            gemm_in: tuple, out_shapes: tuple, name: str, st: _Static, axis_name,
+            kernel: KernelConfig, transfer: TransferConfig, fused: FusedConfig):
+  """One fused launch: the transfer role pushes `rows_sorted` into the owners' first
+  output (the GEMM's lhs), the GEMM role runs `st.gemm_kw`'s body on it."""
+  ns, hidden = rows_sorted.shape
+  num_peers = seg_len.shape[0]
   item_rows = transfer.chunk_rows
   if ns < item_rows:   # the transfer's load box must fit inside src (as v1)
     rows_sorted = jnp.pad(rows_sorted, ((0, item_rows - ns), (0, 0)))
-  w_gate_up = gg._pad_gate_up(w_gate_up, st.f_p)
   rank = lax.axis_index(axis_name)
   work = chunk_work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=ns,
                           item_rows=item_rows, recv_chunk_rows=fused.recv_chunk_rows,
@@ -355,22 +418,21 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
   w = num_items(ns, seg_len.shape[1], st.num_chunks, item_rows)
   plan = gg._row_tile_plan(group_sizes, st.m_p, kernel.block_m)
   body = functools.partial(
-      _fused_kernel,
+      _fused_kernel, num_in=len(inputs), gemm_in=gemm_in,
       transfer_kw=dict(w=w, item_rows=item_rows, col_tile=st.col_tile),
       gemm_kw=st.gemm_kw, n_comm=fused.n_comm, num_sms=st.num_sms, num_chunks=st.num_chunks,
       recv_chunk_rows=fused.recv_chunk_rows, axis_name=axis_name, num_peers=num_peers)
   kernel_fn = plgpu.kernel(
       body,
-      kernel_name="fused_dispatch_gate_up",
-      out_type=(jax.ShapeDtypeStruct((st.m_p, hidden), dtype),)
-      + tuple(jax.ShapeDtypeStruct((st.m_p, st.f_p), dtype) for _ in range(3)),
+      kernel_name=name,
+      out_type=tuple(jax.ShapeDtypeStruct(shape, rows_sorted.dtype) for shape in out_shapes),
       grid=(st.num_sms,),
       grid_names=("sm",),
       num_threads=gg._NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  return kernel_fn(work.reshape(-1), plan, rows_sorted, w_gate_up)
+  return kernel_fn(work.reshape(-1), plan, rows_sorted, *inputs)
 
 
 def transfer_chunks_local(src, seg_src, seg_dst, seg_len, *, out_rows: int, rank: int = 0,

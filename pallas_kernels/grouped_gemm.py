@@ -906,21 +906,30 @@ def _swiglu_forward(x, w_gate_up, w_down, group_sizes, config, interpret, save: 
   m, h_dim = x.shape
   f_p = _swiglu_padded_f(w_down.shape[1], config)
   h_p = _round_up(h_dim, config.block_k)
-  h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)
   m_p = _padded_rows(m, config)
   x_p = _pad_axis(_pad_axis(x, 1, h_p), 0, m_p)
   wgu_p = _pad_axis(_pad_gate_up(w_gate_up, f_p), 1, h_p)
-  wd_p = _pad_axis(_pad_axis(w_down, 1, f_p), 2, h_out)
   # h from columns [0, f_p) of w_gate_up, u from [f_p, 2 f_p): the same array twice
   outs = _row_tiled_call([x_p], [wgu_p, wgu_p], group_sizes, mode="swiglu", transpose_b=False,
                          out_dtype=x.dtype, save_hu=save, config=config, interpret=interpret,
                          zero_window=zero_window, b_col_offsets=(0, f_p))
-  a = outs[0]  # [m_p, F_p]
-  (y,) = _row_tiled_call([a], [wd_p], group_sizes, mode="plain", transpose_b=False,
-                         out_dtype=x.dtype, save_hu=False, config=config, interpret=interpret,
-                         zero_window=zero_window)
+  y = down_projection(outs[0], w_down, group_sizes, config=config, interpret=interpret,
+                      zero_window=zero_window)
   y = y[:m, :h_dim] if y.shape != (m, h_dim) else y
   return y, outs
+
+
+def down_projection(a, w_down, group_sizes, *, config: KernelConfig, interpret=None,
+                    zero_window: Optional[int] = None):
+  """y = a @ w_down[g] for a [m_p, F_p] (the gate/up launch's output), w_down [G, F, H]:
+  [m_p, H padded to the CTA tile width]. Also the fused uniep forward's down GEMM when
+  its return is not in the kernel (uniep_jax/fused.py)."""
+  h_out = _round_up(w_down.shape[2], _NUM_COMPUTE_WGS * config.block_n)
+  wd_p = _pad_axis(_pad_axis(w_down, 1, a.shape[1]), 2, h_out)
+  (y,) = _row_tiled_call([a], [wd_p], group_sizes, mode="plain", transpose_b=False,
+                         out_dtype=a.dtype, save_hu=False, config=config,
+                         interpret=resolve_interpret(interpret), zero_window=zero_window)
+  return y
 
 
 def swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
@@ -931,15 +940,12 @@ def swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, *, config: K
   (dx [M, H], dw_gate_up [G, H, 2F], dw_down). Also the backward pass of the fused
   uniep forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u."""
   interpret = resolve_interpret(interpret)
-  m, h_dim = x.shape
-  f_dim = w_down.shape[1]
+  h_dim = x.shape[1]
   kw = dict(config=config, interpret=interpret)
-  f_p = _swiglu_padded_f(f_dim, config)
-  wgu_p = _pad_gate_up(w_gate_up, f_p)
+  f_p = _swiglu_padded_f(w_down.shape[1], config)
   wd_p = _pad_axis(w_down, 1, f_p)
   m_p = a.shape[0]
   h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
-  h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
   dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
   da_args = ([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes)
   if fuse_da_epilogue:
@@ -952,6 +958,24 @@ def swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, *, config: K
                             save_hu=False, zero_window=zero_window, **kw)
     dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
     dhu = jnp.concatenate([dh, du], axis=1).astype(x.dtype)
+  return swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, config=config,
+                                  interpret=interpret, zero_window=zero_window)
+
+
+def swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, *,
+                             config: KernelConfig, interpret=None,
+                             zero_window: Optional[int] = None):
+  """The rest of `swiglu_backward` once [dh | du] ([m_p, 2 F_p], its "dswiglu" launch's
+  output) is known: dx and the two weight gradients. Also the tail of the fused
+  uniep backward (uniep_jax/fused.py), whose fused dy dispatch computes dhu."""
+  interpret = resolve_interpret(interpret)
+  m, h_dim = x.shape
+  f_dim = w_down.shape[1]
+  kw = dict(config=config, interpret=interpret)
+  f_p = _swiglu_padded_f(f_dim, config)
+  wgu_p = _pad_gate_up(w_gate_up, f_p)
+  m_p = a.shape[0]
+  h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
   # dx = [dh | du] @ w_gate_up^T: one plain dgrad over K = 2 f_p, [m_p, h_out]
   (dx,) = _row_tiled_call([dhu], [_pad_axis(wgu_p, 1, h_out)], group_sizes, mode="plain",
                           transpose_b=True, out_dtype=x.dtype, save_hu=False,

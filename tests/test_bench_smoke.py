@@ -100,6 +100,7 @@ def test_train_throughput_backend_options():
       backend="uniep", swiglu_grad_in_kernel=False, kernel_stages=3, grad_buckets=4)
   assert train_throughput.parse_backend("pallas+dswiglu") == dict(backend="pallas",
                                                                   swiglu_grad_in_kernel=True)
+  assert train_throughput.parse_backend("uniep+fused") == dict(backend="uniep", fused=True)
   with pytest.raises(ValueError, match="the options are"):
     train_throughput.parse_backend("uniep+fast")
 

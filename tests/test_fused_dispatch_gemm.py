@@ -152,6 +152,87 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
+def test_dswiglu_body_on_cta_subset_with_hook_is_bitwise_equal():
+  """The backward's fused launch runs the "dswiglu" body with the same hooks: no bit
+  changes against the standalone launch (empty group, dead rows)."""
+  m, kdim, n, g = 384, 128, 256, 3
+  ks = jax.random.split(jax.random.key(4), 4)
+  gs = jnp.array([100, 0, 170], jnp.int32)
+  dy = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
+  w_down = (jax.random.normal(ks[1], (g, n, kdim)) * n**-0.5).astype(jnp.bfloat16)
+  h = jax.random.normal(ks[2], (m, n)).astype(jnp.bfloat16)
+  u = jax.random.normal(ks[3], (m, n)).astype(jnp.bfloat16)
+  cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
+  (ref,) = gg._row_tiled_call([dy], [w_down], gs, mode="dswiglu", transpose_b=True,
+                              out_dtype=jnp.bfloat16, save_hu=False, config=cfg,
+                              interpret=INTERPRET, epi_inputs=(h, u))
+  st = fdg.validate(out_rows=m, hidden=kdim, ffn=n, num_local_experts=g, dtype=jnp.bfloat16,
+                    kernel=cfg, transfer=TransferConfig(), mode="dswiglu",
+                    fused=fdg.FusedConfig(n_comm=1, recv_chunk_rows=128), smem=227 * 1024)
+  assert (st.m_p, st.f_p) == (m, n)
+  offset, count = 1, 2
+
+  def body(plan_gmem, dy_gmem, wd_gmem, h_gmem, u_gmem, dhu_gmem):
+    @jax.experimental.pallas.when(jax.lax.axis_index("sm") >= offset)
+    def _():
+      gg._row_tiled_kernel(plan_gmem, dy_gmem, wd_gmem, h_gmem, u_gmem, dhu_gmem,
+                           cta_offset=offset, num_ctas=count,
+                           before_tile=lambda load_row: plgpu.commit_smem(), **st.gemm_kw)
+
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((m, 2 * n), jnp.bfloat16),
+      grid=(offset + count,), grid_names=("sm",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=gg.resolve_interpret(INTERPRET))
+  got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), dy, w_down, h, u)
+  assert_no_races()
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(ref).view(np.uint16))
+
+
+def _lower_fused_dswiglu(mesh, r, kernel, transfer, fused, ns=256, h=256, f=192, el=2):
+  st = fdg.validate(out_rows=r * ns, hidden=h, ffn=f, num_local_experts=el, dtype=jnp.bfloat16,
+                    kernel=kernel, transfer=transfer, fused=fused, mode="dswiglu")
+
+  def body(dy, s, d, l, gs, wd, hh, uu):
+    return fdg.fused_dispatch_dswiglu(dy, s[0], d[0], l[0], gs[0], wd, hh, uu, out_rows=r * ns,
+                                      axis_name="expert", kernel=kernel, transfer=transfer,
+                                      fused=fused)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 8, out_specs=P("expert"),
+                     check_vma=False)
+  sh = NamedSharding(mesh, P("expert"))
+  s = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+  args = (s((r * ns, h), jnp.bfloat16), s((r, r, el)), s((r, r, el)), s((r, r, el)),
+          s((r, el)), s((r * el, f, h), jnp.bfloat16), s((r * st.m_p, st.f_p), jnp.bfloat16),
+          s((r * st.m_p, st.f_p), jnp.bfloat16))
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_fused_backward_kernel_lowers_for_cuda(mesh_factory):
+  """The backward's fused launch (dy dispatch + da with the dswiglu epilogue) lowers to
+  a Mosaic GPU custom call for CUDA on a CPU-only machine (runs: GPU sweep)."""
+  r = 4
+  lowered = _lower_fused_dswiglu(mesh_factory(1, r), r,
+                                 KernelConfig(num_sms=8, max_concurrent_steps=2),
+                                 TransferConfig(chunk_rows=64),
+                                 fdg.FusedConfig(n_comm=3, recv_chunk_rows=256, backward=True))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_fused_backward_checks_its_operands():
+  kw = dict(out_rows=512, axis_name="expert", kernel=KernelConfig(num_sms=8),
+            fused=fdg.FusedConfig(n_comm=3, recv_chunk_rows=256))
+  dy = jnp.zeros((128, 256), jnp.bfloat16)
+  seg = jnp.zeros((2, 2), jnp.int32)
+  gs = jnp.zeros((2,), jnp.int32)
+  hu = jnp.zeros((512, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"w_down \(2, 192, 128\) must be \[El=2, F, H=256\]"):
+    fdg.fused_dispatch_dswiglu(dy, seg, seg, seg, gs, jnp.zeros((2, 192, 128), jnp.bfloat16),
+                               hu, hu, **kw)
+  with pytest.raises(ValueError, match=r"h \(512, 192\) and u .* must be \[M_p, F_p\]"):
+    fdg.fused_dispatch_dswiglu(dy, seg, seg, seg, gs, jnp.zeros((2, 192, 256), jnp.bfloat16),
+                               hu[:, :192], hu, **kw)
+
+
 def _lower_fused(mesh, r, kernel, transfer, fused, ns=256, h=256, f=192, el=2):
   def body(x, s, d, l, gs, wgu):
     return fdg.fused_dispatch_gate_up(x, s[0], d[0], l[0], gs[0], wgu, out_rows=r * ns,

@@ -269,10 +269,10 @@ def test_receive_bound_drops_deterministically_and_counts(data, ep):
 
 
 def _simulated_transfer(src, seg_src, seg_dst, seg_len, *, out_rows, config, axis_name,
-                        rank=0, interpret=None):
+                        rank=0, interpret=None, garbage=1e4):
   """What pallas_kernels.ep_transfer.transfer_segments does, in plain JAX: row p's
   segments of `src` land in rank p's output; rows no segment covers hold garbage
-  (a large finite value: the real kernel leaves them unwritten)."""
+  (by default a large finite value: the real kernel leaves them unwritten)."""
   r, el = seg_len.shape
   ns, h = src.shape
   i = jnp.arange(ns, dtype=jnp.int32)
@@ -290,7 +290,7 @@ def _simulated_transfer(src, seg_src, seg_dst, seg_len, *, out_rows, config, axi
   bufs, dsts = jax.vmap(rows_for)(jnp.arange(r))                      # [R, ns, H], [R, ns]
   got = jax.lax.all_to_all(bufs, axis_name, 0, 0, tiled=True).reshape(r * ns, h)
   got_dst = jax.lax.all_to_all(dsts, axis_name, 0, 0, tiled=True).reshape(r * ns)
-  out = jnp.full((out_rows, h), 1e4, src.dtype)
+  out = jnp.full((out_rows, h), garbage, src.dtype)
   return out.at[got_dst].set(got, mode="drop")
 
 
@@ -331,9 +331,10 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
   chex.assert_trees_all_equal(g_n, g_p)
 
 
-@pytest.mark.parametrize("bound,fused", [(None, None), (1.5, None),
-                                         (None, uniep_jax.FusedConfig(n_comm=16,
-                                                                      recv_chunk_rows=256))])
+@pytest.mark.parametrize("bound,fused", [
+    (None, None), (1.5, None), (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256)),
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False)),
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, backward=True))])
 def test_uniep_layer_lowers_for_cuda(bound, fused):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
@@ -363,8 +364,14 @@ def test_uniep_layer_lowers_for_cuda(bound, fused):
         lowering_platforms=("cuda",)).as_text()
   # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
   # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
-  # fused: Kernels A and B forward, then v1's backward (2 transfers + 4 GEMM kernels)
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == (10 if fused is None else 8)
+  # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
+  # (2 transfers + 4 GEMM kernels) or the fused one (dy dispatch + da in one launch, dx,
+  # 2 wgrads, the return)
+  if fused is None:
+    expected = 10
+  else:
+    expected = (2 if fused.return_in_kernel else 3) + (5 if fused.backward else 6)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
 
 
 def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
@@ -385,26 +392,42 @@ def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, gr
   return recv, a, h, u
 
 
+def _simulated_fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_down,
+                                      h, u, *, out_rows, axis_name, kernel, transfer, fused):
+  """The backward twin's contract: dy pushed as the dispatch pushes rows, then the
+  grouped GEMM's "dswiglu" launch on it. Rows no segment lands in hold NaN (unwritten
+  memory may hold any bits): what reads them must not let them through (the dswiglu
+  tiles store only their groups' rows; the wrapper zeroes the window the wgrad reads)."""
+  from pallas_kernels import grouped_gemm as gg
+  dy_recv = _simulated_transfer(dy_sorted, seg_src, seg_dst, seg_len, out_rows=out_rows,
+                                config=transfer, axis_name=axis_name, garbage=jnp.nan)
+  m_p, f_p = h.shape
+  dy_recv = jnp.pad(dy_recv, ((0, m_p - out_rows), (0, 0)), constant_values=jnp.nan)
+  (dhu,) = gg._row_tiled_call([dy_recv], [gg._pad_axis(w_down, 1, f_p)], group_sizes,
+                              mode="dswiglu", transpose_b=True, out_dtype=dy_sorted.dtype,
+                              save_hu=False, config=kernel, interpret=None, epi_inputs=(h, u))
+  return dy_recv, dhu
+
+
 def _simulated_fused_gemm_return(a, w_down, seg_src, seg_dst, seg_len, *, out_rows, axis_name,
                                  kernel):
   """Kernel B's contract: v1's down-GEMM tiles, each row stored where the return puts it."""
   from pallas_kernels import grouped_gemm as gg
-  hidden = w_down.shape[2]
-  h_out = gg._round_up(hidden, 2 * kernel.block_n)
-  wd = gg._pad_axis(gg._pad_axis(w_down, 1, a.shape[1]), 2, h_out)
-  (y,) = gg._row_tiled_call([a], [wd], jnp.sum(seg_len, axis=0), mode="plain", transpose_b=False,
-                            out_dtype=a.dtype, save_hu=False, config=kernel, interpret=None)
-  return _simulated_transfer(y[:, :hidden], seg_src, seg_dst, seg_len, out_rows=out_rows,
-                             config=None, axis_name=axis_name)
+  y = gg.down_projection(a, w_down, jnp.sum(seg_len, axis=0), config=kernel)
+  return _simulated_transfer(y[:, :w_down.shape[2]], seg_src, seg_dst, seg_len,
+                             out_rows=out_rows, config=None, axis_name=axis_name)
 
 
-def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch):
+@pytest.mark.parametrize("variant", [{}, dict(return_in_kernel=False), dict(backward=True)])
+def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
   contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:
   outputs and gradients equal v1's bit for bit (the XLA side: segment tables, the
   zeroed window of the saved receive buffer, the receive bound, the custom VJP that
-  reuses v1's backward kernels). EP = 1: the Pallas interpret mode runs one device
-  (so no receive bound can drop; `zero_dropped_rows` is v1's, tested above)."""
+  reuses v1's backward kernels, or the fused backward's dy dispatch + da launch). EP = 1:
+  the Pallas interpret mode runs one device (so no receive bound can drop;
+  `zero_dropped_rows` is v1's, tested above; and the receive layout has no rows past
+  the live ones, so the zeroed windows are not exercised here: the GPU sweep's)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   import pallas_kernels.ep_transfer as ep
   import pallas_kernels.fused_dispatch_gemm as fdg
@@ -412,6 +435,7 @@ def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch):
   monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
   monkeypatch.setattr(fdg, "fused_dispatch_gate_up", _simulated_fused_dispatch_gate_up)
   monkeypatch.setattr(fgr, "fused_gemm_return", _simulated_fused_gemm_return)
+  monkeypatch.setattr(fdg, "fused_dispatch_dswiglu", _simulated_fused_dispatch_dswiglu)
   mesh = make_mesh(1, 1)
   axes = ("data", "expert")
   e, h, f, top_k = 4, 64, 48, 2
@@ -439,7 +463,8 @@ def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch):
   # 8 CTAs in the persistent grids, not the 132 of an H100 that the interpret mode
   # would simulate (tiles are the same; which CTA runs one does not change its bits)
   v1 = UniEPConfig(backend="uniep", kernel=uniep_jax.KernelConfig(num_sms=8))
-  v2 = dataclasses.replace(v1, fused=uniep_jax.FusedConfig(n_comm=1, recv_chunk_rows=128))
+  v2 = dataclasses.replace(v1, fused=uniep_jax.FusedConfig(n_comm=1, recv_chunk_rows=128,
+                                                           **variant))
   (y1, d1), g1 = run(v1)
   (y2, d2), g2 = run(v2)
   assert int(d1) == int(d2) == 0

@@ -365,10 +365,25 @@ def test_kernel_stages_reach_the_moe_layers():
   model = loop.build_model(cfg, s.model_cfg, s.mesh)
   configs = [m.config for m in model.moe_modules()]
   assert configs and all(c.kernel.max_concurrent_steps == 2 for c in configs)
-  assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, kernel_stages=2)
+  assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, kernel_stages=2, fused=False)
   assert loop.moe_options(TrainConfig(backend="uniep")) == dict(
-      swiglu_grad_in_kernel=True, kernel_stages=3)
+      swiglu_grad_in_kernel=True, kernel_stages=3, fused=False)
   assert loop.moe_options(TrainConfig(backend="xla_dropless")) == {}
+
+
+def test_fused_kernels_reach_the_moe_layers():
+  from models.transformer import TRAIN_FUSED
+  from train.config import TrainConfig, parse_args
+  with pytest.raises(ValueError, match="fused .* is only for --backend uniep"):
+    TrainConfig(backend="pallas", fused=True)
+  with pytest.raises(ValueError, match="drop --no-swiglu-grad-in-kernel"):
+    TrainConfig(backend="uniep", fused=True, swiglu_grad_in_kernel=False)
+  cfg = parse_args(["--backend", "uniep", "--fused", "--mesh", "data=2,expert=4"])
+  s = loop.make_setup(cfg)
+  configs = [m.config for m in loop.build_model(cfg, s.model_cfg, s.mesh).moe_modules()]
+  assert configs and all(c.fused == TRAIN_FUSED for c in configs)
+  assert TRAIN_FUSED.backward and not TRAIN_FUSED.return_in_kernel
+  assert loop.moe_options(cfg)["fused"] is True
 
 
 def test_swiglu_grad_in_kernel_needs_a_pallas_backend():

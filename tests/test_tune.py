@@ -3,6 +3,7 @@ cache and "auto" resolution, the never-pick-a-mismatch rule, budget and skip
 accounting (injected runners and clocks), and one end-to-end run of the CLI on
 backend "pallas" in the Mosaic GPU interpret mode."""
 
+import dataclasses
 import json
 import os
 
@@ -503,7 +504,8 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
   assert any("recv_chunk_rows=1000 must be a multiple of block_m=128" in r for r in reasons)
   assert res.best.candidate.fused == uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=1024)
   entry = T.cache_entry(res)
-  assert entry["fused"] == dict(n_comm=32, recv_chunk_rows=1024)
+  assert entry["fused"] == dict(n_comm=32, recv_chunk_rows=1024, return_in_kernel=True,
+                                backward=False)
   assert T._entry_candidate(json.loads(json.dumps(entry))) == res.best.candidate
   # a fused candidate that does not give pallas's bits is never picked
   clock = FakeClock()
@@ -512,6 +514,25 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
                space=space, budget_s=1e9, progress=False, clock=clock)
   assert [t.candidate.label() for t in res.mismatches] == [bad]
   assert res.best.candidate.label() == "m128_n128_k64_s3|c128_x64_t256|f16_b2048"
+
+
+def test_stage3_fused_backward_points_only_when_the_backward_is_timed():
+  space = _space(fused=((32, 2048, False, False), (32, 2048, False, True)))
+  labels = {}
+  for problem in (DEEPSEEK_BWD, dataclasses.replace(DEEPSEEK_BWD, direction="fwd")):
+    base = T.DEFAULT_CANDIDATE
+    valid, rejected = T.fused_candidates(space, base, problem, HOPPER)
+    assert not rejected
+    labels[problem.direction] = [c.label() for c in valid]
+    # labels and cache knobs round-trip the two new fields
+    for c in valid:
+      assert T.candidate_from_knobs(c.knobs()) == c
+  assert labels["bwd"] == ["m128_n128_k64_s3|c128_x64_t256|f32_b2048_v1ret",
+                           "m128_n128_k64_s3|c128_x64_t256|f32_b2048_v1ret_fbwd"]
+  assert labels["fwd"] == labels["bwd"][:1]
+  # a report from before the two knobs replays with FusedConfig's defaults
+  old = dict(T.DEFAULT_CANDIDATE.knobs(), n_comm=32, recv_chunk_rows=2048)
+  assert T.candidate_from_knobs(old).fused == uniep_jax.FusedConfig(32, 2048)
 
 
 def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, no_shipped_cache):

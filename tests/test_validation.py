@@ -172,3 +172,8 @@ def test_fused_config_only_for_uniep():
     UniEPConfig(backend="uniep", fused=(8, 256))
   with pytest.raises(ValueError, match="n_comm=0 must be >= 1"):
     uniep_jax.FusedConfig(n_comm=0)
+  # the fused backward's GEMM is the da launch with the dswiglu epilogue
+  bwd = uniep_jax.FusedConfig(backward=True)
+  assert UniEPConfig(backend="uniep", fused=bwd).use_swiglu_grad_in_kernel
+  with pytest.raises(ValueError, match="fused.backward .* needs swiglu_grad_in_kernel"):
+    UniEPConfig(backend="uniep", fused=bwd, swiglu_grad_in_kernel=False)

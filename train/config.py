@@ -26,6 +26,7 @@ class TrainConfig:
   capacity_factor: float = 1.25
   swiglu_grad_in_kernel: Optional[bool] = None  # UniEPConfig.swiglu_grad_in_kernel (None: on for pallas/uniep)
   kernel_stages: Optional[int] = None  # KernelConfig.max_concurrent_steps (pallas/uniep; None: its default)
+  fused: bool = False  # uniep: the v2 fused kernels (models.transformer.TRAIN_FUSED; EXPERIMENTAL)
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -67,6 +68,12 @@ class TrainConfig:
     if self.swiglu_grad_in_kernel and self.backend not in ("pallas", "uniep"):
       raise ValueError(f"swiglu_grad_in_kernel is only for --backend pallas or uniep, got "
                        f"backend={self.backend!r}")
+    if self.fused and self.backend != "uniep":
+      raise ValueError(f"fused (the v2 fused kernels) is only for --backend uniep, got "
+                       f"backend={self.backend!r}")
+    if self.fused and self.swiglu_grad_in_kernel is False:
+      raise ValueError("fused (its backward computes dh, du in the da GEMM's epilogue) needs "
+                       "the SwiGLU derivative in the kernel: drop --no-swiglu-grad-in-kernel")
     if self.kernel_stages is not None:
       if self.backend not in ("pallas", "uniep"):
         raise ValueError(f"kernel_stages is only for --backend pallas or uniep, got "
@@ -121,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
          "(UniEPConfig.swiglu_grad_in_kernel; default: on for pallas and uniep)")
   a("--kernel-stages", type=int, default=None,
     help="pallas/uniep: the grouped GEMM's TMA pipeline depth (KernelConfig.max_concurrent_steps)")
+  a("--fused", action="store_true",
+    help="uniep, EXPERIMENTAL: the v2 fused kernels, forward and backward (dispatch + first "
+         "GEMM in one launch each way; models.transformer.TRAIN_FUSED)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")

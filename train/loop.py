@@ -91,14 +91,15 @@ def moe_options(cfg: TrainConfig) -> dict:
   from uniep_jax.config import KernelConfig, UniEPConfig
   stages = KernelConfig().max_concurrent_steps if cfg.kernel_stages is None else cfg.kernel_stages
   c = UniEPConfig(backend=cfg.backend, swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel)
-  return dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, kernel_stages=stages)
+  return dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, kernel_stages=stages,
+              fused=cfg.fused)
 
 
 def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
   """The model that `cfg` trains (its MoE options), initialised from cfg.seed."""
   return Transformer(model_cfg, mesh=mesh, backend=cfg.backend, capacity_factor=cfg.capacity_factor,
                      swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
-                     kernel_stages=cfg.kernel_stages, rngs=nnx.Rngs(cfg.seed))
+                     kernel_stages=cfg.kernel_stages, fused=cfg.fused, rngs=nnx.Rngs(cfg.seed))
 
 
 def make_setup(cfg: TrainConfig) -> Setup:

@@ -146,10 +146,22 @@ class FusedConfig:
     overlap); a multiple of KernelConfig.block_m (checked at launch). Each
     transfer CTA sends R signals per chunk: fewer, larger chunks signal less,
     smaller chunks start the GEMM earlier.
+  return_in_kernel: True: Kernel B (the down GEMM storing its tiles straight into
+    the sources' rows); False: v1's down GEMM, then v1's return transfer. The
+    profile of 4x H100 (NOTES_fused.md) had Kernel B at 8.53 ms against 4.4 + 2.27
+    for v1's pair (its remote stores stall the GEMM CTAs).
+  backward: EXPERIMENTAL (built, CPU-tested, not yet run on a GPU): the backward's
+    dispatch of dy and its da GEMM (with dh, du in the epilogue) in one launch, as
+    Kernel A fuses the forward's (`fused_dispatch_gemm.fused_dispatch_dswiglu`);
+    needs the SwiGLU derivative in the kernel (`swiglu_grad_in_kernel`). False:
+    v1's backward.
+  The bits never depend on these fields.
   """
 
   n_comm: int = 32
   recv_chunk_rows: int = 2048
+  return_in_kernel: bool = True
+  backward: bool = False
 
   def __post_init__(self):
     if self.n_comm < 1:
@@ -245,6 +257,9 @@ class UniEPConfig:
     if self.swiglu_grad_in_kernel and self.backend not in ("pallas", "uniep"):
       raise ValueError(f"swiglu_grad_in_kernel (a grouped-GEMM epilogue) is only for backends "
                        f"'pallas' and 'uniep', got backend={self.backend!r}")
+    if self.fused is not None and self.fused.backward and self.swiglu_grad_in_kernel is False:
+      raise ValueError("fused.backward (the dy dispatch fused with the da GEMM's dswiglu "
+                       "epilogue) needs swiglu_grad_in_kernel (None or True), got False")
     if self.swiglu_grad_in_kernel not in (None, True, False):
       raise ValueError(f"swiglu_grad_in_kernel must be None, True or False, "
                        f"got {self.swiglu_grad_in_kernel!r}")

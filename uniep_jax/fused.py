@@ -8,15 +8,22 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
             a --Kernel B: down GEMM whose epilogue stores each tile straight
                           into the source rank's sorted rows--> y_sorted
                                 (pallas_kernels/fused_gemm_return.py)
+            (FusedConfig.return_in_kernel=False: v1's down GEMM, then v1's return)
   backward  v1's, kernel for kernel:
             dy_sorted --send over NVLink (the transpose of the return)--> dy_recv
             --grouped_gemm.swiglu_backward (residuals recv, a, h, u)--> d_recv, dW
             --return over NVLink (the transpose of the dispatch)--> d_rows_sorted
+            or, with FusedConfig.backward (EXPERIMENTAL, not yet run on a GPU):
+            dy_sorted --Kernel A's twin: NVLink dispatch of dy + da GEMM with the
+                        dswiglu epilogue, one launch--> dy_recv, [dh | du]
+                                (fused_dispatch_gemm.fused_dispatch_dswiglu)
+            --grouped_gemm.swiglu_backward_from_dhu--> d_recv, dW --return--> d_rows
 
 Bits. Kernel A runs the grouped GEMM's own body on v1's tile plan, so a, h, u
 equal v1's; Kernel B runs v1's down-GEMM tiles and stores each row where v1's
 return transfer puts it; the receive buffer kept for the backward pass gets
-v1's zeroed window; the backward pass is v1's. So outputs and gradients equal
+v1's zeroed window; the backward pass is v1's (or, fused, v1's da tiles with v1's
+zeroed window on dy_recv). So outputs and gradients equal
 "uniep" without `fused` (and "pallas") bit for bit wherever the kernels' own
 GPU checks hold (bench/check_fused_gpu.py, bench/check_fused_return_gpu.py:
 bitwise on 4x H200 in their small cases, 2026-11-26). Not yet timed.
@@ -37,6 +44,7 @@ from uniep_jax.layout import DispatchPlan, dispatch_segments, return_segments
 def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, kernel,
              transfer, fused):
   from pallas_kernels import fused_dispatch_gemm, fused_gemm_return  # GPU kernels, lazy
+  from pallas_kernels.grouped_gemm import down_projection
 
   rank = jax.lax.axis_index(axis_name)
   recv_rows = plan.recv_valid.shape[0]
@@ -47,11 +55,18 @@ def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, 
   # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
   # window after the live rows zeroed (the wgrad reads up to block_k rows past a group)
   recv = _zero_rows_from(recv[:recv_rows], plan.num_received, ZERO_WINDOW_ROWS)
-  seg = return_segments(plan, rank)
-  y_sorted = fused_gemm_return.fused_gemm_return(
-      a, w_down, seg.src_start, seg.dst_start, seg.rows, out_rows=rows_sorted.shape[0],
-      axis_name=axis_name, kernel=kernel)
-  return zero_dropped_rows(y_sorted, plan, el), (recv, a, h, u)
+  if fused.return_in_kernel:
+    seg = return_segments(plan, rank)
+    y_sorted = fused_gemm_return.fused_gemm_return(
+        a, w_down, seg.src_start, seg.dst_start, seg.rows, out_rows=rows_sorted.shape[0],
+        axis_name=axis_name, kernel=kernel)
+    y_sorted = zero_dropped_rows(y_sorted, plan, el)
+  else:   # v1's down GEMM (its dead-row window, moe.py's zero_dead_rows=False), v1's return
+    y_recv = down_projection(a, w_down, plan.recv_group_sizes, config=kernel,
+                             zero_window=kernel.block_k)
+    y_sorted = _return_nvlink(y_recv[:recv_rows, :w_down.shape[2]], plan, axis_name, el,
+                              transfer)
+  return y_sorted, (recv, a, h, u)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
@@ -69,13 +84,27 @@ def _fused_ffn_fwd(rows_sorted, w_gate_up, w_down, plan, axis_name, el, kernel, 
 
 
 def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, dy_sorted):
-  from pallas_kernels.grouped_gemm import swiglu_backward
+  from pallas_kernels.grouped_gemm import swiglu_backward, swiglu_backward_from_dhu
 
   recv, a, h, u, w_gate_up, w_down, plan = res
-  dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)     # the return's transpose
-  d_recv, dw_gate_up, dw_down = swiglu_backward(
-      recv, w_gate_up, w_down, plan.recv_group_sizes, a, h, u, dy_recv, config=kernel,
-      fuse_da_epilogue=grad_in_kernel)
+  if fused.backward:
+    # the dy dispatch (the return's transpose) and da with its dswiglu epilogue, one launch
+    from pallas_kernels.fused_dispatch_gemm import fused_dispatch_dswiglu
+    recv_rows = plan.recv_valid.shape[0]
+    seg = dispatch_segments(plan, jax.lax.axis_index(axis_name))
+    dy_recv, dhu = fused_dispatch_dswiglu(
+        dy_sorted.astype(recv.dtype), seg.src_start, seg.dst_start, seg.rows,
+        plan.recv_group_sizes, w_down, h, u, out_rows=recv_rows, axis_name=axis_name,
+        kernel=kernel, transfer=transfer, fused=fused)
+    # as v1's send: the window after the live rows zeroed (the dw_down wgrad reads it)
+    dy_recv = _zero_rows_from(dy_recv[:recv_rows], plan.num_received, ZERO_WINDOW_ROWS)
+    d_recv, dw_gate_up, dw_down = swiglu_backward_from_dhu(
+        recv, w_gate_up, w_down, plan.recv_group_sizes, a, dy_recv, dhu, config=kernel)
+  else:
+    dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)   # the return's transpose
+    d_recv, dw_gate_up, dw_down = swiglu_backward(
+        recv, w_gate_up, w_down, plan.recv_group_sizes, a, h, u, dy_recv, config=kernel,
+        fuse_da_epilogue=grad_in_kernel)
   d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)       # the dispatch's transpose
   return d_rows, dw_gate_up, dw_down, _zero_plan_cotangent(plan)
 

@@ -7,7 +7,8 @@ fused: FusedConfig | None)`:
   KernelConfig    block_m, block_n, block_k, max_concurrent_steps, epilogue_slots
                   (grouped GEMM)
   TransferConfig  chunk_rows, num_ctas, col_tile                 (NVLink rows)
-  FusedConfig     n_comm, recv_chunk_rows  (the v2 fused kernels; None: v1)
+  FusedConfig     n_comm, recv_chunk_rows, return_in_kernel, backward  (the v2 fused
+                  kernels; None: v1)
 `SearchSpace` lists the values of each knob; the product of the kernel and
 transfer knobs is the enumerated space; its `fused` points are stage 3.
 `KernelConfig.num_sms` is not tuned (the persistent grid takes every SM).
@@ -228,7 +229,9 @@ class Candidate:
              + (f"_e{k.epilogue_slots}" if k.epilogue_slots != 1 else "")
              + f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
     if self.fused is not None:
-      label += f"|f{self.fused.n_comm}_b{self.fused.recv_chunk_rows}"
+      f = self.fused
+      label += (f"|f{f.n_comm}_b{f.recv_chunk_rows}" + ("" if f.return_in_kernel else "_v1ret")
+                + ("_fbwd" if f.backward else ""))
     return label
 
   def knobs(self) -> dict:
@@ -239,13 +242,14 @@ class Candidate:
                  chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
                  col_tile=self.transfer.col_tile)
     if self.fused is not None:
-      knobs.update(n_comm=self.fused.n_comm, recv_chunk_rows=self.fused.recv_chunk_rows)
+      knobs.update(n_comm=self.fused.n_comm, recv_chunk_rows=self.fused.recv_chunk_rows,
+                   return_in_kernel=self.fused.return_in_kernel, backward=self.fused.backward)
     return knobs
 
 
 KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilogue_slots")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
-FUSED_KNOBS = ("n_comm", "recv_chunk_rows")
+FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
 
 
@@ -267,7 +271,7 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
   fused = None
   if knobs.get("n_comm"):
     try:
-      fused = FusedConfig(**{k: knobs[k] for k in FUSED_KNOBS})
+      fused = FusedConfig(**{k: knobs[k] for k in FUSED_KNOBS if k in knobs})
     except ValueError as e:
       raise InvalidCandidate(f"FusedConfig: {e}") from None
   return Candidate(kernel, transfer, fused)
@@ -287,9 +291,13 @@ class SearchSpace:
   # resident while other streams' kernels (NCCL) run (ep_transfer.py).
   num_ctas: Sequence[int] = (16, 32, 48, 64, 96)
   col_tile: Sequence[int] = (64, 128, 256)
-  # Stage 3 (not in `points`): the v2 fused kernels as (n_comm, recv_chunk_rows),
-  # tried on the best verified v1 candidate. () turns stage 3 off.
-  fused: Sequence[tuple] = ((16, 2048), (32, 2048), (64, 2048), (32, 1024), (32, 4096))
+  # Stage 3 (not in `points`): the v2 fused kernels as (n_comm, recv_chunk_rows[,
+  # return_in_kernel, backward]) (FusedConfig's fields in order), tried on the best
+  # verified v1 candidate; points with backward=True only when the backward is timed.
+  # () turns stage 3 off.
+  fused: Sequence[tuple] = ((16, 2048), (32, 2048), (64, 2048), (32, 1024), (32, 4096),
+                            (32, 2048, False, False), (32, 2048, False, True),
+                            (32, 2048, True, True))
 
   def points(self) -> Iterable[dict]:
     names = KERNEL_KNOBS + TRANSFER_KNOBS
@@ -394,11 +402,16 @@ def check_fused(cand: Candidate, problem: TuneProblem, device: DeviceFacts) -> N
   kernel = dataclasses.replace(cand.kernel, num_sms=device.num_sms)
   el = p.experts // p.ep
   try:
-    a = fdg.validate(out_rows=p.recv_rows, hidden=p.hidden, ffn=p.ffn, num_local_experts=el,
-                     dtype=jnp.dtype(p.dtype), kernel=kernel, transfer=cand.transfer,
-                     fused=cand.fused, smem=device.smem_bytes)
-    fgr.validate(recv_rows=a.m_p, k=a.f_p, ffn=p.ffn, hidden=p.hidden, num_local_experts=el,
-                 num_peers=p.ep, dtype=jnp.dtype(p.dtype), kernel=kernel, smem=device.smem_bytes)
+    kw = dict(out_rows=p.recv_rows, hidden=p.hidden, ffn=p.ffn, num_local_experts=el,
+              dtype=jnp.dtype(p.dtype), kernel=kernel, transfer=cand.transfer,
+              fused=cand.fused, smem=device.smem_bytes)
+    a = fdg.validate(**kw)
+    if cand.fused.backward:     # the backward's fused launch (dy dispatch + dswiglu da)
+      fdg.validate(**kw, mode="dswiglu")
+    if cand.fused.return_in_kernel:
+      fgr.validate(recv_rows=a.m_p, k=a.f_p, ffn=p.ffn, hidden=p.hidden, num_local_experts=el,
+                   num_peers=p.ep, dtype=jnp.dtype(p.dtype), kernel=kernel,
+                   smem=device.smem_bytes)
   except ValueError as e:
     raise InvalidCandidate(f"fused kernels: {e}") from None
 
@@ -407,8 +420,10 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
                      device: DeviceFacts) -> tuple[list, list]:
   """Stage 3: `base` with each fused point of `space`; (valid, rejected with reasons)."""
   valid, rejected = [], []
-  for n_comm, rows in space.fused:
-    knobs = dict(base.knobs(), n_comm=n_comm, recv_chunk_rows=rows)
+  for point in space.fused:
+    knobs = dict(base.knobs(), **dict(zip(FUSED_KNOBS, point)))
+    if knobs.get("backward") and problem.direction == "fwd":
+      continue   # the fused backward: the same forward as its point without it
     try:
       cand = candidate_from_knobs(knobs)
       check_fused(cand, problem, device)
