@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 from jax import lax
@@ -334,7 +335,8 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
                            out_rows: int, axis_name: str,
                            kernel: KernelConfig = KernelConfig(),
                            transfer: TransferConfig = TransferConfig(),
-                           fused: FusedConfig = FusedConfig()):
+                           fused: FusedConfig = FusedConfig(),
+                           zero_window: Optional[int] = None):
   """Dispatch + gate/up in one launch. Inside `shard_map` over `axis_name` (size R).
 
   rows_sorted [Ns, H]: this rank's sorted rows; seg_*: [R, El] dispatch segments
@@ -343,7 +345,9 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
   Returns (recv [M_p, H], a, h, u [M_p, F_p]), M_p = out_rows rounded up to
   block_m, F_p as `grouped_gemm` pads F. recv rows that no segment covers are
   undefined (callers zero what they need, as `dispatch._send_nvlink`); dead rows
-  of a, h, u are zero. GPU only (remote refs and semaphores).
+  of a, h, u are zero (zero_window=W: only those before round_up(live rows, W), the
+  rest undefined and their tiles skipped, as `grouped_gemm._row_tile_plan`). GPU only
+  (remote refs and semaphores).
   """
   ns, hidden = rows_sorted.shape
   el, w_hidden, two_f = w_gate_up.shape
@@ -360,14 +364,15 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
   return _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
                  (gg._pad_gate_up(w_gate_up, st.f_p),), gemm_in=(0, 0), out_shapes=outs,
                  name="fused_dispatch_gate_up", st=st, axis_name=axis_name, kernel=kernel,
-                 transfer=transfer, fused=fused)
+                 transfer=transfer, fused=fused, zero_window=zero_window)
 
 
 def fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_down, h, u, *,
                            out_rows: int, axis_name: str,
                            kernel: KernelConfig = KernelConfig(),
                            transfer: TransferConfig = TransferConfig(),
-                           fused: FusedConfig = FusedConfig()):
+                           fused: FusedConfig = FusedConfig(),
+                           zero_window: Optional[int] = None):
   """The backward's twin of `fused_dispatch_gate_up` (EXPERIMENTAL, `FusedConfig.backward`):
   the dispatch of dy (the transpose of the return: the same segments as the forward's
   dispatch) and da = dy @ w_down^T with the SwiGLU derivative in its epilogue (grouped
@@ -378,7 +383,8 @@ def fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_
   gate/up launch's outputs). Returns (dy_recv [M_p, H], dhu [M_p, 2 F_p] = [dh | du]):
   dhu is what `grouped_gemm.swiglu_backward`'s "dswiglu" launch writes (same body,
   same tile plan, same block_k: only WHEN a tile runs changes); dy_recv rows that no
-  segment covers are undefined (the caller zeroes the window the wgrad reads). GPU only.
+  segment covers are undefined (the caller zeroes the window the wgrad reads); dead
+  rows of dhu as `fused_dispatch_gate_up`'s outputs (zero_window). GPU only.
   """
   ns, hidden = dy_sorted.shape
   el, ffn, w_hidden = w_down.shape
@@ -398,12 +404,13 @@ def fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_
   return _launch(dy_sorted, seg_src, seg_dst, seg_len, group_sizes,
                  (gg._pad_axis(w_down, 1, st.f_p), h, u), gemm_in=(0, 1, 2), out_shapes=outs,
                  name="fused_dispatch_dswiglu", st=st, axis_name=axis_name, kernel=kernel,
-                 transfer=transfer, fused=fused)
+                 transfer=transfer, fused=fused, zero_window=zero_window)
 
 
 def _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, inputs: tuple, *,
             gemm_in: tuple, out_shapes: tuple, name: str, st: _Static, axis_name,
-            kernel: KernelConfig, transfer: TransferConfig, fused: FusedConfig):
+            kernel: KernelConfig, transfer: TransferConfig, fused: FusedConfig,
+            zero_window: Optional[int]):
   """One fused launch: the transfer role pushes `rows_sorted` into the owners' first
   output (the GEMM's lhs), the GEMM role runs `st.gemm_kw`'s body on it."""
   ns, hidden = rows_sorted.shape
@@ -416,7 +423,7 @@ def _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, inputs: tuple, 
                           item_rows=item_rows, recv_chunk_rows=fused.recv_chunk_rows,
                           num_chunks=st.num_chunks)
   w = num_items(ns, seg_len.shape[1], st.num_chunks, item_rows)
-  plan = gg._row_tile_plan(group_sizes, st.m_p, kernel.block_m)
+  plan = gg._row_tile_plan(group_sizes, st.m_p, kernel.block_m, zero_window)
   body = functools.partial(
       _fused_kernel, num_in=len(inputs), gemm_in=gemm_in,
       transfer_kw=dict(w=w, item_rows=item_rows, col_tile=st.col_tile),

@@ -333,8 +333,8 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
 
 @pytest.mark.parametrize("bound,fused", [
     (None, None), (1.5, None), (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256)),
-    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False)),
-    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, backward=True))])
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
+                                 backward=True))])
 def test_uniep_layer_lowers_for_cuda(bound, fused):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
@@ -376,7 +376,7 @@ def test_uniep_layer_lowers_for_cuda(bound, fused):
 
 def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
                                       w_gate_up, *, out_rows, axis_name, kernel, transfer,
-                                      fused):
+                                      fused, zero_window=None):
   """Kernel A's contract in plain JAX + the grouped GEMM's swiglu body: recv rows no
   segment covers hold garbage, as in the kernel."""
   from pallas_kernels import grouped_gemm as gg
@@ -388,12 +388,14 @@ def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, gr
   wgu = gg._pad_gate_up(w_gate_up, f_p)
   a, h, u = gg._row_tiled_call([recv], [wgu, wgu], group_sizes, mode="swiglu",
                                transpose_b=False, out_dtype=rows_sorted.dtype, save_hu=True,
-                               config=kernel, interpret=None, b_col_offsets=(0, f_p))
+                               config=kernel, interpret=None, b_col_offsets=(0, f_p),
+                               zero_window=zero_window)
   return recv, a, h, u
 
 
 def _simulated_fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_down,
-                                      h, u, *, out_rows, axis_name, kernel, transfer, fused):
+                                      h, u, *, out_rows, axis_name, kernel, transfer, fused,
+                                      zero_window=None):
   """The backward twin's contract: dy pushed as the dispatch pushes rows, then the
   grouped GEMM's "dswiglu" launch on it. Rows no segment lands in hold NaN (unwritten
   memory may hold any bits): what reads them must not let them through (the dswiglu
@@ -405,7 +407,8 @@ def _simulated_fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, grou
   dy_recv = jnp.pad(dy_recv, ((0, m_p - out_rows), (0, 0)), constant_values=jnp.nan)
   (dhu,) = gg._row_tiled_call([dy_recv], [gg._pad_axis(w_down, 1, f_p)], group_sizes,
                               mode="dswiglu", transpose_b=True, out_dtype=dy_sorted.dtype,
-                              save_hu=False, config=kernel, interpret=None, epi_inputs=(h, u))
+                              save_hu=False, config=kernel, interpret=None, epi_inputs=(h, u),
+                              zero_window=zero_window)
   return dy_recv, dhu
 
 
@@ -418,7 +421,8 @@ def _simulated_fused_gemm_return(a, w_down, seg_src, seg_dst, seg_len, *, out_ro
                              out_rows=out_rows, config=None, axis_name=axis_name)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(return_in_kernel=False), dict(backward=True)])
+# Kernels A and B with v1's backward; Kernel A, v1's down GEMM and return, the fused backward
+@pytest.mark.parametrize("variant", [{}, dict(return_in_kernel=False, backward=True)])
 def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
   contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:

@@ -549,6 +549,15 @@ def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, no_s
   r = T.resolve_config(UniEPConfig(backend="pallas", kernel=None, transfer=None), device=dev,
                        cache_path=user, **shape)
   assert r.fused is None
+  # a winner with the fused backward serves a config that keeps XLA's SwiGLU derivative
+  # with the fused forward only (the fused backward needs the derivative in the kernel)
+  entry["fused"] = dict(n_comm=32, recv_chunk_rows=2048, return_in_kernel=False, backward=True)
+  T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD), entry)
+  r = T.resolve_config(auto, device=dev, cache_path=user, **shape)
+  assert r.fused == uniep_jax.FusedConfig(32, 2048, False, True)
+  r = T.resolve_config(dataclasses.replace(auto, swiglu_grad_in_kernel=False), device=dev,
+                       cache_path=user, **shape)
+  assert r.fused == uniep_jax.FusedConfig(32, 2048, False, False)
 
 
 def test_replay_of_a_saved_report_records_what_that_run_measured(tmp_path):

@@ -139,7 +139,9 @@ class FusedConfig:
   Kernel A (pallas_kernels/fused_dispatch_gemm.py) pushes the rows and runs the
   gate/up GEMM in one launch, each GEMM tile waiting only for its chunk; Kernel B
   (pallas_kernels/fused_gemm_return.py) stores each down-GEMM tile straight into
-  the source rank's sorted rows. The backward pass is v1's. Bits: the same as v1.
+  the source rank's sorted rows. The backward pass is v1's unless `backward`. Bits:
+  the same as v1 (checked on GPUs for Kernels A and B; not yet for `backward` and
+  `return_in_kernel=False`).
 
   n_comm: CTAs (SMs) that move rows; the other num_sms - n_comm run the GEMM.
   recv_chunk_rows: B, rows per chunk of the receive layout (the unit of
@@ -213,9 +215,12 @@ class UniEPConfig:
     (the tail of the receive layout) and counted in aux["dropped"]. None: dropless.
   fused: only for "uniep": None (default) runs the v1 transfer and GEMM kernels
     one after the other; a `FusedConfig` runs the forward pass with the v2 fused
-    kernels (dispatch + gate/up in one launch, down GEMM + return in another;
-    EXPERIMENTAL: bitwise equal to v1 on GPUs in bench/check_fused*_gpu.py's
-    small cases, not yet timed). `uniep_jax/fused.py`.
+    kernels (dispatch + gate/up in one launch, down GEMM + return in another, or
+    v1's down GEMM and return with `return_in_kernel=False`) and, with `backward`,
+    the backward's dy dispatch + da GEMM in one launch. EXPERIMENTAL: Kernels A and
+    B bitwise equal to v1 on GPUs (bench/check_fused*_gpu.py's small cases; v2
+    forward timed in run 5); `backward` and `return_in_kernel=False` not yet run on
+    a GPU. `uniep_jax/fused.py`.
   swiglu_grad_in_kernel: only for "pallas" / "uniep": compute the backward's
     SwiGLU derivative (dh, du) in the epilogue of the da = dy @ w_down^T GEMM
     (grouped GEMM mode "dswiglu") instead of storing da in float32 and running an

@@ -23,10 +23,17 @@ Bits. Kernel A runs the grouped GEMM's own body on v1's tile plan, so a, h, u
 equal v1's; Kernel B runs v1's down-GEMM tiles and stores each row where v1's
 return transfer puts it; the receive buffer kept for the backward pass gets
 v1's zeroed window; the backward pass is v1's (or, fused, v1's da tiles with v1's
-zeroed window on dy_recv). So outputs and gradients equal
-"uniep" without `fused` (and "pallas") bit for bit wherever the kernels' own
-GPU checks hold (bench/check_fused_gpu.py, bench/check_fused_return_gpu.py:
-bitwise on 4x H200 in their small cases, 2026-11-26). Not yet timed.
+zeroed window on dy_recv). Dead rows as v1's (a window of block_k rows zeroed, the
+rest skipped). So outputs and gradients equal "uniep" without `fused` (and "pallas")
+bit for bit wherever the kernels' own GPU checks hold (bench/check_fused_gpu.py,
+bench/check_fused_return_gpu.py: Kernels A and B bitwise on 4x H200 in their small
+cases, 2026-11-26; the GPU sweep, bench/determinism_sweep.py, covers the fused points;
+the fused backward and return_in_kernel=False have NOT yet run on a GPU). Risk to
+check on the first GPU runs: the fused launches take every SM and spin on cross-rank
+semaphores, so a collective kernel running beside them (gradient all-reduces that
+overlap the backward: --grad-reduction xla, or --grad-buckets > 1) could keep CTAs from
+becoming resident (SYNC.md's deadlock argument assumes all are); run them under a hang
+timeout.
 """
 
 from __future__ import annotations
@@ -49,9 +56,12 @@ def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, 
   rank = jax.lax.axis_index(axis_name)
   recv_rows = plan.recv_valid.shape[0]
   seg = dispatch_segments(plan, rank)
+  # dead rows: v1's window (moe.py's zero_dead_rows=False): zero up to round_up(live,
+  # block_k), the rest skipped; every later launch reads no further
   recv, a, h, u = fused_dispatch_gemm.fused_dispatch_gate_up(
       rows_sorted, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate_up,
-      out_rows=recv_rows, axis_name=axis_name, kernel=kernel, transfer=transfer, fused=fused)
+      out_rows=recv_rows, axis_name=axis_name, kernel=kernel, transfer=transfer, fused=fused,
+      zero_window=kernel.block_k)
   # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
   # window after the live rows zeroed (the wgrad reads up to block_k rows past a group)
   recv = _zero_rows_from(recv[:recv_rows], plan.num_received, ZERO_WINDOW_ROWS)
@@ -95,16 +105,17 @@ def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, 
     dy_recv, dhu = fused_dispatch_dswiglu(
         dy_sorted.astype(recv.dtype), seg.src_start, seg.dst_start, seg.rows,
         plan.recv_group_sizes, w_down, h, u, out_rows=recv_rows, axis_name=axis_name,
-        kernel=kernel, transfer=transfer, fused=fused)
+        kernel=kernel, transfer=transfer, fused=fused, zero_window=kernel.block_k)
     # as v1's send: the window after the live rows zeroed (the dw_down wgrad reads it)
     dy_recv = _zero_rows_from(dy_recv[:recv_rows], plan.num_received, ZERO_WINDOW_ROWS)
     d_recv, dw_gate_up, dw_down = swiglu_backward_from_dhu(
-        recv, w_gate_up, w_down, plan.recv_group_sizes, a, dy_recv, dhu, config=kernel)
+        recv, w_gate_up, w_down, plan.recv_group_sizes, a, dy_recv, dhu, config=kernel,
+        zero_window=kernel.block_k)
   else:
     dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)   # the return's transpose
     d_recv, dw_gate_up, dw_down = swiglu_backward(
         recv, w_gate_up, w_down, plan.recv_group_sizes, a, h, u, dy_recv, config=kernel,
-        fuse_da_epilogue=grad_in_kernel)
+        fuse_da_epilogue=grad_in_kernel, zero_window=kernel.block_k)
   d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)       # the dispatch's transpose
   return d_rows, dw_gate_up, dw_down, _zero_plan_cotangent(plan)
 

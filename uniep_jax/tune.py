@@ -1128,11 +1128,15 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
   # A tuned winner with the v2 fused kernels (verified bitwise against "pallas" by
   # the tuner) is taken only when the whole config is auto, for backend "uniep".
   fully_auto = config.kernel is None and config.transfer is None and config.fused is None
+  fused = cand.fused if fully_auto and config.backend == "uniep" else config.fused
+  if fused is not None and fused.backward and config.swiglu_grad_in_kernel is False:
+    # the fused backward computes dh, du in the da epilogue: the user asked for XLA's
+    fused = dataclasses.replace(fused, backward=False)
   return dataclasses.replace(
       config,
       kernel=config.kernel if config.kernel is not None else cand.kernel,
       transfer=config.transfer if config.transfer is not None else cand.transfer,
-      fused=cand.fused if fully_auto and config.backend == "uniep" else config.fused)
+      fused=fused)
 
 
 def cache_entry(result: TuneResult, git_commit: Optional[str] = None,
