@@ -48,12 +48,8 @@ def _fns(mesh, r, t, k, el, kernel, transfer, fused):
   def v1(rows, topk, w_gate_up):
     plan, _ = fused_check.plan_of(topk, e)
     recv = _send_nvlink(rows, plan, "expert", el, transfer)                  # [R*T*K, H]
-    f_p = gg._swiglu_padded_f(w_gate_up.shape[2] // 2, kernel)
-    wgu = gg._pad_gate_up(w_gate_up, f_p)
-    a, h, u = gg._row_tiled_call(
-        [gg._pad_axis(recv, 0, m_p)], [wgu, wgu], plan.recv_group_sizes,
-        mode="swiglu", transpose_b=False, out_dtype=rows.dtype, save_hu=True, config=kernel,
-        interpret=False, b_col_offsets=(0, f_p))
+    a, h, u = gg.gate_up_projection(gg._pad_axis(recv, 0, m_p), w_gate_up,
+                                    plan.recv_group_sizes, config=kernel, interpret=False)
     return recv, a, h, u, plan.num_received[None]
 
   def fused_fn(rows, topk, w_gate_up):

@@ -904,19 +904,29 @@ def _unpad_gate_up(w, f: int):
 def _swiglu_forward(x, w_gate_up, w_down, group_sizes, config, interpret, save: bool,
                     zero_window=None):
   m, h_dim = x.shape
-  f_p = _swiglu_padded_f(w_down.shape[1], config)
-  h_p = _round_up(h_dim, config.block_k)
-  m_p = _padded_rows(m, config)
-  x_p = _pad_axis(_pad_axis(x, 1, h_p), 0, m_p)
-  wgu_p = _pad_axis(_pad_gate_up(w_gate_up, f_p), 1, h_p)
-  # h from columns [0, f_p) of w_gate_up, u from [f_p, 2 f_p): the same array twice
-  outs = _row_tiled_call([x_p], [wgu_p, wgu_p], group_sizes, mode="swiglu", transpose_b=False,
-                         out_dtype=x.dtype, save_hu=save, config=config, interpret=interpret,
-                         zero_window=zero_window, b_col_offsets=(0, f_p))
+  x_p = _pad_axis(x, 0, _padded_rows(m, config))
+  outs = gate_up_projection(x_p, w_gate_up, group_sizes, config=config, interpret=interpret,
+                            save_hu=save, zero_window=zero_window)
   y = down_projection(outs[0], w_down, group_sizes, config=config, interpret=interpret,
                       zero_window=zero_window)
   y = y[:m, :h_dim] if y.shape != (m, h_dim) else y
   return y, outs
+
+
+def gate_up_projection(x, w_gate_up, group_sizes, *, config: KernelConfig, interpret=None,
+                       save_hu: bool = True, zero_window: Optional[int] = None):
+  """The "swiglu" launch: h = x @ w_gate[g], u = x @ w_up[g], a = silu(h) * u for x
+  [m_p, H] (rows already a multiple of block_m), w_gate_up [G, H, 2F] = [w_gate | w_up]
+  read twice at column offsets 0 and F_p (no copy). Returns (a,) or (a, h, u) with
+  save_hu, each [m_p, F_p]. Also v1's gate/up in the fused kernels' GPU check and in
+  the CPU test's stand-in for Kernel A."""
+  h_p = _round_up(x.shape[1], config.block_k)
+  f_p = _swiglu_padded_f(w_gate_up.shape[2] // 2, config)
+  wgu_p = _pad_axis(_pad_gate_up(w_gate_up, f_p), 1, h_p)
+  return _row_tiled_call([_pad_axis(x, 1, h_p)], [wgu_p, wgu_p], group_sizes, mode="swiglu",
+                         transpose_b=False, out_dtype=x.dtype, save_hu=save_hu, config=config,
+                         interpret=resolve_interpret(interpret), zero_window=zero_window,
+                         b_col_offsets=(0, f_p))
 
 
 def down_projection(a, w_down, group_sizes, *, config: KernelConfig, interpret=None,

@@ -384,12 +384,8 @@ def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, gr
                              config=transfer, axis_name=axis_name)
   m_p = gg._round_up(out_rows, kernel.block_m)
   recv = jnp.pad(recv, ((0, m_p - out_rows), (0, 0)), constant_values=1e4)
-  f_p = gg._swiglu_padded_f(w_gate_up.shape[2] // 2, kernel)
-  wgu = gg._pad_gate_up(w_gate_up, f_p)
-  a, h, u = gg._row_tiled_call([recv], [wgu, wgu], group_sizes, mode="swiglu",
-                               transpose_b=False, out_dtype=rows_sorted.dtype, save_hu=True,
-                               config=kernel, interpret=None, b_col_offsets=(0, f_p),
-                               zero_window=zero_window)
+  a, h, u = gg.gate_up_projection(recv, w_gate_up, group_sizes, config=kernel,
+                                  zero_window=zero_window)
   return recv, a, h, u
 
 
