@@ -310,6 +310,33 @@ def test_lm_head_backward_runs_on_the_compute_dtype(tied):
   assert all(o.count("xbf16>") == 2 for o in operands), operands
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_lm_head_backward_on_a_sharded_batch(mesh_factory, explicit):
+  """The bf16 head's custom backward with the batch sharded over the mesh (Explicit
+  axes: dw's contraction over the sharded batch needs its out_sharding): the same
+  gradients as on one device (dx exactly; dw up to the order of the cross-device sum)."""
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from models.transformer import lm_head_logits
+
+  mesh = (mesh_factory(2, 4) if explicit else
+          jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2))
+  k = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(k[0], (8, 3, 16)).astype(jnp.bfloat16)
+  w = jax.random.normal(k[1], (16, 24))
+  ct = jax.random.normal(k[2], (8, 3, 24))
+  grad = lambda m: jax.grad(lambda x, w: jnp.sum(lm_head_logits(x, w, m) * ct),  # noqa: E731
+                            argnums=(0, 1))
+  ref_dx, ref_dw = jax.jit(grad(None))(x, w)
+  batch = NamedSharding(mesh, P(("data", "expert")))
+  with jax.set_mesh(mesh):
+    dx, dw = jax.jit(grad(mesh))(jax.device_put(x, batch),
+                                 jax.device_put(w, NamedSharding(mesh, P())))
+  np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(ref_dx, np.float32))
+  np.testing.assert_allclose(np.asarray(dw), np.asarray(ref_dw), rtol=1e-5, atol=1e-5)
+  assert dw.sharding.is_fully_replicated
+
+
 def test_nccl_group_launch_is_the_default_and_an_explicit_setting_wins(monkeypatch):
   from train.mesh import request_nccl_group_launch
   monkeypatch.delenv("NCCL_LAUNCH_MODE", raising=False)
