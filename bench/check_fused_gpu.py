@@ -29,7 +29,7 @@ from bench import common, fused_check  # noqa: E402
 from pallas_kernels import fused_dispatch_gemm as fdg  # noqa: E402
 from pallas_kernels import grouped_gemm as gg  # noqa: E402
 from uniep_jax import layout  # noqa: E402
-from uniep_jax.dispatch import ZERO_WINDOW_ROWS, _send_nvlink, _zero_rows_from  # noqa: E402
+from uniep_jax.dispatch import ZERO_WINDOW_ROWS, _send_nvlink, as_received  # noqa: E402
 
 # name: (tokens T, top_k K, local experts El, hidden H, ffn F, skew of expert 0, FusedConfig)
 CASES = {
@@ -58,7 +58,7 @@ def _fns(mesh, r, t, k, el, kernel, transfer, fused):
     recv, a, h, u = fdg.fused_dispatch_gate_up(
         rows, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate_up,
         out_rows=out_rows, axis_name="expert", kernel=kernel, transfer=transfer, fused=fused)
-    recv = _zero_rows_from(recv[:out_rows], plan.num_received, ZERO_WINDOW_ROWS)  # as v1
+    recv = as_received(recv, plan)  # as v1
     return recv, a, h, u, plan.num_received[None]
 
   return fused_check.per_rank(v1, mesh, 3), fused_check.per_rank(fused_fn, mesh, 3)

@@ -231,10 +231,9 @@ class Transformer(nnx.Module):
       x = blk(x)
     x = self.final_norm(x)
     w_head = self.embed[...].T if self.head is None else self.head[...]  # [H, V]
-    if dt == jnp.float32:   # all float32 already: autodiff's own transpose
-      logits = jnp.einsum("bsh,hv->bsv", x, w_head, preferred_element_type=jnp.float32)
-    else:
-      logits = lm_head_logits(x, w_head, self.mesh)
+    # all float32 already: the plain einsum, autodiff's own transpose
+    logits = (_head_fwd_logits(x, w_head) if dt == jnp.float32
+              else lm_head_logits(x, w_head, self.mesh))
     moes = self.moe_modules()
     aux = {k: jnp.stack([jnp.asarray(m.aux.get_value()[k]) for m in moes]) for k in AUX_KEYS}
     return logits, aux

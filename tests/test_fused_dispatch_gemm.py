@@ -192,19 +192,8 @@ def test_dswiglu_body_on_cta_subset_with_hook_is_bitwise_equal():
 def _lower_fused_dswiglu(mesh, r, kernel, transfer, fused, ns=256, h=256, f=192, el=2):
   st = fdg.validate(out_rows=r * ns, hidden=h, ffn=f, num_local_experts=el, dtype=jnp.bfloat16,
                     kernel=kernel, transfer=transfer, fused=fused, mode="dswiglu")
-
-  def body(dy, s, d, l, gs, wd, hh, uu):
-    return fdg.fused_dispatch_dswiglu(dy, s[0], d[0], l[0], gs[0], wd, hh, uu, out_rows=r * ns,
-                                      axis_name="expert", kernel=kernel, transfer=transfer,
-                                      fused=fused)
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 8, out_specs=P("expert"),
-                     check_vma=False)
-  sh = NamedSharding(mesh, P("expert"))
-  s = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
-  args = (s((r * ns, h), jnp.bfloat16), s((r, r, el)), s((r, r, el)), s((r, r, el)),
-          s((r, el)), s((r * el, f, h), jnp.bfloat16), s((r * st.m_p, st.f_p), jnp.bfloat16),
-          s((r * st.m_p, st.f_p), jnp.bfloat16))
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  return _lower_launch(fdg.fused_dispatch_dswiglu, mesh, r, kernel, transfer, fused, ns, h, el,
+                       [(el, f, h), (st.m_p, st.f_p), (st.m_p, st.f_p)])   # w_down, h, u
 
 
 def test_fused_backward_kernel_lowers_for_cuda(mesh_factory):
@@ -233,18 +222,24 @@ def test_fused_backward_checks_its_operands():
                                hu[:, :192], hu, **kw)
 
 
-def _lower_fused(mesh, r, kernel, transfer, fused, ns=256, h=256, f=192, el=2):
-  def body(x, s, d, l, gs, wgu):
-    return fdg.fused_dispatch_gate_up(x, s[0], d[0], l[0], gs[0], wgu, out_rows=r * ns,
-                                      axis_name="expert", kernel=kernel, transfer=transfer,
-                                      fused=fused)
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"),
-                     check_vma=False)
+def _lower_launch(launch, mesh, r, kernel, transfer, fused, ns, h, el, operands):
+  """Lowers one fused launch for CUDA inside a shard_map over `r` ranks: `launch(rows,
+  segments, group sizes, *operands)`, operands bf16 of the per-rank `operands` shapes."""
+  def body(x, s, d, l, gs, *ops):
+    return launch(x, s[0], d[0], l[0], gs[0], *ops, out_rows=r * ns, axis_name="expert",
+                  kernel=kernel, transfer=transfer, fused=fused)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * (5 + len(operands)),
+                     out_specs=P("expert"), check_vma=False)
   sh = NamedSharding(mesh, P("expert"))
   s = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
   args = (s((r * ns, h), jnp.bfloat16), s((r, r, el)), s((r, r, el)), s((r, r, el)),
-          s((r, el)), s((r * el, h, 2 * f), jnp.bfloat16))
+          s((r, el))) + tuple(s((r * a, *rest), jnp.bfloat16) for a, *rest in operands)
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def _lower_fused(mesh, r, kernel, transfer, fused, ns=256, h=256, f=192, el=2):
+  return _lower_launch(fdg.fused_dispatch_gate_up, mesh, r, kernel, transfer, fused, ns, h, el,
+                       [(el, h, 2 * f)])   # w_gate_up
 
 
 def test_fused_kernel_lowers_for_cuda(mesh_factory):

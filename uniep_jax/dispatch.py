@@ -224,6 +224,13 @@ def _zero_rows_from(buf, start, window: int):
   return jax.lax.dynamic_update_slice_in_dim(buf, win, at, axis=0)
 
 
+def as_received(buf, plan: DispatchPlan):
+  """A receive buffer that peers wrote only the live rows of (the Pallas transfers, the
+  fused kernels' outputs, possibly padded past the layout) as the nvlink transport leaves
+  it: the layout's rows, the window after the live ones zeroed."""
+  return _zero_rows_from(buf[:plan.recv_valid.shape[0]], plan.num_received, ZERO_WINDOW_ROWS)
+
+
 def _send_nvlink(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts, transfer):
   from pallas_kernels.ep_transfer import transfer_segments  # GPU kernels, lazy
   from uniep_jax.layout import dispatch_segments
@@ -232,7 +239,7 @@ def _send_nvlink(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts, 
   recv = transfer_segments(rows_sorted, seg.src_start, seg.dst_start, seg.rows,
                            out_rows=plan.recv_valid.shape[0], config=transfer,
                            axis_name=axis_name)
-  return _zero_rows_from(recv, plan.num_received, ZERO_WINDOW_ROWS)
+  return as_received(recv, plan)
 
 
 def _return_nvlink(recv, plan: DispatchPlan, axis_name, num_local_experts, transfer):

@@ -43,8 +43,8 @@ import functools
 import jax
 
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig
-from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, _return_nvlink, _send_nvlink,
-                                _zero_plan_cotangent, _zero_rows_from, zero_dropped_rows)
+from uniep_jax.dispatch import (_return_nvlink, _send_nvlink, _zero_plan_cotangent,
+                                as_received, zero_dropped_rows)
 from uniep_jax.layout import DispatchPlan, dispatch_segments, return_segments
 
 
@@ -64,7 +64,7 @@ def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, 
       zero_window=kernel.block_k)
   # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
   # window after the live rows zeroed (the wgrad reads up to block_k rows past a group)
-  recv = _zero_rows_from(recv[:recv_rows], plan.num_received, ZERO_WINDOW_ROWS)
+  recv = as_received(recv, plan)
   if fused.return_in_kernel:
     seg = return_segments(plan, rank)
     y_sorted = fused_gemm_return.fused_gemm_return(
@@ -107,7 +107,7 @@ def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, 
         plan.recv_group_sizes, w_down, h, u, out_rows=recv_rows, axis_name=axis_name,
         kernel=kernel, transfer=transfer, fused=fused, zero_window=kernel.block_k)
     # as v1's send: the window after the live rows zeroed (the dw_down wgrad reads it)
-    dy_recv = _zero_rows_from(dy_recv[:recv_rows], plan.num_received, ZERO_WINDOW_ROWS)
+    dy_recv = as_received(dy_recv, plan)
     d_recv, dw_gate_up, dw_down = swiglu_backward_from_dhu(
         recv, w_gate_up, w_down, plan.recv_group_sizes, a, dy_recv, dhu, config=kernel,
         zero_window=kernel.block_k)

@@ -242,8 +242,7 @@ class Candidate:
                  chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
                  col_tile=self.transfer.col_tile)
     if self.fused is not None:
-      knobs.update(n_comm=self.fused.n_comm, recv_chunk_rows=self.fused.recv_chunk_rows,
-                   return_in_kernel=self.fused.return_in_kernel, backward=self.fused.backward)
+      knobs.update(dataclasses.asdict(self.fused))   # FUSED_KNOBS
     return knobs
 
 
