@@ -137,6 +137,20 @@ def main(argv=None):
   reference = {}
   tag_of = lambda kc: (f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"  # noqa: E731
                        + ("/e2" if kc.epilogue_slots == 2 else ""))
+
+  def write(partial=False):
+    payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,
+                   start=args.start, pallas_reference=reference, points=points,
+                   mismatches=mismatches, skipped=skipped,
+                   all_tilings_agree=len(set(reference.values())) == 1,
+                   swept=sum("checksums" in r for r in points), partial=partial)
+    kind = meta["device_kind"].replace(" ", "_")
+    common.write_json(os.path.join(common.out_dir(args.out),
+                                   f"determinism_sweep_{kind}_ep{ep}"
+                                   + (f"_from{args.start}" if args.start else "")
+                                   + (".partial" if partial else "") + ".json"), payload)
+    return payload
+
   # Compilation dominates (~20 s a point on 2x H100): compile ahead in threads, in
   # sweep order, while earlier points run. Run it with XLA's deterministic ops (as
   # device_session's sweep phase does): XLA's GEMM autotuning would otherwise time
@@ -199,20 +213,13 @@ def main(argv=None):
       traceback.print_exc(limit=2)
       row["error"] = repr(e)[:300]
     points.append(row)
+    write(partial=True)   # a hang in a later point (killed by the phase's limit) keeps these
     print(row, flush=True)
   pool.shutdown(wait=False, cancel_futures=True)
-  tilings_agree = len({v for v in reference.values()}) == 1
-  payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep, start=args.start,
-                 pallas_reference=reference, points=points, mismatches=mismatches,
-                 skipped=skipped, all_tilings_agree=tilings_agree,
-                 swept=sum("checksums" in r for r in points))
-  kind = meta["device_kind"].replace(" ", "_")
-  common.write_json(os.path.join(common.out_dir(args.out),
-                                 f"determinism_sweep_{kind}_ep{ep}"
-                                 + (f"_from{args.start}" if args.start else "") + ".json"), payload)
+  payload = write()
   errors = sum("error" in r for r in points)
   print(f"{payload['swept']} points swept, {len(mismatches)} mismatches, {errors} errors, "
-        f"{len(skipped)} skipped; tilings agree with each other: {tilings_agree}")
+        f"{len(skipped)} skipped; tilings agree with each other: {payload['all_tilings_agree']}")
   return 1 if mismatches or errors else 0
 
 
