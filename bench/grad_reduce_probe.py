@@ -1,5 +1,5 @@
 """How fast the training step's gradient sums go over the mesh, on the GPUs: the
-ordered sum of train/ordered_reduce.py (all_to_all, float32 adds in rank order,
+ordered sum of uniep_jax/ordered_reduce.py (all_to_all, float32 adds in rank order,
 all_gather) against its two collectives alone, an all_to_all-based gather (the same
 bytes through NCCL's send/recv kernel instead of its all-gather kernel), and XLA's
 psum (NCCL all-reduce, the order not ours), for a float32 buffer of --elements per
@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bench import common
 from pallas_kernels import device as device_lib
-from train.ordered_reduce import ordered_psum
+from uniep_jax.ordered_reduce import ordered_psum
 
 
 def variants(r: int):

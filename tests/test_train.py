@@ -370,7 +370,7 @@ def test_bucketed_gradient_sums_give_the_same_bits(tmp_path, data, reference):
 
 
 def test_backward_order_and_buckets():
-  from train.ordered_reduce import ordered_psum_buckets
+  from uniep_jax.ordered_reduce import ordered_psum_buckets
   names = ["embed", "final_norm.scale", "head", "layers.0.attn.wq", "layers.1.attn.wq",
            "layers.10.ffn.router"]
   assert loop.backward_order(names) == ["final_norm.scale", "head", "layers.10.ffn.router",

@@ -14,7 +14,7 @@ from train.mesh import parse_mesh
 
 BACKEND_CHOICES = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep")
 # "xla": gradients of replicated parameters summed over the mesh by XLA's all-reduces;
-# "ordered": per-shard gradients summed in rank order by us (train/ordered_reduce.py)
+# "ordered": per-shard gradients summed in rank order by us (uniep_jax/ordered_reduce.py)
 GRAD_REDUCTIONS = ("xla", "ordered")
 
 

@@ -38,7 +38,7 @@ from train.config import TrainConfig
 from train.data import Dataset, make_dataset, unigram_entropy
 from train.distributed import from_local_rows, host_value, is_main_process, local_rows
 from train.mesh import MESH_AXES, ConfigError, make_mesh, parse_mesh, validate_mesh
-from train.ordered_reduce import ordered_psum, ordered_psum_buckets, ordered_psum_many
+from uniep_jax.ordered_reduce import ordered_psum, ordered_psum_buckets, ordered_psum_many
 from uniep_jax.moe import shard_map_type_checked
 
 LN2 = float(np.log(2.0))

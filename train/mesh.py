@@ -101,7 +101,7 @@ def request_nccl_group_launch() -> None:
   set-up") gives GROUP launches as the remedy. What we saw (4x H200, 2026-11-26,
   bench/results/train_loop_probe_NVIDIA_H200_x4.log): a training step with many
   independent all_to_all/all_gather pairs never finished its first step, with GROUP
-  or without; chaining the collectives (train/ordered_reduce.ordered_psum_many) fixed
+  or without; chaining the collectives (uniep_jax/ordered_reduce.ordered_psum_many) fixed
   it. The GPU runs that passed since had GROUP set, so it stays the tested set-up.
   No effect on the CPU or with one process per GPU.
   """

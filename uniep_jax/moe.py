@@ -32,7 +32,8 @@ from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, collect, default_transport, di
                                 unsort_rows)
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import local_group_sizes, make_plan
-from uniep_jax.params import MoEParams
+from uniep_jax.ordered_reduce import ordered_allsum, replica_axes, stack_replicas
+from uniep_jax.params import MoEParams, place
 from uniep_jax.reference import dense_reference_moe
 
 AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped")
@@ -170,9 +171,10 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
   out = routing_lib.route(x, params.router, top_k, config.routing, params.expert_bias)
 
   counts, prob_sum, z_sum = routing_lib.local_aux_sums(out, num_experts, config.routing)
-  counts = jax.lax.psum(counts, token_axes)
-  prob_sum = jax.lax.psum(prob_sum, token_axes)
-  z_sum = jax.lax.psum(z_sum, token_axes)
+  counts = jax.lax.psum(counts, token_axes)   # integers: exact in any order
+  # float sums in rank order (not NCCL's), in the forward and in the backward
+  prob_sum = ordered_allsum(prob_sum, token_axes)
+  z_sum = ordered_allsum(z_sum, token_axes)
   num_tokens = t * math.prod(jax.lax.axis_size(a) for a in token_axes)
   lb, z = routing_lib.aux_losses(counts, prob_sum, z_sum, num_tokens, top_k)
 
@@ -225,17 +227,6 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
 # ---------------------------------------------------------------------------
 # Global form.
 # ---------------------------------------------------------------------------
-def _place(a, sharding: NamedSharding):
-  """Puts `a` on `sharding`: device_put for concrete arrays; inside a trace,
-  `reshard` on meshes with Explicit axes, a sharding constraint otherwise."""
-  if not isinstance(a, jax.core.Tracer):
-    return jax.device_put(a, sharding)
-  explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
-  if explicit:
-    return jax.sharding.reshard(a, sharding)
-  return jax.lax.with_sharding_constraint(a, sharding)
-
-
 def check_kernel_dtypes(backend: str, platform: str, x, params: MoEParams) -> None:
   """The Pallas backends' GPU kernels (wgmma) take 16-bit operands: a clear error
   before tracing instead of Mosaic's "Only f16 WGMMA supports transposes" from the
@@ -337,15 +328,24 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   token_axes = tuple(mesh.axis_names)
   x_spec = P(token_axes, None)
   p_specs = param_specs(params, expert_axis)
-  x = _place(x, NamedSharding(mesh, x_spec))
-  params = jax.tree.map(lambda a, s: _place(a, NamedSharding(mesh, s)), params, p_specs)
+  x = place(x, NamedSharding(mesh, x_spec))
+  params = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), params, p_specs)
+  # A parameter replicated over mesh axes (the router; the experts over "data") goes
+  # in as one copy per shard, so that its gradient is the copies' cotangents summed by
+  # us in rank order (`stack_replicas`) rather than the psum shard_map's transpose
+  # would add, whose float order NCCL picks per program (4x H200, 2026-11-26: the
+  # router's gradient differed between backends "pallas" and "uniep").
+  stacked = jax.tree.map(lambda a, s: stack_replicas(a, mesh, s), params, p_specs)
+  stacked_specs = jax.tree.map(lambda s: P(replica_axes(mesh, s), *s), p_specs,
+                               is_leaf=lambda s: isinstance(s, P))
 
-  def body(x_local, params_local):
+  def body(x_local, stacked_local):
+    params_local = jax.tree.map(lambda a: a[0], stacked_local)
     return moe_ffn_shard(x_local, params_local, top_k=top_k, config=config,
                          expert_axis=expert_axis, token_axes=token_axes, transport=transport)
 
   aux_specs = {k: P() for k in AUX_KEYS}
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, p_specs),
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, stacked_specs),
                      out_specs=(x_spec, aux_specs),
                      check_vma=shard_map_type_checked(config.backend))
-  return fn(x, params)
+  return fn(x, stacked)

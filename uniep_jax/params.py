@@ -24,6 +24,7 @@ from typing import Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 
 @flax.struct.dataclass
@@ -59,3 +60,14 @@ def split_gate_up(w_gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
   if two_f % 2:
     raise ValueError(f"w_gate_up's last axis ({two_f}) must be even: [w_gate | w_up]")
   return w_gate_up[..., :two_f // 2], w_gate_up[..., two_f // 2:]
+
+
+def place(a, sharding: NamedSharding):
+  """Puts `a` on `sharding`: device_put for concrete arrays; inside a trace,
+  `reshard` on meshes with Explicit axes, a sharding constraint otherwise."""
+  if not isinstance(a, jax.core.Tracer):
+    return jax.device_put(a, sharding)
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+  if explicit:
+    return jax.sharding.reshard(a, sharding)
+  return jax.lax.with_sharding_constraint(a, sharding)

@@ -29,16 +29,31 @@ concurrently on different streams, and the training step that summed each gradie
 leaf on its own never finished its first step on 4x H200 (2026-11-26, commit 3214321,
 bench/train_loop_probe.py; the step holds 13 leaves' all_to_all/all_gather pairs),
 with NCCL_LAUNCH_MODE=GROUP too.
+
+`ordered_allsum` is the forward-pass form for small values (the MoE layer's router
+statistics, [E] floats): one all_gather over all the axes, then float32 adds in a
+fixed tree over the rank order on every device; its backward passes the cotangent through (the sum is used
+alike on every device), so no collective, hence no float sum of NCCL's, enters the
+backward either.
+
+`stack_replicas` gives a `shard_map`ped function's replicated
+inputs gradients summed by `ordered_psum`: the input goes in as R stacked copies,
+one per shard (no implicit psum in shard_map's transpose, which would leave the
+order to NCCL), and the copies' cotangents are summed in rank order.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from uniep_jax.dispatch import varying_axes
+from uniep_jax.params import place
 
 
 def _ordered_psum_axis(x: jax.Array, axis: str) -> jax.Array:
@@ -131,3 +146,85 @@ def ordered_psum_buckets(items: Sequence[tuple[jax.Array, Sequence[str]]], num_b
     previous = summed
   return out
 
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def ordered_allsum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """The sum of a small x over the mesh axes `axes` (inside shard_map): one all_gather
+  of every device's x (rank order over the axes, as the mesh lists them), then float32
+  adds in a fixed tree over that order (`pairwise_sum`); same bits on every device and
+  in every program. The backward
+  passes the cotangent through: the sum is a value every device holds and uses alike,
+  so each device's part of it gets the full cotangent, as with `lax.psum`. In a
+  shard_map without type checks (check_vma=False), where JAX hands each device 1/R of
+  a replicated output's cotangent and every psum's transpose is a psum, the backward
+  sums those R parts in the same fixed order instead (an `ordered_allsum` of the
+  cotangent; exact for R a power of two)."""
+  axes = tuple(axes)
+  if math.prod(jax.lax.axis_size(a) for a in axes) == 1 and not set(axes) & varying_axes(x):
+    return x
+  # inside a type-checked shard_map, the gathered copies are typed invariant over `axes`
+  to = "invarying" if set(axes) <= varying_axes(x) else "varying"
+  parts = jax.lax.all_gather(x, axes, tiled=False, to=to)   # [R, ...], rank order
+  return pairwise_sum([parts[s].astype(jnp.float32) for s in range(parts.shape[0])]
+                      ).astype(x.dtype)
+
+
+def pairwise_sum(values: list) -> jax.Array:
+  """((v0 + v1) + (v2 + v3)) + ...: a fixed binary tree over the list's order. R equal
+  values sum to exactly R times one of them when R is a power of two (a sequential
+  sum rounds on the way: 3v may not be representable), which keeps the unchecked
+  backward of `ordered_allsum` (R copies of 1/R of the cotangent) exact."""
+  while len(values) > 1:
+    values = [values[i] + values[i + 1] if i + 1 < len(values) else values[i]
+              for i in range(0, len(values), 2)]
+  return values[0]
+
+
+def _ordered_allsum_fwd(x, axes):
+  return ordered_allsum(x, axes), x.reshape(-1)[:0]   # no data: x's varying axes (its type)
+
+
+def _ordered_allsum_bwd(axes, x_type, ct):
+  if not set(axes) <= varying_axes(x_type):   # an unchecked shard_map: ct is 1/R of it
+    return (ordered_allsum(ct, axes),)
+  widen = tuple(sorted(varying_axes(x_type) - varying_axes(ct)))
+  return (jax.lax.pcast(ct, widen, to="varying") if widen else ct,)
+
+
+ordered_allsum.defvjp(_ordered_allsum_fwd, _ordered_allsum_bwd)
+
+
+def replica_axes(mesh: jax.sharding.Mesh, spec: P) -> tuple[str, ...]:
+  """The axes of `mesh` (of size > 1) that `spec` does not shard over: the array is
+  replicated over them, and its gradient is a sum over them."""
+  named = {a for entry in spec if entry is not None
+           for a in (entry if isinstance(entry, tuple) else (entry,))}
+  return tuple(a for a in mesh.axis_names if a not in named and mesh.shape[a] > 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def stack_replicas(a: jax.Array, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
+  """[*a.shape] sharded as `spec` -> [n, *a.shape] sharded as P(replica_axes, *spec):
+  one copy per shard of the replica axes (a broadcast: each device keeps the copy it
+  holds). Its gradient is the copies' cotangents summed by `ordered_psum` in rank
+  order, so a `shard_map` taking the copies (in_specs P(replica_axes, *spec)) has no
+  replicated input whose cotangent shard_map would psum itself."""
+  axes = replica_axes(mesh, spec)
+  n = math.prod(mesh.shape[ax] for ax in axes)
+  stacked = jnp.broadcast_to(a[None], (n,) + a.shape)
+  return place(stacked, NamedSharding(mesh, P(axes, *spec)))
+
+
+def _stack_replicas_fwd(a, mesh, spec):
+  return stack_replicas(a, mesh, spec), None
+
+
+def _stack_replicas_bwd(mesh, spec, _, ct):
+  axes = replica_axes(mesh, spec)
+  sum_copies = jax.shard_map(lambda c: ordered_psum(c[0], axes), mesh=mesh,
+                             in_specs=P(axes, *spec), out_specs=spec)
+  return (sum_copies(place(ct, NamedSharding(mesh, P(axes, *spec)))),)
+
+
+stack_replicas.defvjp(_stack_replicas_fwd, _stack_replicas_bwd)
