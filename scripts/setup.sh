@@ -43,7 +43,7 @@ if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
   echo "setup: installing uniep-jax and its dependencies into $VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]" 2>&1 | grep -v "is ignored: it is neither" || true
-  "$VENV/bin/python" -c 'import jax, flax, optax, chex, orbax.checkpoint, pytest' \
+  "$VENV/bin/python" -c 'import jax, flax, optax, chex, orbax.checkpoint, pytest, xdist' \
     || { echo "setup: install failed" >&2; exit 1; }
   touch "$STAMP"
 fi

@@ -172,9 +172,9 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
 
   counts, prob_sum, z_sum = routing_lib.local_aux_sums(out, num_experts, config.routing)
   counts = jax.lax.psum(counts, token_axes)   # integers: exact in any order
-  # float sums in rank order (not NCCL's), in the forward and in the backward
-  prob_sum = ordered_allsum(prob_sum, token_axes)
-  z_sum = ordered_allsum(z_sum, token_axes)
+  # float sums in a fixed order (not NCCL's), forward and backward; one collective
+  sums = ordered_allsum(jnp.concatenate([prob_sum, z_sum[None]]), token_axes)
+  prob_sum, z_sum = sums[:num_experts], sums[num_experts]
   num_tokens = t * math.prod(jax.lax.axis_size(a) for a in token_axes)
   lb, z = routing_lib.aux_losses(counts, prob_sum, z_sum, num_tokens, top_k)
 

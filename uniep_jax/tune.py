@@ -293,9 +293,12 @@ class SearchSpace:
   # Stage 3 (not in `points`): the v2 fused kernels as (n_comm, recv_chunk_rows[,
   # return_in_kernel, backward]) (FusedConfig's fields in order), tried on the best
   # verified v1 candidate; points with backward=True only when the backward is timed.
-  # () turns stage 3 off.
+  # () turns stage 3 off. The fused backward with fewer transfer CTAs too: at n_comm 32
+  # its GEMM lost more than the transfer it hid (deepseek-like, 4x H200: 44.04 ms vs
+  # v1's 43.02, bench/results/moe_layer_NVIDIA_H200_ep4_run7.json).
   fused: Sequence[tuple] = ((16, 2048), (32, 2048), (64, 2048), (32, 1024), (32, 4096),
                             (32, 2048, False, False), (32, 2048, False, True),
+                            (16, 2048, False, True), (8, 2048, False, True),
                             (32, 2048, True, True))
 
   def points(self) -> Iterable[dict]:
