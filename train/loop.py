@@ -242,8 +242,8 @@ def ordered_grads(s: Setup):
   (`ordered_psum_buckets`), so that the early ones may overlap the rest of the backward
   pass (EXPERIMENTAL, not yet timed; then a gradient collective may be in flight beside
   the MoE layer's own). Same bits either way.
-  The aux losses are computed from statistics psum'd over the mesh inside the MoE
-  layer: each shard's gradient holds 1/shards of their derivative per shard, so the
+  The aux losses are computed from statistics summed over the mesh inside the MoE
+  layer (`uniep_jax.ordered_reduce.ordered_allsum`): each shard's gradient holds 1/shards of their derivative per shard, so the
   sum holds it once.
   """
   axes = tuple(s.mesh.axis_names)

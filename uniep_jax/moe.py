@@ -335,9 +335,10 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   # us in rank order (`stack_replicas`) rather than the psum shard_map's transpose
   # would add, whose float order NCCL picks per program (4x H200, 2026-11-26: the
   # router's gradient differed between backends "pallas" and "uniep").
-  stacked = jax.tree.map(lambda a, s: stack_replicas(a, mesh, s), params, p_specs)
-  stacked_specs = jax.tree.map(lambda s: P(replica_axes(mesh, s), *s), p_specs,
-                               is_leaf=lambda s: isinstance(s, P))
+  leaves, treedef = jax.tree.flatten(params)
+  leaf_specs = tuple(jax.tree.leaves(p_specs, is_leaf=lambda s: isinstance(s, P)))
+  stacked = treedef.unflatten(stack_replicas(tuple(leaves), mesh, leaf_specs))
+  stacked_specs = treedef.unflatten([P(replica_axes(mesh, s), *s) for s in leaf_specs])
 
   def body(x_local, stacked_local):
     params_local = jax.tree.map(lambda a: a[0], stacked_local)

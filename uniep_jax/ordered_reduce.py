@@ -32,9 +32,10 @@ with NCCL_LAUNCH_MODE=GROUP too.
 
 `ordered_allsum` is the forward-pass form for small values (the MoE layer's router
 statistics, [E] floats): one all_gather over all the axes, then float32 adds in a
-fixed tree over the rank order on every device; its backward passes the cotangent through (the sum is used
-alike on every device), so no collective, hence no float sum of NCCL's, enters the
-backward either.
+fixed tree over the rank order on every device; its backward passes the cotangent
+through in a type-checked shard_map (the sum is used alike on every device), and in an
+unchecked one sums the devices' parts of it the same way: no float sum of NCCL's
+either way.
 
 `stack_replicas` gives a `shard_map`ped function's replicated
 inputs gradients summed by `ordered_psum`: the input goes in as R stacked copies,
@@ -151,7 +152,7 @@ def ordered_psum_buckets(items: Sequence[tuple[jax.Array, Sequence[str]]], num_b
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def ordered_allsum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """The sum of a small x over the mesh axes `axes` (inside shard_map): one all_gather
-  of every device's x (rank order over the axes, as the mesh lists them), then float32
+  of every device's x (rank order over `axes`, in the order given), then float32
   adds in a fixed tree over that order (`pairwise_sum`); same bits on every device and
   in every program. The backward
   passes the cotangent through: the sum is a value every device holds and uses alike,
@@ -159,7 +160,8 @@ def ordered_allsum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   shard_map without type checks (check_vma=False), where JAX hands each device 1/R of
   a replicated output's cotangent and every psum's transpose is a psum, the backward
   sums those R parts in the same fixed order instead (an `ordered_allsum` of the
-  cotangent; exact for R a power of two)."""
+  cotangent; exact for R a power of two). The mode is read off x's type: x must vary
+  over every axis of `axes` in a type-checked shard_map (a per-shard partial sum)."""
   axes = tuple(axes)
   if math.prod(jax.lax.axis_size(a) for a in axes) == 1 and not set(axes) & varying_axes(x):
     return x
@@ -204,27 +206,38 @@ def replica_axes(mesh: jax.sharding.Mesh, spec: P) -> tuple[str, ...]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def stack_replicas(a: jax.Array, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
-  """[*a.shape] sharded as `spec` -> [n, *a.shape] sharded as P(replica_axes, *spec):
-  one copy per shard of the replica axes (a broadcast: each device keeps the copy it
-  holds). Its gradient is the copies' cotangents summed by `ordered_psum` in rank
-  order, so a `shard_map` taking the copies (in_specs P(replica_axes, *spec)) has no
-  replicated input whose cotangent shard_map would psum itself."""
-  axes = replica_axes(mesh, spec)
-  n = math.prod(mesh.shape[ax] for ax in axes)
-  stacked = jnp.broadcast_to(a[None], (n,) + a.shape)
-  return place(stacked, NamedSharding(mesh, P(axes, *spec)))
+def stack_replicas(arrays: tuple, mesh: jax.sharding.Mesh, specs: tuple) -> tuple:
+  """Each [*a.shape] sharded as its spec -> [n, *a.shape] sharded as
+  P(replica_axes, *spec): one copy per shard of the replica axes (a broadcast: each
+  device keeps the copy it holds). Their gradients are the copies' cotangents summed in
+  rank order by one `ordered_psum_many` (one buffer per dtype and axes, the buffers'
+  collectives chained: never two in flight at once, see above), so a `shard_map`
+  taking the copies (in_specs P(replica_axes, *spec)) has no replicated input whose
+  cotangent shard_map would psum itself."""
+  out = []
+  for a, spec in zip(arrays, specs):
+    axes = replica_axes(mesh, spec)
+    n = math.prod(mesh.shape[ax] for ax in axes)
+    out.append(place(jnp.broadcast_to(a[None], (n,) + a.shape),
+                     NamedSharding(mesh, P(axes, *spec))))
+  return tuple(out)
 
 
-def _stack_replicas_fwd(a, mesh, spec):
-  return stack_replicas(a, mesh, spec), None
+def _stack_replicas_fwd(arrays, mesh, specs):
+  return stack_replicas(arrays, mesh, specs), None
 
 
-def _stack_replicas_bwd(mesh, spec, _, ct):
-  axes = replica_axes(mesh, spec)
-  sum_copies = jax.shard_map(lambda c: ordered_psum(c[0], axes), mesh=mesh,
-                             in_specs=P(axes, *spec), out_specs=spec)
-  return (sum_copies(place(ct, NamedSharding(mesh, P(axes, *spec)))),)
+def _stack_replicas_bwd(mesh, specs, _, cts):
+  stacked_specs = tuple(P(replica_axes(mesh, s), *s) for s in specs)
+
+  def sum_copies(*copies):
+    return tuple(ordered_psum_many([(c[0], replica_axes(mesh, s))
+                                    for c, s in zip(copies, specs)]))
+
+  cts = [place(c, NamedSharding(mesh, sp)) for c, sp in zip(cts, stacked_specs)]
+  summed = jax.shard_map(sum_copies, mesh=mesh, in_specs=stacked_specs,
+                         out_specs=tuple(specs))(*cts)
+  return (tuple(summed),)
 
 
 stack_replicas.defvjp(_stack_replicas_fwd, _stack_replicas_bwd)
