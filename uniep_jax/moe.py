@@ -32,7 +32,7 @@ from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, collect, default_transport, di
                                 unsort_rows)
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import local_group_sizes, make_plan
-from uniep_jax.ordered_reduce import ordered_allsum, replica_axes, stack_replicas
+from uniep_jax.ordered_reduce import ordered_allsum, stack_replicas, stacked_spec
 from uniep_jax.params import MoEParams, place
 from uniep_jax.reference import dense_reference_moe
 
@@ -338,7 +338,7 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   leaves, treedef = jax.tree.flatten(params)
   leaf_specs = tuple(jax.tree.leaves(p_specs, is_leaf=lambda s: isinstance(s, P)))
   stacked = treedef.unflatten(stack_replicas(tuple(leaves), mesh, leaf_specs))
-  stacked_specs = treedef.unflatten([P(replica_axes(mesh, s), *s) for s in leaf_specs])
+  stacked_specs = treedef.unflatten([stacked_spec(mesh, s) for s in leaf_specs])
 
   def body(x_local, stacked_local):
     params_local = jax.tree.map(lambda a: a[0], stacked_local)

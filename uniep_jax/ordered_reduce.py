@@ -37,9 +37,9 @@ through in a type-checked shard_map (the sum is used alike on every device), and
 unchecked one sums the devices' parts of it the same way: no float sum of NCCL's
 either way.
 
-`stack_replicas` gives a `shard_map`ped function's replicated
-inputs gradients summed by `ordered_psum`: the input goes in as R stacked copies,
-one per shard (no implicit psum in shard_map's transpose, which would leave the
+`stack_replicas` gives a `shard_map`ped function's replicated inputs gradients summed
+by `ordered_psum_many`: each input goes in as R stacked copies, one per shard
+(`stacked_spec`; no implicit psum in shard_map's transpose, which would leave the
 order to NCCL), and the copies' cotangents are summed in rank order.
 """
 
@@ -148,14 +148,12 @@ def ordered_psum_buckets(items: Sequence[tuple[jax.Array, Sequence[str]]], num_b
   return out
 
 
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def ordered_allsum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """The sum of a small x over the mesh axes `axes` (inside shard_map): one all_gather
   of every device's x (rank order over `axes`, in the order given), then float32
   adds in a fixed tree over that order (`pairwise_sum`); same bits on every device and
-  in every program. The backward
-  passes the cotangent through: the sum is a value every device holds and uses alike,
+  in every program. The backward passes the cotangent through: the sum is a value every device holds and uses alike,
   so each device's part of it gets the full cotangent, as with `lax.psum`. In a
   shard_map without type checks (check_vma=False), where JAX hands each device 1/R of
   a replicated output's cotangent and every psum's transpose is a psum, the backward
@@ -205,6 +203,12 @@ def replica_axes(mesh: jax.sharding.Mesh, spec: P) -> tuple[str, ...]:
   return tuple(a for a in mesh.axis_names if a not in named and mesh.shape[a] > 1)
 
 
+def stacked_spec(mesh: jax.sharding.Mesh, spec: P) -> P:
+  """The spec of `stack_replicas`' copies of an array sharded as `spec`: the copies'
+  leading axis over the replica axes, the rest as `spec`."""
+  return P(replica_axes(mesh, spec), *spec)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def stack_replicas(arrays: tuple, mesh: jax.sharding.Mesh, specs: tuple) -> tuple:
   """Each [*a.shape] sharded as its spec -> [n, *a.shape] sharded as
@@ -219,7 +223,7 @@ def stack_replicas(arrays: tuple, mesh: jax.sharding.Mesh, specs: tuple) -> tupl
     axes = replica_axes(mesh, spec)
     n = math.prod(mesh.shape[ax] for ax in axes)
     out.append(place(jnp.broadcast_to(a[None], (n,) + a.shape),
-                     NamedSharding(mesh, P(axes, *spec))))
+                     NamedSharding(mesh, stacked_spec(mesh, spec))))
   return tuple(out)
 
 
@@ -228,7 +232,7 @@ def _stack_replicas_fwd(arrays, mesh, specs):
 
 
 def _stack_replicas_bwd(mesh, specs, _, cts):
-  stacked_specs = tuple(P(replica_axes(mesh, s), *s) for s in specs)
+  stacked_specs = tuple(stacked_spec(mesh, s) for s in specs)
 
   def sum_copies(*copies):
     return tuple(ordered_psum_many([(c[0], replica_axes(mesh, s))
