@@ -516,6 +516,35 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
   assert res.best.candidate.label() == "m128_n128_k64_s3|c128_x64_t256|f16_b2048"
 
 
+def test_stages_fused_only_times_the_default_then_the_fused_points():
+  space = _space(block_m=(64, 128), num_ctas=(32, 64), fused=((16, 2048), (32, 1024)))
+  clock = FakeClock()
+  res = T.tune(DEEPSEEK_BWD, FakeRunner(clock, _fused_times), device=HOPPER, space=space,
+               budget_s=1e9, progress=False, clock=clock, stages=("fused",))
+  timed = [(t.stage, t.candidate.label()) for t in res.trials]
+  assert timed == [("kernel", T.DEFAULT_CANDIDATE.label()),
+                   ("fused", "m128_n128_k64_s3|c128_x64_t256|f16_b2048"),
+                   ("fused", "m128_n128_k64_s3|c128_x64_t256|f32_b1024")]
+  assert res.spread()["default_over_best"] == 10.0 / 6.0
+  report = json.loads(json.dumps(res.to_json()))
+  assert report["stages"] == ["fused"]
+  # the saved report replays to the same trials (no stage 1/2 candidates appear skipped)
+  again = T.replay(report, space)
+  assert [(t.stage, t.candidate.label(), t.status) for t in again.trials] == [
+      (t.stage, t.candidate.label(), t.status) for t in res.trials]
+  # a later full run resumes from it: only what it lacks is timed
+  clock = FakeClock()
+  runner = FakeRunner(clock, _fused_times)
+  full = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=1e9,
+                progress=False, clock=clock, resume=report)
+  assert T.DEFAULT_CANDIDATE.label() not in runner.measured
+  assert sorted(runner.measured) == ["m128_n128_k64_s3|c128_x32_t256",
+                                     "m64_n128_k64_s3|c128_x64_t256"]
+  with pytest.raises(ValueError, match="stages"):
+    T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=1e9, progress=False,
+           clock=clock, stages=("fusd",))
+
+
 def test_stage3_fused_backward_points_only_when_the_backward_is_timed():
   space = _space(fused=((32, 2048, False, False), (32, 2048, False, True)))
   labels = {}

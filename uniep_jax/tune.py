@@ -132,6 +132,7 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig, UniEPConfig
 
 DIRECTIONS = ("fwd", "bwd")
+STAGES = ("kernel", "transfer", "fused")   # the "staged" search's stages, in order
 CACHE_ENV = "UNIEP_TUNE_CACHE"
 SHIPPED_CACHE = Path(__file__).with_name("tuned_configs.json")
 CACHE_FORMAT = 1
@@ -883,6 +884,7 @@ class TuneResult:
   trials: list
   references: dict
   default: Candidate
+  stages: tuple = STAGES   # the staged search's stages this run searched
 
   @property
   def best(self) -> Optional[Trial]:
@@ -935,7 +937,8 @@ class TuneResult:
     return dict(
         tuner="uniep_jax.tune", format=CACHE_FORMAT, key=cache_key(self.device.kind, self.problem),
         problem=dataclasses.asdict(self.problem), device=dataclasses.asdict(self.device),
-        backend=self.backend, strategy=self.strategy, budget_s=self.budget_s,
+        backend=self.backend, strategy=self.strategy, stages=list(self.stages),
+        budget_s=self.budget_s,
         elapsed_s=self.elapsed_s, counts=self.counts(),
         default=self.default.label(),
         best=None if best is None else best.to_json(),
@@ -967,6 +970,7 @@ def _default_candidate(enum: Enumeration, problem: TuneProblem, device: DeviceFa
 def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] = None,
          space: SearchSpace = SearchSpace(), budget_s: float = 480.0, strategy: str = "staged",
          stage1_fraction: float = 0.6, max_candidates: Optional[int] = None,
+         stages: Sequence[str] = STAGES,
          resume: Optional[dict] = None, progress: bool = True,
          on_trial: Optional[Callable[[TuneResult], None]] = None,
          clock: Callable[[], float] = time.monotonic) -> TuneResult:
@@ -975,11 +979,18 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
   runner: a `Runner` (`LayerRunner` on GPUs; tests inject fakes). resume: a
   previous report (`TuneResult.to_json()`) of the same key; its timed trials and
   references are reused. max_candidates caps the candidates of each stage.
+  stages ("staged" only): which of "kernel", "transfer", "fused" to search; without
+  "kernel", stage 1 times the default alone (the baseline every report has), so
+  `stages=("fused",)` compares the v2 fused points with the default v1 candidate
+  in one short call (a later `resume` can add the other stages).
   on_trial(partial result): called after every timed candidate (checkpoints).
   The budget is checked before each candidate: one started just before the
   deadline runs to its end (a compile and a timing: up to ~1 min at full size)."""
   if strategy not in ("staged", "grid"):
     raise ValueError(f"strategy={strategy!r} must be 'staged' or 'grid'")
+  unknown = [st for st in stages if st not in STAGES]
+  if unknown or not stages:
+    raise ValueError(f"stages={tuple(stages)!r}: each must be one of {STAGES}, at least one")
   device = device or DeviceFacts.from_device()
   start = clock()
   enum = enumerate_candidates(space, problem, device, runner.uses_transfer)
@@ -996,7 +1007,7 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
 
   def result_now(search):
     return TuneResult(problem, device, runner.backend, strategy, budget_s, clock() - start,
-                      enum, list(search.trials), search.references, default)
+                      enum, list(search.trials), search.references, default, tuple(stages))
 
   search = _Search(runner, deadline, clock, progress, references, previous,
                    on_trial=None if on_trial is None else (lambda s: on_trial(result_now(s))))
@@ -1005,11 +1016,20 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
     search.run(cap(enum.candidates), "grid")
   else:
     dt = default.transfer
-    stage1 = [c for c in enum.candidates if c.transfer == dt]
+    stage1 = ([c for c in enum.candidates if c.transfer == dt] if "kernel" in stages
+              else [default])
+    later = runner.uses_transfer and ("transfer" in stages or "fused" in stages)
     search.run(cap(stage1), "kernel",
-               deadline=start + budget_s * (stage1_fraction if runner.uses_transfer else 1.0))
+               deadline=start + budget_s * (stage1_fraction if later else 1.0))
     best = best_trial(search.trials)
-    if runner.uses_transfer:
+    if not later:
+      pass
+    elif "transfer" not in stages:
+      if space.fused and best is not None:
+        stage3, rejected = fused_candidates(space, best.candidate, problem, device)
+        enum.rejected.extend(rejected)
+        search.run(cap(stage3), "fused")
+    else:
       if best is None:
         _loud("tune: no verified KernelConfig in stage 1; stages 2 and 3 skipped")
       else:
@@ -1017,10 +1037,11 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
         stage2 = [c for c in enum.candidates
                   if c.kernel == bk and c.transfer != dt]
         # stage 3 (fused kernels) gets half of what is left after stage 1
+        fused_next = bool(space.fused) and "fused" in stages
         search.run(cap(stage2), "transfer", deadline=(
-            None if not space.fused else start + budget_s * (1 + stage1_fraction) / 2))
+            None if not fused_next else start + budget_s * (1 + stage1_fraction) / 2))
         best = best_trial(search.trials)
-        if space.fused and best is not None:
+        if fused_next and best is not None:
           stage3, rejected = fused_candidates(space, best.candidate, problem, device)
           enum.rejected.extend(rejected)
           search.run(cap(stage3), "fused")
@@ -1222,6 +1243,7 @@ def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
   clock = iter(range(10 ** 9)).__next__   # the budget is spent at once: nothing new runs
   result = tune(problem, _ReplayRunner(report["backend"]), device=device, space=space,
                 budget_s=0.0, strategy=report["strategy"], resume=report, progress=False,
+                stages=tuple(report.get("stages", STAGES)),
                 clock=lambda: float(clock()))
   result.budget_s, result.elapsed_s = report["budget_s"], report["elapsed_s"]
   ran = {t["label"]: t for t in report.get("trials", [])}
@@ -1355,6 +1377,10 @@ def main(argv=None) -> int:
                   help="continue from the reports of the same problems in DIR")
   ap.add_argument("--no-fused", action="store_true",
                   help="skip stage 3 (the v2 fused kernels, EXPERIMENTAL)")
+  ap.add_argument("--stages", default=",".join(STAGES),
+                  help="comma list of the staged search's stages to run (kernel, transfer, "
+                       "fused); without kernel, stage 1 is the default alone: "
+                       "--stages fused times the fused points against the default")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--record-from", default=None, metavar="REPORT",
                   help="no tuning, no GPU: rebuild the result of a saved report (a run killed "
@@ -1414,7 +1440,8 @@ def main(argv=None) -> int:
     try:
       result = tune(problem, runner, device=device, budget_s=per_direction,
                     space=space,
-                    strategy=args.strategy, max_candidates=args.max_candidates, resume=resume,
+                    strategy=args.strategy, max_candidates=args.max_candidates,
+                    stages=tuple(st for st in args.stages.split(",") if st), resume=resume,
                     progress=not args.no_progress, on_trial=checkpoint)
     except BaseException:
       runner.close()   # queued compiles cancelled
