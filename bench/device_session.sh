@@ -9,7 +9,7 @@
 #   layer    MoE layer bench, fwd+bwd, balanced (bench/gpu_suite.sh; $SHAPES, $BACKENDS,
 #            $ROUTINGS, $DIRECTIONS override)
 #   check    correctness and determinism of every backend on small shapes, all EP meshes
-#            (bench/check_moe_gpu.py --quick)
+#            (bench/check_moe_gpu.py --quick; $CHECK_BACKENDS a comma list, default all)
 #   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py;
 #            $SWEEP_START skips that many points of its order, covered by an earlier run)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
@@ -33,7 +33,8 @@
 #            e.g. xla_capacity,uniep,uniep+xla_dswiglu)
 #   tune     the autotuner on each shape of $TUNE_SHAPE (comma list, default deepseek-like;
 #            SECONDS split evenly between them) and one direction (python -m uniep_jax.tune;
-#            $TUNE_DIRECTION default fwd, $TUNE_ARGS extra flags;
+#            $TUNE_DIRECTION default fwd, $TUNE_ARGS extra flags (e.g. "--stages fused
+#            --fused-points 8,2048,0,1");
 #            $TUNE_WORKERS compile threads, default 8; XLA deterministic ($TUNE_XLA_FLAGS
 #            overrides), as training runs; continues from bench/results/tune when the
 #            flags match; copy back tune/* and tuned_configs.json)
@@ -75,7 +76,8 @@ run_phase() {  # name seconds
                BACKENDS="${BACKENDS:-xla_capacity,pallas}" \
                bash bench/gpu_suite.sh "${SHAPES:-mixtral-like,deepseek-like,qwen3-like,small-experts}" \
                "${ROUTINGS:-balanced}" "${DIRECTIONS:-fwdbwd}" 0 > "$dir/log" 2>&1 ;;
-    check)   timeout "$secs" python3 -m bench.check_moe_gpu --quick --out "$dir" > "$dir/log" 2>&1 ;;
+    check)   timeout "$secs" python3 -m bench.check_moe_gpu --quick --out "$dir" \
+               ${CHECK_BACKENDS:+--backends "$CHECK_BACKENDS"} > "$dir/log" 2>&1 ;;
     sweep)   XLA_FLAGS="$DET" timeout "$secs" python3 -m bench.determinism_sweep --budget-s $((secs - 50)) \
                --start "${SWEEP_START:-0}" \
                --out "$dir" > "$dir/log" 2>&1 ;;

@@ -545,6 +545,13 @@ def test_stages_fused_only_times_the_default_then_the_fused_points():
            clock=clock, stages=("fusd",))
 
 
+def test_parse_fused_points():
+  assert T.parse_fused_points("32,2048; 16,2048,0,1;") == ((32, 2048), (16, 2048, False, True))
+  for bad in ("32", "32,2048,1", "32,2048,2,0", "a,2048"):
+    with pytest.raises(ValueError, match="--fused-points"):
+      T.parse_fused_points(bad)
+
+
 def test_stage3_fused_backward_points_only_when_the_backward_is_timed():
   space = _space(fused=((32, 2048, False, False), (32, 2048, False, True)))
   labels = {}

@@ -1353,6 +1353,20 @@ def _problem_shape(args):
   return s.name, (s.tokens, s.hidden, s.ffn, s.experts, s.top_k)
 
 
+def parse_fused_points(text: str) -> tuple:
+  """'32,2048;16,2048,0,1' -> ((32, 2048), (16, 2048, False, True)): SearchSpace.fused."""
+  points = []
+  for item in (t.strip() for t in text.split(";")):
+    if not item:
+      continue
+    fields = [f.strip() for f in item.split(",")]
+    if len(fields) not in (2, 4) or not all(f.isdigit() for f in fields) or any(
+        f not in ("0", "1") for f in fields[2:]):
+      raise ValueError(f"--fused-points: {item!r} must be n_comm,recv_chunk_rows[,0|1,0|1]")
+    points.append(tuple(int(f) for f in fields[:2]) + tuple(f == "1" for f in fields[2:]))
+  return tuple(points)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(
       prog="uniep-tune", description="Autotune the uniep backend's KernelConfig/TransferConfig.",
@@ -1389,8 +1403,14 @@ def main(argv=None) -> int:
   ap.add_argument("--compile-workers", type=int, default=1,
                   help="compile the next candidates in this many threads while one is timed "
                        "(see LayerRunner; use with XLA_FLAGS=--xla_gpu_deterministic_ops=true)")
+  ap.add_argument("--fused-points", default=None, metavar="N,B[,RET,BWD];...",
+                  help="stage 3's points instead of SearchSpace().fused: FusedConfig fields "
+                       "n_comm, recv_chunk_rows[, return_in_kernel, backward] (0/1), ';' between "
+                       "points, e.g. '8,2048,0,1;16,2048,0,1'")
   args = ap.parse_args(argv)
   space = SearchSpace(fused=()) if args.no_fused else SearchSpace()
+  if args.fused_points and not args.no_fused:
+    space = dataclasses.replace(space, fused=parse_fused_points(args.fused_points))
   if args.record_from:
     with open(args.record_from) as fh:
       report = json.load(fh)
