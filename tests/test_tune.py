@@ -528,8 +528,9 @@ def test_stages_fused_only_times_the_default_then_the_fused_points():
   assert res.spread()["default_over_best"] == 10.0 / 6.0
   report = json.loads(json.dumps(res.to_json()))
   assert report["stages"] == ["fused"]
-  # the saved report replays to the same trials (no stage 1/2 candidates appear skipped)
-  again = T.replay(report, space)
+  # the saved report replays to the same trials (no stage 1/2 candidates appear skipped),
+  # with its own stage-3 points (not SearchSpace()'s)
+  again = T.replay(report)
   assert [(t.stage, t.candidate.label(), t.status) for t in again.trials] == [
       (t.stage, t.candidate.label(), t.status) for t in res.trials]
   # a later full run resumes from it: only what it lacks is timed

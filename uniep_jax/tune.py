@@ -885,6 +885,7 @@ class TuneResult:
   references: dict
   default: Candidate
   stages: tuple = STAGES   # the staged search's stages this run searched
+  fused_points: tuple = ()  # the space's stage-3 points (SearchSpace.fused) this run had
 
   @property
   def best(self) -> Optional[Trial]:
@@ -938,6 +939,7 @@ class TuneResult:
         tuner="uniep_jax.tune", format=CACHE_FORMAT, key=cache_key(self.device.kind, self.problem),
         problem=dataclasses.asdict(self.problem), device=dataclasses.asdict(self.device),
         backend=self.backend, strategy=self.strategy, stages=list(self.stages),
+        fused_points=[list(p) for p in self.fused_points],
         budget_s=self.budget_s,
         elapsed_s=self.elapsed_s, counts=self.counts(),
         default=self.default.label(),
@@ -1007,7 +1009,8 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
 
   def result_now(search):
     return TuneResult(problem, device, runner.backend, strategy, budget_s, clock() - start,
-                      enum, list(search.trials), search.references, default, tuple(stages))
+                      enum, list(search.trials), search.references, default, tuple(stages),
+                      tuple(tuple(p) for p in space.fused))
 
   search = _Search(runner, deadline, clock, progress, references, previous,
                    on_trial=None if on_trial is None else (lambda s: on_trial(result_now(s))))
@@ -1233,13 +1236,16 @@ class _ReplayRunner:
 
 def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
   """The TuneResult of a saved report (`TuneResult.to_json()`), rebuilt without a GPU:
-  the tuner's own search (over `space`: pass the run's) on the report's device facts,
+  the tuner's own search (over `space`: pass the run's; its stage-3 points are the
+  report's own when it names them) on the report's device facts,
   every timed trial taken from the report, nothing measured (what the budget did not
   reach stays skipped), and the report's own default candidate (the dataclass
   defaults may have changed since). For a run killed after its last checkpoint,
   before it recorded its cache entry."""
   problem = TuneProblem(**report["problem"])
   device = DeviceFacts(**report["device"])
+  if "fused_points" in report and space.fused:
+    space = dataclasses.replace(space, fused=tuple(tuple(p) for p in report["fused_points"]))
   clock = iter(range(10 ** 9)).__next__   # the budget is spent at once: nothing new runs
   result = tune(problem, _ReplayRunner(report["backend"]), device=device, space=space,
                 budget_s=0.0, strategy=report["strategy"], resume=report, progress=False,
