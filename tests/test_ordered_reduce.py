@@ -234,3 +234,34 @@ def test_moe_ffn_gradient_leaves_no_float_sum_to_an_all_reduce(backend):
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, p).compile().as_text()
   assert "all-reduce" in hlo   # the integer counts still are (exact in any order)
   assert _float_all_reduce_sizes(hlo) == []
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_stack_replicas_outside_jit_places_one_copy_per_device(explicit, monkeypatch):
+  """Called eagerly, `stack_replicas` gives what it gives under jit, with each device
+  holding only its own copy (built there, not n copies on one device first)."""
+  from uniep_jax import ordered_reduce
+  from uniep_jax.ordered_reduce import stack_replicas, stacked_spec
+  eager_broadcasts = []
+  real = jnp.broadcast_to
+
+  def spy(a, shape):
+    if not isinstance(a, jax.core.Tracer):
+      eager_broadcasts.append(shape)
+    return real(a, shape)
+
+  monkeypatch.setattr(ordered_reduce.jnp, "broadcast_to", spy)
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(kind,) * 2)
+  specs = (P(), P("expert"))
+  a = jax.device_put(jnp.arange(12.0).reshape(3, 4), NamedSharding(mesh, specs[0]))
+  b = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, specs[1]))
+  eager = stack_replicas((a, b), mesh, specs)
+  jitted = jax.jit(lambda a, b: stack_replicas((a, b), mesh, specs))(a, b)
+  for e, j, src, spec in zip(eager, jitted, (a, b), specs):
+    np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
+    assert e.sharding.is_equivalent_to(NamedSharding(mesh, stacked_spec(mesh, spec)), e.ndim)
+    n = e.shape[0]
+    np.testing.assert_array_equal(np.asarray(e), np.broadcast_to(np.asarray(src), (n,) + src.shape))
+    assert {s.data.shape[0] for s in e.addressable_shards} == {1}   # one copy per device
+  assert eager_broadcasts == []   # the n copies were never built outside a trace

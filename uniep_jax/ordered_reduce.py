@@ -222,9 +222,17 @@ def stack_replicas(arrays: tuple, mesh: jax.sharding.Mesh, specs: tuple) -> tupl
   for a, spec in zip(arrays, specs):
     axes = replica_axes(mesh, spec)
     n = math.prod(mesh.shape[ax] for ax in axes)
-    out.append(place(jnp.broadcast_to(a[None], (n,) + a.shape),
-                     NamedSharding(mesh, stacked_spec(mesh, spec))))
+    sharding = NamedSharding(mesh, stacked_spec(mesh, spec))
+    if isinstance(a, jax.core.Tracer):
+      out.append(place(jnp.broadcast_to(a[None], (n,) + a.shape), sharding))
+    else:   # called outside jit: each device builds its own copy, not n on one device
+      out.append(_broadcaster(n, sharding)(a))
   return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _broadcaster(n: int, sharding: NamedSharding):
+  return jax.jit(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), out_shardings=sharding)
 
 
 def _stack_replicas_fwd(arrays, mesh, specs):
