@@ -105,8 +105,12 @@ each new KernelConfig one more for its "pallas" reference; stage 1 has 16 (fwd)
 or 20 (bwd) tilings at the target shapes, so a full staged search of one shape
 and direction takes about 3-4 ten-minute calls for "bwd" when compiled one at a
 time (measured 2026-11-26, 4x H200: 11 fwd candidates in 306 s). --compile-workers N
-compiles the next 2N candidates in N threads while one is timed (not yet timed on
-a GPU). A report records XLA_FLAGS; --resume ignores a report made with other flags.
+compiles the next 2N candidates in N threads while one is timed. Measured with 8
+workers: 27-32 fwd candidates in ~205 s at EP 2 (2x H200); at EP 4 fwd+bwd
+(qwen3-like, 4x H200) one layer compile took 50 s for v1 and ~130 s for a fused
+point, so a "bwd" call times only a handful of fused points: name them with
+--fused-points and use --stages fused. A report records XLA_FLAGS; --resume ignores a
+report made with other flags.
 
 The report (`--out`): tune_<device>_<shape>_ep<R>_<direction>.json (every trial,
 rejections with reasons, top 5, best vs default spread, mismatches) and a PNG of
