@@ -21,6 +21,9 @@ live rows balanced over the E/R local experts and M = factor x live rows
   gate_up_as_plain  x @ w_gate_up by the "plain" launch (one N=128 accumulator per
                    warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
   dx               the dx launch alone: [dh | du] @ w_gate_up^T, "plain" over K = 2F
+  gate_up_fwd_skip_rR, ffn_fwdbwd_skip_fused_da_rR  the same with KernelConfig.raster_rows
+                   = R (--raster, default 8: the tiles walked in bands of R row tiles);
+                   its bits against row-major's: fused_da_check["raster_R"]
   dense            jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
   alt_ffn_fwdbwd   with --alt PATH: that module's grouped_swiglu_ffn fwd+bwd
                    (zero_dead_rows=False, fuse_da_epilogue=True; separate w_gate,
@@ -29,6 +32,8 @@ live rows balanced over the E/R local experts and M = factor x live rows
                    (abtmp/ in .git/info/exclude, carried to the device)
 
   python -m bench.ffn_ab [--shapes deepseek-like,mixtral-like] [--alt abtmp/gg_alt.py]
+      [--rows NAME,...] (only these rows; e.g. a short A/B)  [--no-checks] (skip the
+                     fused_da and epilogue-slot bit checks)
       [--profile]   (also a kernel-level profile of ffn_fwdbwd_skip_fused_da, and of
                      alt_ffn_fwdbwd with --alt: each launch's time, bench/profile_layer.py's
                      reduction; traces under --out/trace_*)
@@ -93,7 +98,8 @@ def _profile(fn, args, trace_dir: str, calls: int = 2) -> dict:
 
 
 def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
-              profile_dir: str | None = None, skip_timing: bool = False) -> dict:
+              profile_dir: str | None = None, skip_timing: bool = False,
+              rows: set | None = None, checks_on: bool = True, raster: int = 8) -> dict:
   cfg = KernelConfig()
   g = shape.local_experts
   live = shape.rows
@@ -113,10 +119,11 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   ms = {}
 
   def t(name, fn, *args):
-    if skip_timing:
+    if skip_timing or (rows is not None and name not in rows):
       return
     try:
-      ms[name] = 1e3 * time_fn(jax.jit(fn), *args, reps=reps, trials=trials)
+      jf = fn if hasattr(fn, "lower") else jax.jit(fn)   # a jitted fn keeps its compile
+      ms[name] = 1e3 * time_fn(jf, *args, reps=reps, trials=trials)
     except Exception as e:  # noqa: BLE001 - record and go on
       ms[name] = None
       print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -138,7 +145,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
       interpret=False, zero_window=cfg.block_k), x, wgu_p[:, :, :f_p], wgu_p[:, :, f_p:], gs)
   t("ffn_fwdbwd", ffn(), x, wgu, wd, gs, dy)
   t("ffn_fwdbwd_skip", ffn(zero_dead_rows=False), x, wgu, wd, gs, dy)
-  t("ffn_fwdbwd_skip_fused_da", ffn(zero_dead_rows=False, fuse_da_epilogue=True),
+  t("ffn_fwdbwd_skip_fused_da", jax.jit(ffn(zero_dead_rows=False, fuse_da_epilogue=True)),
     x, wgu, wd, gs, dy)
   cfg_epi2 = dataclasses.replace(cfg, epilogue_slots=2)
   t("ffn_fwdbwd_skip_fused_da_epi2", ffn(cfg_epi2, zero_dead_rows=False, fuse_da_epilogue=True),
@@ -154,10 +161,24 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   t("dx", lambda a, b, s: gg._row_tiled_call(
       [a], [b], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
     dhu, gg._pad_axis(wgu_p, 1, h_out), gs)
-  checks = _compare_fused_da(x, wgu, wd, gs, dy, cfg, live)
-  checks["epilogue_slots_2"] = _compare_bits(
-      ffn(zero_dead_rows=False, fuse_da_epilogue=True),
-      ffn(cfg_epi2, zero_dead_rows=False, fuse_da_epilogue=True), (x, wgu, wd, gs, dy), live)
+  # the tile order: bands of `raster` row tiles (KernelConfig.raster_rows)
+  cfg_r = dataclasses.replace(cfg, raster_rows=raster)
+  t(f"gate_up_fwd_skip_r{raster}", lambda a, b, s: gg._row_tiled_call(
+      [a], [b, b], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
+      config=cfg_r, interpret=False, zero_window=cfg.block_k, b_col_offsets=(0, f_p)),
+    x, wgu_p, gs)
+  ffn_row_major = jax.jit(ffn(zero_dead_rows=False, fuse_da_epilogue=True))
+  ffn_banded = jax.jit(ffn(cfg_r, zero_dead_rows=False, fuse_da_epilogue=True))
+  t(f"ffn_fwdbwd_skip_fused_da_r{raster}", ffn_banded, x, wgu, wd, gs, dy)
+  checks = {}
+  if rows is None or f"ffn_fwdbwd_skip_fused_da_r{raster}" in rows:
+    checks[f"raster_{raster}"] = _compare_bits(ffn_row_major, ffn_banded,
+                                               (x, wgu, wd, gs, dy), live)
+  if checks_on:
+    checks.update(_compare_fused_da(x, wgu, wd, gs, dy, cfg, live))
+    checks["epilogue_slots_2"] = _compare_bits(
+        ffn(zero_dead_rows=False, fuse_da_epilogue=True),
+        ffn(cfg_epi2, zero_dead_rows=False, fuse_da_epilogue=True), (x, wgu, wd, gs, dy), live)
   if alt is not None:
     alt_kw = dict(config=cfg, interpret=False, zero_dead_rows=False, fuse_da_epilogue=True)
     if "w_gate" in inspect.signature(alt.grouped_swiglu_ffn).parameters:
@@ -194,8 +215,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
                gate_up_fwd_skip_two_arrays=2 * gemm, ffn_fwdbwd_skip_fused_da_epi2=9 * gemm,
                gate_up_as_plain=2 * gemm, dx=2 * gemm,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
-               alt_ffn_fwdbwd=9 * gemm,
-               dense=gemm)
+               alt_ffn_fwdbwd=9 * gemm, dense=gemm)
+  flops[f"gate_up_fwd_skip_r{raster}"] = 2 * gemm
+  flops[f"ffn_fwdbwd_skip_fused_da_r{raster}"] = 9 * gemm
   tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
               median_ms=ms, tflops=tflops, fused_da_check=checks,
@@ -207,7 +229,7 @@ def _compare_bits(ref_fn, fn, args, live):
   gradients), and its own twice? (e.g. KernelConfig.epilogue_slots=2, whose stores
   overlap the next chunk: a race would show here, not in the CPU interpret mode.)"""
   def run(f):
-    y, g = jax.jit(f)(*args)
+    y, g = (f if hasattr(f, "lower") else jax.jit(f))(*args)
     return jax.device_get((y[:live], g[0][:live]) + tuple(g[1:]))
   try:
     ref, got, again = run(ref_fn), run(fn), run(fn)
@@ -260,6 +282,10 @@ def main(argv=None):
                   help="kernel-level profile of the FFN fwd+bwd (and of --alt's)")
   ap.add_argument("--skip-timing", action="store_true",
                   help="with --profile: only the profiles and the fused_da check")
+  ap.add_argument("--rows", default=None, help="comma list: time only these rows")
+  ap.add_argument("--no-checks", action="store_true",
+                  help="skip the fused_da and epilogue-slot bit checks")
+  ap.add_argument("--raster", type=int, default=8, help="raster_rows of the _rR rows")
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
@@ -273,7 +299,9 @@ def main(argv=None):
       print(f"[{name}] rows x{factor}", flush=True)
       rows.append(run_shape(CONFIGS[name], factor, alt, args.reps, args.trials,
                             profile_dir=out if args.profile else None,
-                            skip_timing=args.skip_timing))
+                            skip_timing=args.skip_timing,
+                            rows=set(args.rows.split(",")) if args.rows else None,
+                            checks_on=not args.no_checks, raster=args.raster))
       common.write_json(path, dict(meta, benchmark="ffn_ab", rows=rows))
   return 0
 

@@ -37,8 +37,11 @@ G) with one block_m-aligned row block: fields
   kind      0 none (list padding), 1 compute, 2 zero (dead rows).
 There is no Python loop over groups: compile time does not depend on G.
 
-Persistent grid. num_sms CTAs ("sm") walk the linear space T x n_tiles
-(n fastest) with `plgpu.nd_loop`; CTA i takes tiles i, i + num_sms, ... Kind-0
+Persistent grid. num_sms CTAs ("sm") walk the schedule s = 0 .. T x n_tiles - 1
+with `plgpu.nd_loop`; CTA i takes s = i, i + num_sms, ... Schedule index s is
+tile (t, nt) in bands of `KernelConfig.raster_rows` row tiles (`_raster`): within a
+band, column tiles outer, the band's row tiles inner (raster_rows 1: row-major, n
+fastest), so the ~num_sms tiles in flight share weight tiles. Kind-0
 tiles are skipped; kind-2 tiles run a pipeline of 0 steps, so their epilogue
 stores a zero accumulator (no MMA, no operand loads).
 
@@ -361,8 +364,23 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load
 # ----------------------------------------------------------------------------
 
 
+def _raster(s, num_tiles: int, n_tiles: int, rows: int):
+  """Schedule index s -> linear tile index t * n_tiles + nt, walking the grid in bands
+  of `rows` row tiles (the last band may be shorter): band b holds row tiles
+  [b rows, b rows + height); inside it s runs over the column tiles, and for each
+  column tile over the band's row tiles. A bijection of [0, num_tiles * n_tiles);
+  rows = 1 is the identity (row-major)."""
+  if rows <= 1:
+    return s
+  band = s // (rows * n_tiles)
+  first = band * rows
+  height = jnp.minimum(num_tiles - first, rows)
+  within = s - band * (rows * n_tiles)
+  return (first + within % height) * n_tiles + within // height
+
+
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
-                      b_col_offsets: tuple = (), epi_slots: int = 1,
+                      b_col_offsets: tuple = (), epi_slots: int = 1, raster_rows: int = 1,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
                       num_ctas: Optional[int] = None,
@@ -372,8 +390,9 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   then the traced program is exactly that of the standalone kernel):
     cta_offset, num_ctas  walk the tiles on CTAs [cta_offset, cta_offset +
         num_ctas) of the "sm" grid axis only (same interleaved order as
-        `plgpu.nd_loop`: local CTA i takes tiles i, i + num_ctas, ...); the
-        caller must run this body only on those CTAs. None: every CTA.
+        `plgpu.nd_loop`: local CTA i takes tiles i, i + num_ctas, ..., row-major:
+        raster_rows does not apply); the caller must run this body only on those
+        CTAs. None: every CTA.
     before_tile(load_row)  called by all three warpgroups before the pipeline of
         every COMPUTE tile, i.e. before the first TMA load of its block_m rows
         [load_row, load_row + block_m) of the lhs operands. When it returns, the
@@ -510,8 +529,8 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
     elif num_ctas is None:
       @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
       def _tile_loop(loop_info):
-        (lin,) = loop_info.index
-        tile(lin)
+        (s,) = loop_info.index
+        tile(_raster(s, num_tiles, n_tiles, raster_rows))
     else:
       _cta_subset_loop(num_tiles * n_tiles, cta_offset, num_ctas, tile)
 
@@ -564,7 +583,7 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raise ValueError(f"{m=} must be divisible by {block_m=}")
   stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
-              epi_slots=launch.epi_slots, m=m, k=k, n=n,
+              epi_slots=launch.epi_slots, raster_rows=config.raster_rows, m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m), block_m=block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)
 

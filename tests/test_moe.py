@@ -331,11 +331,13 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
   chex.assert_trees_all_equal(g_n, g_p)
 
 
-@pytest.mark.parametrize("bound,fused", [
-    (None, None), (1.5, None), (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256)),
+@pytest.mark.parametrize("bound,fused,kernel", [
+    (None, None, None), (1.5, None, None),
+    (None, None, uniep_jax.KernelConfig(raster_rows=8)),   # tiles walked in bands
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None),
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 backward=True))])
-def test_uniep_layer_lowers_for_cuda(bound, fused):
+                                 backward=True), None)])
+def test_uniep_layer_lowers_for_cuda(bound, fused, kernel):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
   kernel gets as far as the Mosaic GPU custom call (it runs on GPUs in
@@ -347,7 +349,7 @@ def test_uniep_layer_lowers_for_cuda(bound, fused):
   hidden = 128 if fused is None else 256   # Kernel B: H a multiple of 2 * block_n
   p = make_params(jax.random.key(0), experts=E, hidden=hidden, ffn=192, dtype=jnp.bfloat16)
   specs = uniep_jax.param_specs(p)
-  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused)
+  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused, kernel=kernel)
 
   def body(xl, pl):
     y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=2, config=cfg, token_axes=axes)

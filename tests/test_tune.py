@@ -23,7 +23,8 @@ DEEPSEEK_BWD = T.TuneProblem(8192, 7168, 2048, 256, 8, 4, "bfloat16", "bwd")
 
 def _space(**kw):
   base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(3,),
-              epilogue_slots=(1,), chunk_rows=(128,), num_ctas=(64,), col_tile=(256,), fused=())
+              epilogue_slots=(1,), raster_rows=(1,), chunk_rows=(128,), num_ctas=(64,),
+              col_tile=(256,), fused=())
   base.update(kw)
   return T.SearchSpace(**base)
 
@@ -143,7 +144,9 @@ class FakeRunner:
     self.measured.append(label)
     if label in self.fail:
       raise RuntimeError("Mosaic GPU compile failed (fake)")
-    checksum = ("WRONG",) if label in self.bad else ("ref-" + T.kernel_label(cand.kernel),)
+    # the bits depend on the tiling, not on the tile order (raster_rows)
+    same = T.kernel_label(T.reference_kernel(cand.kernel))
+    checksum = ("WRONG",) if label in self.bad else ("ref-" + same,)
     return T.Measurement(median_ms=self.times(cand), compile_s=0.5, checksum=checksum)
 
 
@@ -544,6 +547,27 @@ def test_stages_fused_only_times_the_default_then_the_fused_points():
   with pytest.raises(ValueError, match="stages"):
     T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=1e9, progress=False,
            clock=clock, stages=("fusd",))
+
+
+def test_raster_variants_are_checked_against_the_row_major_reference():
+  """raster_rows only reorders the tiles: its candidates are verified against the
+  "pallas" reference of the same tiling walked row-major (no reference of their own),
+  so a tile-order bug shows as a mismatch."""
+  space = _space(raster_rows=(1, 8))
+  clock = FakeClock()
+  runner = FakeRunner(clock, lambda c: 9.0 if c.kernel.raster_rows == 8 else 10.0)
+  res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=1e9, progress=False,
+               clock=clock)
+  assert [t.candidate.label() for t in res.trials if t.stage == "kernel"] == [
+      "m128_n128_k64_s3|c128_x64_t256", "m128_n128_k64_s3_r8|c128_x64_t256"]
+  assert runner.referenced == ["m128_n128_k64_s3"]
+  assert res.best.candidate.kernel == KernelConfig(raster_rows=8)
+  assert T.candidate_from_knobs(res.best.candidate.knobs()) == res.best.candidate
+  clock = FakeClock()
+  bad = FakeRunner(clock, lambda c: 9.0, bad=("m128_n128_k64_s3_r8|c128_x64_t256",))
+  res = T.tune(DEEPSEEK_BWD, bad, device=HOPPER, space=space, budget_s=1e9, progress=False,
+               clock=clock)
+  assert [t.candidate.label() for t in res.mismatches] == ["m128_n128_k64_s3_r8|c128_x64_t256"]
 
 
 def test_parse_fused_points():

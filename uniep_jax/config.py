@@ -69,6 +69,16 @@ class KernelConfig:
     (EXPERIMENTAL, not yet run on a GPU): chunk i is written while chunk i - 1 is
     still being stored, for 16 KiB more SMEM per warpgroup (bf16, block_m 128).
     The bits do not depend on it.
+  raster_rows: the order in which the persistent CTAs walk the row-tiled launches'
+    (row tile, column tile) grid: in bands of `raster_rows` row tiles, column tiles
+    outer and the band's row tiles inner, so the CTAs running at one time share a
+    few weight tiles instead of each reading its own (1, default: row-major, one
+    row tile's column tiles after another). Wide launches over few large experts
+    (mixtral-like gate/up: 112 column tiles per row tile, 132 SMs) read their whole
+    weight from HBM once per row tile in row-major order; a band of 8 row tiles
+    cuts that 8x. EXPERIMENTAL (not yet timed on a GPU). The bits do not depend on
+    it (each tile is computed whole by one CTA); the CTA-subset and walk() paths
+    of the fused kernels keep the row-major order.
   """
 
   block_m: int = 128
@@ -77,6 +87,7 @@ class KernelConfig:
   max_concurrent_steps: int = 3
   num_sms: Optional[int] = None
   epilogue_slots: int = 1
+  raster_rows: int = 1
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -89,6 +100,8 @@ class KernelConfig:
       raise ValueError(f"num_sms={self.num_sms} must be >= 1")
     if self.epilogue_slots not in (1, 2):
       raise ValueError(f"epilogue_slots={self.epilogue_slots} must be 1 or 2")
+    if self.raster_rows < 1:
+      raise ValueError(f"raster_rows={self.raster_rows} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

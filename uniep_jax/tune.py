@@ -4,8 +4,8 @@ What is tuned
 -------------
 A candidate is one `Candidate(kernel: KernelConfig, transfer: TransferConfig,
 fused: FusedConfig | None)`:
-  KernelConfig    block_m, block_n, block_k, max_concurrent_steps, epilogue_slots
-                  (grouped GEMM)
+  KernelConfig    block_m, block_n, block_k, max_concurrent_steps, epilogue_slots,
+                  raster_rows (grouped GEMM)
   TransferConfig  chunk_rows, num_ctas, col_tile                 (NVLink rows)
   FusedConfig     n_comm, recv_chunk_rows, return_in_kernel, backward  (the v2 fused
                   kernels; None: v1)
@@ -44,8 +44,9 @@ Pruning, before anything is compiled (`check_candidate`, raises
 Verification. Every timed candidate's output ("fwd": y; "bwd": the loss and all
 gradients) is reduced to a position-sensitive bit checksum on the device and
 compared with the checksum of backend "pallas" (XLA collectives, the sequential
-path) with the SAME KernelConfig: a different block_k changes the accumulation
-order, so each tiling has its own reference. Transfer knobs only move rows, so
+path) with the SAME KernelConfig but for raster_rows (the reference walks its tiles
+row-major: the tile order must change no bit): a different block_k changes the
+accumulation order, so each tiling has its own reference. Transfer knobs only move rows, so
 all candidates sharing a KernelConfig must also agree with each other
 (`transfer_consistency` in the report). A mismatch is a bug: it is printed to
 stderr, listed under "mismatches" in the JSON, never picked, and a run with any
@@ -232,6 +233,7 @@ class Candidate:
     k, t = self.kernel, self.transfer
     label = (f"m{k.block_m}_n{k.block_n}_k{k.block_k}_s{k.max_concurrent_steps}"
              + (f"_e{k.epilogue_slots}" if k.epilogue_slots != 1 else "")
+             + (f"_r{k.raster_rows}" if k.raster_rows != 1 else "")
              + f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
     if self.fused is not None:
       f = self.fused
@@ -244,6 +246,7 @@ class Candidate:
                  block_k=self.kernel.block_k,
                  max_concurrent_steps=self.kernel.max_concurrent_steps,
                  epilogue_slots=self.kernel.epilogue_slots,
+                 raster_rows=self.kernel.raster_rows,
                  chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
                  col_tile=self.transfer.col_tile)
     if self.fused is not None:
@@ -251,10 +254,18 @@ class Candidate:
     return knobs
 
 
-KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilogue_slots")
+KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilogue_slots",
+                "raster_rows")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
 FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
+
+
+def reference_kernel(kernel: KernelConfig) -> KernelConfig:
+  """The KernelConfig of a candidate's "pallas" reference: the same but for the tile
+  order (raster_rows 1), which by contract changes no bit; so a raster variant is
+  checked against the row-major order's bits, not only against itself."""
+  return dataclasses.replace(kernel, raster_rows=1)
 
 
 def kernel_label(kernel: KernelConfig) -> str:
@@ -290,6 +301,7 @@ class SearchSpace:
   block_k: Sequence[int] = (64, 128)
   max_concurrent_steps: Sequence[int] = (2, 3, 4, 5, 6)
   epilogue_slots: Sequence[int] = (1, 2)
+  raster_rows: Sequence[int] = (1, 8)
   chunk_rows: Sequence[int] = (32, 64, 128, 256)
   # At most 96 of 132 SMs: the transfer's cross-rank wait needs all its CTAs
   # resident while other streams' kernels (NCCL) run (ep_transfer.py).
@@ -456,7 +468,7 @@ def check_candidate(cand: Candidate, problem: TuneProblem, device: DeviceFacts,
   per-launch stage counts rather than the requested max_concurrent_steps)."""
   stages = kernel_launch_stages(cand.kernel, problem, device.smem_bytes)
   k = cand.kernel
-  sig = (k.block_m, k.block_n, k.block_k, stages, k.epilogue_slots)
+  sig = (k.block_m, k.block_n, k.block_k, stages, k.epilogue_slots, k.raster_rows)
   if uses_transfer:
     from uniep_jax.dispatch import ZERO_WINDOW_ROWS
     if k.block_k > ZERO_WINDOW_ROWS:
@@ -799,6 +811,7 @@ class _Search:
             "at a time in this run (a background compile may have been the culprit)")
 
   def _reference(self, kernel: KernelConfig):
+    kernel = reference_kernel(kernel)
     label = kernel_label(kernel)
     if label not in self.references:
       try:
@@ -848,8 +861,8 @@ class _Search:
     reused from a resumed report, and the references not yet computed."""
     todo = [c for c in cands
             if self.previous.get(c.label()) is None or self.previous[c.label()].status == "skipped"]
-    kernels = {kernel_label(c.kernel): c.kernel for c in todo
-               if kernel_label(c.kernel) not in self.references}
+    refs = [reference_kernel(c.kernel) for c in todo]
+    kernels = {kernel_label(k): k for k in refs if kernel_label(k) not in self.references}
     self.runner.prefetch(todo, list(kernels.values()))
 
   def _one(self, cand: Candidate, stage: str) -> Trial:
