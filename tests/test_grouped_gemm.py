@@ -317,6 +317,21 @@ def test_raster_is_a_bijection_in_bands(rows, num_tiles, n_tiles):
     assert (ti, ni) == (band * rows + within % height, within // height)
 
 
+def test_raster_auto_bands_only_launches_whose_weight_leaves_l2():
+  """KernelConfig.raster_rows=None: bands of 8 row tiles where a group's weight is
+  >= 16 MiB (mixtral-like and deepseek-like launches: measured faster), row-major where
+  it stays in L2 (qwen3-like, small-experts: measured slower in bands)."""
+  def raster(k, n, mode="plain", cfg=KernelConfig()):
+    return gg.row_tiled_params(1024, k, n, 4, mode=mode, transpose_b=False, out_dtype=BF16,
+                               in_dtype=BF16, save_hu=True, config=cfg)["raster_rows"]
+  assert raster(4096, 14336, "swiglu") == 8      # mixtral-like gate/up: 235 MB
+  assert raster(14336, 4096) == 8                # mixtral-like down: 117 MB
+  assert raster(2048, 7168) == 8                 # deepseek-like down: 29 MB
+  assert raster(2048, 768, "swiglu") == 1        # qwen3-like gate/up: 6.3 MB
+  assert raster(512, 1536) == 1                  # small-experts down (F padded): 1.5 MB
+  assert raster(2048, 768, "swiglu", KernelConfig(raster_rows=16)) == 16   # explicit
+
+
 def test_raster_order_changes_no_bit():
   """KernelConfig.raster_rows (the order the persistent CTAs walk the tiles in): the
   FFN's forward and backward in the MoE layer's mode and a plain forward give the

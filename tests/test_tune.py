@@ -23,7 +23,7 @@ DEEPSEEK_BWD = T.TuneProblem(8192, 7168, 2048, 256, 8, 4, "bfloat16", "bwd")
 
 def _space(**kw):
   base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(3,),
-              epilogue_slots=(1,), raster_rows=(1,), chunk_rows=(128,), num_ctas=(64,),
+              epilogue_slots=(1,), raster_rows=(None,), chunk_rows=(128,), num_ctas=(64,),
               col_tile=(256,), fused=())
   base.update(kw)
   return T.SearchSpace(**base)
@@ -178,7 +178,8 @@ def test_staged_search_picks_fastest_verified():
   assert js["counts"]["ok"] == len(res.trials) == 2 + 3   # 2 tilings, then 3 more transfers
   assert js["counts"]["valid"] == 8
   # one reference per KernelConfig, shared by its transfer variants
-  assert sorted(runner.referenced) == ["m128_n128_k64_s3", "m64_n128_k64_s3"]
+  # (walked row-major: the reference of every tile order)
+  assert sorted(runner.referenced) == ["m128_n128_k64_s3_r1", "m64_n128_k64_s3_r1"]
 
 
 class PrefetchingRunner(FakeRunner):
@@ -217,7 +218,7 @@ def test_search_prefetches_the_next_candidates_and_missing_references():
   # the first prefetch asks for both stage-1 tilings and both references; later ones
   # never ask again for a reference already computed
   assert prefetches[0][1] == measured[:2] and sorted(prefetches[0][2]) == sorted(
-      ["m128_n128_k64_s3", "m64_n128_k64_s3"])
+      ["m128_n128_k64_s3_r1", "m64_n128_k64_s3_r1"])
   assert all(p[2] == [] for p in prefetches[2:])
   # after each stage, what was compiled ahead and not measured is dropped (none here)
   assert [e for e in runner.events if e[0] == "discard"] == [("discard", [])] * 2
@@ -284,7 +285,7 @@ def test_budget_failures_and_skips_are_counted():
   assert res.best.candidate == T.DEFAULT_CANDIDATE
   # reference failures: the candidate is not timed and never picked
   clock2 = FakeClock()
-  runner2 = FakeRunner(clock2, _time_table, bad_reference={"m64_n128_k64_s3"})
+  runner2 = FakeRunner(clock2, _time_table, bad_reference={"m64_n128_k64_s3_r1"})
   res2 = T.tune(DEEPSEEK_BWD, runner2, device=HOPPER, space=SPACE, budget_s=1e9,
                 progress=False, clock=clock2)
   assert res2.counts()["reference_failed"] == 1
@@ -550,24 +551,47 @@ def test_stages_fused_only_times_the_default_then_the_fused_points():
 
 
 def test_raster_variants_are_checked_against_the_row_major_reference():
-  """raster_rows only reorders the tiles: its candidates are verified against the
-  "pallas" reference of the same tiling walked row-major (no reference of their own),
-  so a tile-order bug shows as a mismatch."""
-  space = _space(raster_rows=(1, 8))
+  """raster_rows only reorders the tiles: every candidate is verified against the
+  "pallas" reference of its tiling walked row-major (raster_rows=1), so a tile-order
+  bug shows as a mismatch, and the auto default and the bands share one reference."""
+  space = _space(raster_rows=(None, 16))
   clock = FakeClock()
-  runner = FakeRunner(clock, lambda c: 9.0 if c.kernel.raster_rows == 8 else 10.0)
+  runner = FakeRunner(clock, lambda c: 9.0 if c.kernel.raster_rows == 16 else 10.0)
   res = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=1e9, progress=False,
                clock=clock)
   assert [t.candidate.label() for t in res.trials if t.stage == "kernel"] == [
-      "m128_n128_k64_s3|c128_x64_t256", "m128_n128_k64_s3_r8|c128_x64_t256"]
-  assert runner.referenced == ["m128_n128_k64_s3"]
-  assert res.best.candidate.kernel == KernelConfig(raster_rows=8)
+      "m128_n128_k64_s3|c128_x64_t256", "m128_n128_k64_s3_r16|c128_x64_t256"]
+  assert runner.referenced == ["m128_n128_k64_s3_r1"]
+  assert res.best.candidate.kernel == KernelConfig(raster_rows=16)
   assert T.candidate_from_knobs(res.best.candidate.knobs()) == res.best.candidate
   clock = FakeClock()
-  bad = FakeRunner(clock, lambda c: 9.0, bad=("m128_n128_k64_s3_r8|c128_x64_t256",))
+  bad = FakeRunner(clock, lambda c: 9.0, bad=("m128_n128_k64_s3_r16|c128_x64_t256",))
   res = T.tune(DEEPSEEK_BWD, bad, device=HOPPER, space=space, budget_s=1e9, progress=False,
                clock=clock)
-  assert [t.candidate.label() for t in res.mismatches] == ["m128_n128_k64_s3_r8|c128_x64_t256"]
+  assert [t.candidate.label() for t in res.mismatches] == ["m128_n128_k64_s3_r16|c128_x64_t256"]
+
+
+def test_reports_from_before_raster_rows_are_not_resumed(tmp_path, monkeypatch, capsys):
+  """A report whose trials lack raster_rows timed the row-major order; today the same
+  labels mean the auto order: the CLI does not resume from it."""
+  stem = T.report_stem(HOPPER.kind, "64x64x128x4x2", 1, "fwd")
+  old = dict(key="x", trials=[dict(label="m128_n128_k64_s3|c128_x64_t256",
+                                   knobs=dict(block_m=128))], meta={})
+  (tmp_path / f"{stem}.json").write_text(json.dumps(old))
+  seen = {}
+
+  def fake_tune(problem, runner, **kw):
+    seen["resume"] = kw["resume"]
+    raise SystemExit(0)
+
+  monkeypatch.setattr(T, "tune", fake_tune)
+  monkeypatch.setattr(T.DeviceFacts, "from_device", classmethod(lambda cls, **_: HOPPER))
+  monkeypatch.setattr(T, "LayerRunner", lambda *a, **k: type("R", (), {"close": lambda *_, **__: None})())
+  with pytest.raises(SystemExit):
+    T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
+            "--resume", str(tmp_path), "--out", str(tmp_path / "out")])
+  assert seen["resume"] is None
+  assert "made before KernelConfig.raster_rows" in capsys.readouterr().out
 
 
 def test_parse_fused_points():

@@ -69,16 +69,22 @@ class KernelConfig:
     (EXPERIMENTAL, not yet run on a GPU): chunk i is written while chunk i - 1 is
     still being stored, for 16 KiB more SMEM per warpgroup (bf16, block_m 128).
     The bits do not depend on it.
-  raster_rows: the order in which the persistent CTAs walk the row-tiled launches'
+  raster_rows: the order in which the persistent CTAs walk a row-tiled launch's
     (row tile, column tile) grid: in bands of `raster_rows` row tiles, column tiles
     outer and the band's row tiles inner, so the CTAs running at one time share a
-    few weight tiles instead of each reading its own (1, default: row-major, one
-    row tile's column tiles after another). Wide launches over few large experts
-    (mixtral-like gate/up: 112 column tiles per row tile, 132 SMs) read their whole
-    weight from HBM once per row tile in row-major order; a band of 8 row tiles
-    cuts that 8x. EXPERIMENTAL (not yet timed on a GPU). The bits do not depend on
-    it (each tile is computed whole by one CTA); the CTA-subset and walk() paths
-    of the fused kernels keep the row-major order.
+    few weight tiles instead of each reading its own. 1: row-major (one row tile's
+    column tiles after another): a launch whose per-expert weight does not stay in
+    L2 then reads it from HBM once per row tile (mixtral-like gate/up: 235 MB per
+    expert, 112 column tiles per row tile on 132 SMs: ~30 GB per call at EP 4).
+    None (default): per launch, 8 if the launch's weight per expert is at least
+    16 MiB, else 1. Measured (bench/ffn_ab.py, 1x H100, commit 9a4cce4, the FFN
+    fwd+bwd in the MoE layer's mode, 4x dead rows; ms row-major -> bands of 8):
+    mixtral-like 30.02 -> 27.50 (gate/up 7.69 -> 5.63), deepseek-like 29.71 -> 26.48
+    (gate/up 6.63 -> 5.78), qwen3-like 5.95 -> 6.11, small-experts 1.78 -> 1.80
+    (weights of 6.3 / 2.9 MB stay in L2: the bands only cost); bands of 16 on
+    mixtral-like 30.56 -> 26.59 (another run). The bits do not depend on it (each
+    tile is computed whole by one CTA; checked on that GPU and on the CPU); the
+    CTA-subset and walk() paths of the fused kernels keep the row-major order.
   """
 
   block_m: int = 128
@@ -87,7 +93,7 @@ class KernelConfig:
   max_concurrent_steps: int = 3
   num_sms: Optional[int] = None
   epilogue_slots: int = 1
-  raster_rows: int = 1
+  raster_rows: Optional[int] = None
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -100,8 +106,8 @@ class KernelConfig:
       raise ValueError(f"num_sms={self.num_sms} must be >= 1")
     if self.epilogue_slots not in (1, 2):
       raise ValueError(f"epilogue_slots={self.epilogue_slots} must be 1 or 2")
-    if self.raster_rows < 1:
-      raise ValueError(f"raster_rows={self.raster_rows} must be >= 1")
+    if self.raster_rows is not None and self.raster_rows < 1:
+      raise ValueError(f"raster_rows={self.raster_rows} must be >= 1 (or None: auto)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -233,7 +233,7 @@ class Candidate:
     k, t = self.kernel, self.transfer
     label = (f"m{k.block_m}_n{k.block_n}_k{k.block_k}_s{k.max_concurrent_steps}"
              + (f"_e{k.epilogue_slots}" if k.epilogue_slots != 1 else "")
-             + (f"_r{k.raster_rows}" if k.raster_rows != 1 else "")
+             + (f"_r{k.raster_rows}" if k.raster_rows is not None else "")
              + f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
     if self.fused is not None:
       f = self.fused
@@ -301,7 +301,7 @@ class SearchSpace:
   block_k: Sequence[int] = (64, 128)
   max_concurrent_steps: Sequence[int] = (2, 3, 4, 5, 6)
   epilogue_slots: Sequence[int] = (1, 2)
-  raster_rows: Sequence[int] = (1, 8)
+  raster_rows: Sequence[Optional[int]] = (None, 16)   # None: the per-launch auto rule
   chunk_rows: Sequence[int] = (32, 64, 128, 256)
   # At most 96 of 132 SMs: the transfer's cross-rank wait needs all its CTAs
   # resident while other streams' kernels (NCCL) run (ep_transfer.py).
@@ -492,7 +492,7 @@ def _order_key(cand: Candidate):
   d = DEFAULT_CANDIDATE.knobs()
   c = cand.knobs()
   diffs = [k for k in d if c[k] != d[k]]
-  dist = sum(abs(math.log2(c[k] / d[k])) for k in diffs)
+  dist = sum(abs(math.log2(c[k] / d[k])) if None not in (c[k], d[k]) else 1.0 for k in diffs)
   return (len(diffs), dist)
 
 
@@ -1251,6 +1251,25 @@ class _ReplayRunner:
     raise RuntimeError(f"replay: the report has no trial of {cand.label()}")
 
 
+def _with_row_major_references(report: dict) -> dict:
+  """A report made before KernelConfig.raster_rows keyed its references by the tiling
+  alone; they ran row-major, which is today's reference order: rename the keys to
+  `reference_kernel`'s labels so that they are found."""
+  if all("raster_rows" in t.get("knobs", {}) for t in report.get("trials", [])):
+    return report
+  refs = {kernel_label(reference_kernel(candidate_from_knobs(
+      dict(DEFAULT_CANDIDATE.knobs(), **_kernel_knobs_of(label))).kernel)): v
+      for label, v in report.get("references", {}).items()}
+  return dict(report, references=refs)
+
+
+def _kernel_knobs_of(label: str) -> dict:
+  """'m128_n128_k64_s3_e2' -> the KernelConfig knobs it names."""
+  names = dict(m="block_m", n="block_n", k="block_k", s="max_concurrent_steps",
+               e="epilogue_slots", r="raster_rows")
+  return {names[part[0]]: int(part[1:]) for part in label.split("|")[0].split("_")}
+
+
 def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
   """The TuneResult of a saved report (`TuneResult.to_json()`), rebuilt without a GPU:
   the tuner's own search (over `space`: pass the run's; its stage-3 points are the
@@ -1261,6 +1280,7 @@ def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
   before it recorded its cache entry."""
   problem = TuneProblem(**report["problem"])
   device = DeviceFacts(**report["device"])
+  report = _with_row_major_references(report)
   if "fused_points" in report and space.fused:
     space = dataclasses.replace(space, fused=tuple(tuple(p) for p in report["fused_points"]))
   clock = iter(range(10 ** 9)).__next__   # the budget is spent at once: nothing new runs
@@ -1292,25 +1312,31 @@ def plot(result: TuneResult, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   knobs = KERNEL_KNOBS + TRANSFER_KNOBS
-  fig, grid = plt.subplots(2, 4, figsize=(13, 6.4), sharey=True)
+  fig, grid = plt.subplots(3, 3, figsize=(11, 8.4), sharey=True)
   axes = list(grid.flat)
+  auto_x = 0.5   # where a knob's None ("auto", raster_rows) is drawn on the log axis
+
+  def at(t, knob):
+    v = t.candidate.knobs()[knob]
+    return auto_x if v is None else v
+
   ok = [t for t in result.trials if t.status == "ok"]
   bad = [t for t in result.trials if t.status == "mismatch"]
   best, dflt = result.best, result.default_trial()
   for ax, knob in zip(axes, knobs):
-    ax.scatter([t.candidate.knobs()[knob] for t in ok], [t.median_ms for t in ok], s=14,
+    ax.scatter([at(t, knob) for t in ok], [t.median_ms for t in ok], s=14,
                alpha=0.7, label="verified")
     if bad:
-      ax.scatter([t.candidate.knobs()[knob] for t in bad], [t.median_ms for t in bad],
+      ax.scatter([at(t, knob) for t in bad], [t.median_ms for t in bad],
                  marker="x", color="red", label="MISMATCH")
     if dflt is not None and dflt.median_ms is not None:
-      ax.scatter([dflt.candidate.knobs()[knob]], [dflt.median_ms], s=80, facecolors="none",
+      ax.scatter([at(dflt, knob)], [dflt.median_ms], s=80, facecolors="none",
                  edgecolors="black", label="default")
     if best is not None:
-      ax.scatter([best.candidate.knobs()[knob]], [best.median_ms], marker="*", s=120,
+      ax.scatter([at(best, knob)], [best.median_ms], marker="*", s=120,
                  color="gold", edgecolors="black", label="best")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(knob)
+    ax.set_xlabel(knob + (f" ({auto_x} = auto)" if knob == "raster_rows" else ""))
   axes[0].set_ylabel("median ms per call")
   axes[0].legend(fontsize=7)
   p = result.problem
@@ -1468,7 +1494,13 @@ def main(argv=None) -> int:
         with open(prev) as fh:
           resume = json.load(fh)
         flags = os.environ.get("XLA_FLAGS", "")
-        if resume.get("meta", {}).get("xla_flags", "") != flags:
+        if any("raster_rows" not in t.get("knobs", {}) for t in resume.get("trials", [])):
+          # its candidates ran in the row-major tile order; the same labels now mean
+          # KernelConfig.raster_rows=None (auto), which may band the tiles
+          print(f"NOT resuming from {prev}: made before KernelConfig.raster_rows (its "
+                f"times are of the row-major tile order)", flush=True)
+          resume = None
+        elif resume.get("meta", {}).get("xla_flags", "") != flags:
           # other XLA flags: other glue kernels, other times (and maybe other bits)
           print(f"NOT resuming from {prev}: it ran with XLA_FLAGS="
                 f"{resume.get('meta', {}).get('xla_flags', '')!r}, this run has {flags!r}",
