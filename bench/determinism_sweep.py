@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import uniep_jax
 from bench import common
-from uniep_jax.tune import tree_checksum
+from uniep_jax.tune import reference_kernel, tree_checksum
 
 # A shape that compiles fast and still has many experts per rank and ragged groups.
 SWEEP_SHAPES = {"tiny-gpu": common.MoEShape("tiny-gpu", 2048, 1024, 512, 32, 4)}
@@ -53,7 +53,8 @@ TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/
            uniep_jax.KernelConfig(max_concurrent_steps=4),
            uniep_jax.KernelConfig(block_k=128, max_concurrent_steps=3),
            uniep_jax.KernelConfig(block_m=64),
-           uniep_jax.KernelConfig(epilogue_slots=2)]
+           uniep_jax.KernelConfig(epilogue_slots=2),
+           uniep_jax.KernelConfig(raster_rows=4)]   # tiles in bands (auto is row-major here)
 TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
              for c, n, t in itertools.product((32, 128), (16, 64), (128, 256))]
 # the v2 fused kernels (EXPERIMENTAL), with the default transfer: B a multiple of every
@@ -157,7 +158,10 @@ def main(argv=None):
   # kernels while other compiles run, and could pick differently per program.
   pool = concurrent.futures.ThreadPoolExecutor(args.compile_workers)
   compile_ = lambda cfg: pool.submit(_compile, mesh, shape, cfg, x, p)  # noqa: E731
-  ref_jobs = {tag_of(kc): compile_(uniep_jax.UniEPConfig(backend="pallas", kernel=kc))
+  # each tiling's reference walks its tiles row-major (`reference_kernel`): the tile
+  # order (raster_rows) must not change a bit either
+  ref_jobs = {tag_of(kc): compile_(uniep_jax.UniEPConfig(backend="pallas",
+                                                         kernel=reference_kernel(kc)))
               for kc in TILINGS}
   default_t = uniep_jax.TransferConfig()
   # the default transfer, then the v2 fused kernels (a different program, not only other
