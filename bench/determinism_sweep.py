@@ -137,7 +137,8 @@ def main(argv=None):
   points, mismatches, skipped = [], [], []
   reference = {}
   tag_of = lambda kc: (f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"  # noqa: E731
-                       + ("/e2" if kc.epilogue_slots == 2 else ""))
+                       + ("/e2" if kc.epilogue_slots == 2 else "")
+                       + (f"/r{kc.raster_rows}" if kc.raster_rows is not None else ""))
 
   def write(partial=False):
     payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,
