@@ -22,8 +22,9 @@ live rows balanced over the E/R local experts and M = factor x live rows
                    warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
   dx               the dx launch alone: [dh | du] @ w_gate_up^T, "plain" over K = 2F
   gate_up_fwd_skip_rR, ffn_fwdbwd_skip_fused_da_rR  the same with KernelConfig.raster_rows
-                   = R (--raster, default 8: the tiles walked in bands of R row tiles);
-                   its bits against row-major's: fused_da_check["raster_R"]
+                   = R (--raster, default 8: the tiles walked in bands of R row tiles;
+                   every other row walks them row-major, raster_rows=1); its bits
+                   against row-major's: fused_da_check["raster_R"]
   dense            jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
   alt_ffn_fwdbwd   with --alt PATH: that module's grouped_swiglu_ffn fwd+bwd
                    (zero_dead_rows=False, fuse_da_epilogue=True; separate w_gate,
@@ -100,7 +101,7 @@ def _profile(fn, args, trace_dir: str, calls: int = 2) -> dict:
 def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
               profile_dir: str | None = None, skip_timing: bool = False,
               rows: set | None = None, checks_on: bool = True, raster: int = 8) -> dict:
-  cfg = KernelConfig()
+  cfg = KernelConfig(raster_rows=1)   # the baseline rows walk the tiles row-major
   g = shape.local_experts
   live = shape.rows
   m = live * dead_factor

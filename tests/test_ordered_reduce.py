@@ -265,3 +265,7 @@ def test_stack_replicas_outside_jit_places_one_copy_per_device(explicit, monkeyp
     np.testing.assert_array_equal(np.asarray(e), np.broadcast_to(np.asarray(src), (n,) + src.shape))
     assert {s.data.shape[0] for s in e.addressable_shards} == {1}   # one copy per device
   assert eager_broadcasts == []   # the n copies were never built outside a trace
+  # an input committed elsewhere (one device) is placed first, as device_put would
+  one = jax.device_put(np.arange(12.0, dtype=np.float32).reshape(3, 4), jax.devices()[0])
+  (c,) = stack_replicas((one,), mesh, (P(),))
+  np.testing.assert_array_equal(np.asarray(c), np.broadcast_to(np.asarray(one), (8, 3, 4)))

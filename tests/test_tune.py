@@ -303,7 +303,7 @@ def test_resume_reuses_timed_trials():
   second = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9,
                   progress=False, clock=clock2, resume=report)
   assert T.DEFAULT_CANDIDATE.label() not in runner.measured
-  assert "m128_n128_k64_s3" not in runner.referenced
+  assert "m128_n128_k64_s3_r1" not in runner.referenced
   assert second.counts()["ok"] == len(second.trials) == 5
   with pytest.raises(ValueError, match="resume report key"):
     T.tune(dataclasses_replace(DEEPSEEK_BWD, direction="fwd"), runner, device=HOPPER,
@@ -548,6 +548,24 @@ def test_stages_fused_only_times_the_default_then_the_fused_points():
   with pytest.raises(ValueError, match="stages"):
     T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=1e9, progress=False,
            clock=clock, stages=("fusd",))
+
+
+def test_resuming_with_fewer_stages_keeps_the_earlier_trials_and_best():
+  """A `--stages fused` run resuming a full search keeps that search's trials in its
+  report, builds stage 3 on its best tiling, and so never records a worse best."""
+  space = dataclasses.replace(SPACE, fused=((16, 2048),))
+  clock = FakeClock()
+  full = T.tune(DEEPSEEK_BWD, FakeRunner(clock, _time_table), device=HOPPER, space=space,
+                budget_s=1e9, progress=False, clock=clock, stages=("kernel", "transfer"))
+  report = json.loads(json.dumps(full.to_json()))
+  clock = FakeClock()
+  runner = FakeRunner(clock, _time_table)
+  again = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=1e9,
+                 progress=False, clock=clock, stages=("fused",), resume=report)
+  assert again.best.median_ms == full.best.median_ms == 7.0
+  assert {t.candidate.label() for t in full.trials} <= {t.candidate.label() for t in again.trials}
+  # the one new candidate: the fused point on the best candidate found before
+  assert runner.measured == [full.best.candidate.label() + "|f16_b2048"]
 
 
 def test_raster_variants_are_checked_against_the_row_major_reference():

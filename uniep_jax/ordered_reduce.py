@@ -226,7 +226,7 @@ def stack_replicas(arrays: tuple, mesh: jax.sharding.Mesh, specs: tuple) -> tupl
     if isinstance(a, jax.core.Tracer):
       out.append(place(jnp.broadcast_to(a[None], (n,) + a.shape), sharding))
     else:   # called outside jit: each device builds its own copy, not n on one device
-      out.append(_broadcaster(n, sharding)(a))
+      out.append(_broadcaster(n, sharding)(place(a, NamedSharding(mesh, spec))))
   return tuple(out)
 
 

@@ -75,6 +75,11 @@ otherwise uses `heuristic_config`. Explicit dataclasses (the defaults
 included) are used exactly as given. A cached winner with the v2 fused kernels
 is applied only when kernel, transfer and fused are all None (and the backend
 is "uniep"). Cache entries are written only by this tuner, from measurements.
+Entries recorded before KernelConfig.raster_rows existed (their kernel has no
+raster_rows) were timed with the tiles walked row-major; they load as raster_rows
+None (auto), which bands the tiles of launches with weights >= 16 MiB (measured
+faster on the expert FFN: pallas_kernels/NOTES_grouped_gemm.md), so their
+median_ms is that of the row-major order.
 
 Filling the shipped cache. The device machines take commands of at most 10
 minutes and return only what is written under $OUT, so one call tunes one shape
@@ -102,9 +107,10 @@ On a machine without a time limit the same for everything at once:
 
 Cost: each timed candidate is one compile of the layer (~16 s fwd, ~38 s
 fwd+bwd at the target shapes on H200, bench/results/moe_layer_*_run3.json) and
-each new KernelConfig one more for its "pallas" reference; stage 1 has 16 (fwd)
-or 20 (bwd) tilings at the target shapes, so a full staged search of one shape
-and direction takes about 3-4 ten-minute calls for "bwd" when compiled one at a
+each new tiling one more for its "pallas" reference (shared by the tile orders);
+stage 1 has 29 (fwd) or 35 (bwd) tilings at the target shapes, twice that with
+raster_rows (None, 16), so a full staged search of one shape and direction takes
+several ten-minute calls, about 10 for "bwd" when compiled one at a
 time (measured 2026-11-26, 4x H200: 11 fwd candidates in 306 s). --compile-workers N
 compiles the next 2N candidates in N threads while one is timed. Measured with 8
 workers: 27-32 fwd candidates in ~205 s at EP 2 (2x H200); at EP 4 fwd+bwd
@@ -877,7 +883,7 @@ class _Search:
     status = "ok" if checksum == ref else "mismatch"
     if status == "mismatch":
       _loud(f"BITWISE MISMATCH (a bug; never picked): {cand.label()} backend "
-            f"{self.runner.backend} vs pallas with the same KernelConfig:\n"
+            f"{self.runner.backend} vs pallas with the same tiling, walked row-major:\n"
             f"  candidate {checksum}\n  reference {ref}")
     return Trial(cand, stage, status, median_ms=m.median_ms, compile_s=m.compile_s,
                  checksum=checksum, reference_checksum=ref, timing=m.timing)
@@ -932,10 +938,10 @@ class TuneResult:
 
   def transfer_consistency(self) -> list:
     """Per KernelConfig: do all its timed candidates (any TransferConfig) agree bitwise?"""
-    groups: dict = {}
+    groups: dict = {}   # by tiling: neither the transfer nor the tile order may change a bit
     for t in self.trials:
       if t.checksum is not None:
-        groups.setdefault(kernel_label(t.candidate.kernel), []).append(t)
+        groups.setdefault(kernel_label(reference_kernel(t.candidate.kernel)), []).append(t)
     return [dict(kernel=k, candidates=len(ts), transfers=sorted({t.candidate.label() for t in ts}),
                  distinct_checksums=len({t.checksum for t in ts}),
                  consistent=len({t.checksum for t in ts}) == 1)
@@ -1024,10 +1030,17 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
   default = _default_candidate(enum, problem, device)
   deadline = start + budget_s
 
+  def carried(search):
+    """Resumed trials this run has not visited (e.g. a `--stages fused` run resuming a
+    full search): kept in the report and in the choice of the best, never dropped."""
+    seen = {t.candidate.label() for t in search.trials}
+    return [t for label, t in previous.items()
+            if label not in seen and t.status not in ("running", "skipped")]
+
   def result_now(search):
     return TuneResult(problem, device, runner.backend, strategy, budget_s, clock() - start,
-                      enum, list(search.trials), search.references, default, tuple(stages),
-                      tuple(tuple(p) for p in space.fused))
+                      enum, list(search.trials) + carried(search), search.references, default,
+                      tuple(stages), tuple(tuple(p) for p in space.fused))
 
   search = _Search(runner, deadline, clock, progress, references, previous,
                    on_trial=None if on_trial is None else (lambda s: on_trial(result_now(s))))
@@ -1041,7 +1054,7 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
     later = runner.uses_transfer and ("transfer" in stages or "fused" in stages)
     search.run(cap(stage1), "kernel",
                deadline=start + budget_s * (stage1_fraction if later else 1.0))
-    best = best_trial(search.trials)
+    best = best_trial(search.trials + carried(search))
     if not later:
       pass
     elif "transfer" not in stages:
@@ -1060,7 +1073,7 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
         fused_next = bool(space.fused) and "fused" in stages
         search.run(cap(stage2), "transfer", deadline=(
             None if not fused_next else start + budget_s * (1 + stage1_fraction) / 2))
-        best = best_trial(search.trials)
+        best = best_trial(search.trials + carried(search))
         if fused_next and best is not None:
           stage3, rejected = fused_candidates(space, best.candidate, problem, device)
           enum.rejected.extend(rejected)
@@ -1516,7 +1529,8 @@ def main(argv=None) -> int:
       result = tune(problem, runner, device=device, budget_s=per_direction,
                     space=space,
                     strategy=args.strategy, max_candidates=args.max_candidates,
-                    stages=tuple(st for st in args.stages.split(",") if st), resume=resume,
+                    stages=tuple(st.strip() for st in args.stages.split(",") if st.strip()),
+                    resume=resume,
                     progress=not args.no_progress, on_trial=checkpoint)
     except BaseException:
       runner.close()   # queued compiles cancelled
