@@ -130,10 +130,10 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
       print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     print(f"  {name:18s} {ms[name] if ms[name] is None else round(ms[name], 3)}", flush=True)
 
-  def gate_up(zero_window):
+  def gate_up(zero_window, config=cfg):
     return lambda a, b, s: gg._row_tiled_call(
         [a], [b, b], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
-        config=cfg, interpret=False, zero_window=zero_window, b_col_offsets=(0, f_p))
+        config=config, interpret=False, zero_window=zero_window, b_col_offsets=(0, f_p))
 
   def ffn(config=cfg, **kw):
     return _fwdbwd(lambda *a: gg.grouped_swiglu_ffn(*a, config=config, interpret=False, **kw))
@@ -164,10 +164,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
     dhu, gg._pad_axis(wgu_p, 1, h_out), gs)
   # the tile order: bands of `raster` row tiles (KernelConfig.raster_rows)
   cfg_r = dataclasses.replace(cfg, raster_rows=raster)
-  t(f"gate_up_fwd_skip_r{raster}", lambda a, b, s: gg._row_tiled_call(
-      [a], [b, b], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
-      config=cfg_r, interpret=False, zero_window=cfg.block_k, b_col_offsets=(0, f_p)),
-    x, wgu_p, gs)
+  t(f"gate_up_fwd_skip_r{raster}", gate_up(cfg.block_k, cfg_r), x, wgu_p, gs)
   ffn_row_major = jax.jit(ffn(zero_dead_rows=False, fuse_da_epilogue=True))
   ffn_banded = jax.jit(ffn(cfg_r, zero_dead_rows=False, fuse_da_epilogue=True))
   t(f"ffn_fwdbwd_skip_fused_da_r{raster}", ffn_banded, x, wgu, wd, gs, dy)

@@ -270,6 +270,18 @@ def test_swiglu_ffn_never_copies_the_weights():
       assert not copies, (backward, copies)
 
 
+def _layer_mode_ffn(cfg, x, w_gate_up, w_down, dy, gs):
+  """The FFN's forward and backward as the MoE layer runs it (dead rows skipped, dh and
+  du in da's epilogue; the cotangent zero on the dead rows): y and dx over the live
+  rows and the weight gradients."""
+  dy = dy.at[LIVE_ROWS:].set(0.0)
+  ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=cfg, interpret=INTERPRET,  # noqa
+                                         zero_dead_rows=False, fuse_da_epilogue=True)
+  y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
+  dx, dwgu, dwd = vjp(dy)
+  return y[:LIVE_ROWS], dx[:LIVE_ROWS], dwgu, dwd
+
+
 def test_two_epilogue_slots_change_no_bit():
   """KernelConfig.epilogue_slots=2 (chunk i stored while chunk i + 1 is written to the
   other slot): the FFN's forward and backward in the MoE layer's mode give the same
@@ -279,18 +291,9 @@ def test_two_epilogue_slots_change_no_bit():
   synchronously and ignores bulk-async groups, so a missing wait or group commit
   cannot show here: bench/ffn_ab.py checks the bits on the GPU."""
   import dataclasses
-  x, w_gate_up, w_down, dy, gs = _ffn_operands(17, 256)
-  dy = dy.at[LIVE_ROWS:].set(0.0)
-
-  def run(cfg):
-    ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=cfg, interpret=INTERPRET,  # noqa
-                                           zero_dead_rows=False, fuse_da_epilogue=True)
-    y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
-    dx, dwgu, dwd = vjp(dy)
-    return y[:LIVE_ROWS], dx[:LIVE_ROWS], dwgu, dwd
-
-  one = run(CONFIG)
-  two = run(dataclasses.replace(CONFIG, epilogue_slots=2))
+  operands = _ffn_operands(17, 256)
+  one = _layer_mode_ffn(CONFIG, *operands)
+  two = _layer_mode_ffn(dataclasses.replace(CONFIG, epilogue_slots=2), *operands)
   assert_no_races()
   chex.assert_trees_all_equal(two, one)
   with pytest.raises(ValueError, match="epilogue_slots=3 must be 1 or 2"):
@@ -337,16 +340,12 @@ def test_raster_order_changes_no_bit():
   FFN's forward and backward in the MoE layer's mode and a plain forward give the
   same bits in bands of 3 row tiles (a short last band) as row-major."""
   import dataclasses
-  x, w_gate_up, w_down, dy, gs = _ffn_operands(23, 256, h=512, f=256)   # 2 column tiles
-  dy = dy.at[LIVE_ROWS:].set(0.0)
+  operands = _ffn_operands(23, 256, h=512, f=256)   # 2 column tiles
+  x, _, w_down, _, gs = operands
 
   def run(cfg):
-    ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=cfg, interpret=INTERPRET,  # noqa
-                                           zero_dead_rows=False, fuse_da_epilogue=True)
-    y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
-    dx, dwgu, dwd = vjp(dy)
     plain = gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET)
-    return y[:LIVE_ROWS], dx[:LIVE_ROWS], dwgu, dwd, plain
+    return _layer_mode_ffn(cfg, *operands) + (plain,)
 
   row_major = run(CONFIG)
   banded = run(dataclasses.replace(CONFIG, raster_rows=3))

@@ -1055,13 +1055,17 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
     search.run(cap(stage1), "kernel",
                deadline=start + budget_s * (stage1_fraction if later else 1.0))
     best = best_trial(search.trials + carried(search))
+
+    def run_fused(base: Candidate):   # stage 3: the fused points on `base`
+      stage3, rejected = fused_candidates(space, base, problem, device)
+      enum.rejected.extend(rejected)
+      search.run(cap(stage3), "fused")
+
     if not later:
       pass
     elif "transfer" not in stages:
       if space.fused and best is not None:
-        stage3, rejected = fused_candidates(space, best.candidate, problem, device)
-        enum.rejected.extend(rejected)
-        search.run(cap(stage3), "fused")
+        run_fused(best.candidate)
     else:
       if best is None:
         _loud("tune: no verified KernelConfig in stage 1; stages 2 and 3 skipped")
@@ -1075,9 +1079,7 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
             None if not fused_next else start + budget_s * (1 + stage1_fraction) / 2))
         best = best_trial(search.trials + carried(search))
         if fused_next and best is not None:
-          stage3, rejected = fused_candidates(space, best.candidate, problem, device)
-          enum.rejected.extend(rejected)
-          search.run(cap(stage3), "fused")
+          run_fused(best.candidate)
   result = result_now(search)
   for g in result.transfer_consistency():
     if not g["consistent"]:
