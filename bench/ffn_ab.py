@@ -22,7 +22,8 @@ live rows balanced over the E/R local experts and M = factor x live rows
                    warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
   dx               the dx launch alone: [dh | du] @ w_gate_up^T, "plain" over K = 2F
   gate_up_fwd_skip_rR, ffn_fwdbwd_skip_fused_da_rR  the same with KernelConfig.raster_rows
-                   = R (--raster, default 8: the tiles walked in bands of R row tiles;
+                   = R for each R of --raster (default 8; e.g. 8,16 times both in one
+                   run: the tiles walked in bands of R row tiles;
                    every other row walks them row-major, raster_rows=1); its bits
                    against row-major's: fused_da_check["raster_R"]
   dense            jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
@@ -100,7 +101,8 @@ def _profile(fn, args, trace_dir: str, calls: int = 2) -> dict:
 
 def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
               profile_dir: str | None = None, skip_timing: bool = False,
-              rows: set | None = None, checks_on: bool = True, raster: int = 8) -> dict:
+              rows: set | None = None, checks_on: bool = True,
+              rasters: tuple = (8,)) -> dict:
   cfg = KernelConfig(raster_rows=1)   # the baseline rows walk the tiles row-major
   g = shape.local_experts
   live = shape.rows
@@ -162,16 +164,17 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   t("dx", lambda a, b, s: gg._row_tiled_call(
       [a], [b], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
     dhu, gg._pad_axis(wgu_p, 1, h_out), gs)
-  # the tile order: bands of `raster` row tiles (KernelConfig.raster_rows)
-  cfg_r = dataclasses.replace(cfg, raster_rows=raster)
-  t(f"gate_up_fwd_skip_r{raster}", gate_up(cfg.block_k, cfg_r), x, wgu_p, gs)
+  # the tile order: bands of R row tiles (KernelConfig.raster_rows), each R of `rasters`
   ffn_row_major = jax.jit(ffn(zero_dead_rows=False, fuse_da_epilogue=True))
-  ffn_banded = jax.jit(ffn(cfg_r, zero_dead_rows=False, fuse_da_epilogue=True))
-  t(f"ffn_fwdbwd_skip_fused_da_r{raster}", ffn_banded, x, wgu, wd, gs, dy)
   checks = {}
-  if rows is None or f"ffn_fwdbwd_skip_fused_da_r{raster}" in rows:
-    checks[f"raster_{raster}"] = _compare_bits(ffn_row_major, ffn_banded,
-                                               (x, wgu, wd, gs, dy), live)
+  for raster in rasters:
+    cfg_r = dataclasses.replace(cfg, raster_rows=raster)
+    t(f"gate_up_fwd_skip_r{raster}", gate_up(cfg.block_k, cfg_r), x, wgu_p, gs)
+    ffn_banded = jax.jit(ffn(cfg_r, zero_dead_rows=False, fuse_da_epilogue=True))
+    t(f"ffn_fwdbwd_skip_fused_da_r{raster}", ffn_banded, x, wgu, wd, gs, dy)
+    if rows is None or f"ffn_fwdbwd_skip_fused_da_r{raster}" in rows:
+      checks[f"raster_{raster}"] = _compare_bits(ffn_row_major, ffn_banded,
+                                                 (x, wgu, wd, gs, dy), live)
   if checks_on:
     checks.update(_compare_fused_da(x, wgu, wd, gs, dy, cfg, live))
     checks["epilogue_slots_2"] = _compare_bits(
@@ -214,8 +217,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
                gate_up_as_plain=2 * gemm, dx=2 * gemm,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm, dense=gemm)
-  flops[f"gate_up_fwd_skip_r{raster}"] = 2 * gemm
-  flops[f"ffn_fwdbwd_skip_fused_da_r{raster}"] = 9 * gemm
+  for raster in rasters:
+    flops[f"gate_up_fwd_skip_r{raster}"] = 2 * gemm
+    flops[f"ffn_fwdbwd_skip_fused_da_r{raster}"] = 9 * gemm
   tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
               median_ms=ms, tflops=tflops, fused_da_check=checks,
@@ -283,7 +287,8 @@ def main(argv=None):
   ap.add_argument("--rows", default=None, help="comma list: time only these rows")
   ap.add_argument("--no-checks", action="store_true",
                   help="skip the fused_da and epilogue-slot bit checks")
-  ap.add_argument("--raster", type=int, default=8, help="raster_rows of the _rR rows")
+  ap.add_argument("--raster", default="8",
+                  help="comma list: raster_rows of the _rR rows (one pair of rows each)")
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
@@ -299,7 +304,8 @@ def main(argv=None):
                             profile_dir=out if args.profile else None,
                             skip_timing=args.skip_timing,
                             rows=set(args.rows.split(",")) if args.rows else None,
-                            checks_on=not args.no_checks, raster=args.raster))
+                            checks_on=not args.no_checks,
+                            rasters=tuple(int(v) for v in args.raster.split(","))))
       common.write_json(path, dict(meta, benchmark="ffn_ab", rows=rows))
   return 0
 
