@@ -238,8 +238,9 @@ def main(argv=None):
   ap.add_argument("--backends", default=",".join(BACKENDS),
                   help="comma list of backends with options (parse_backend): '+xla_dswiglu' the "
                        "SwiGLU derivative by an XLA pass, '+sN' N pipeline stages, '+bN' N "
-                       "gradient buckets, '+fused' the v2 fused kernels (EXPERIMENTAL), e.g. "
-                       "uniep,uniep+s4,uniep+b3,uniep+fused")
+                       "gradient buckets (default: TrainConfig's, 3 with ordered sums; '+b1' "
+                       "one sum after the backward pass), '+fused' the v2 fused kernels "
+                       "(EXPERIMENTAL), e.g. uniep,uniep+s4,uniep+b1,uniep+fused")
   ap.add_argument("--max-experts", type=int, default=64,
                   help="cap on each model's expert count, to fit (0: the config's)")
   ap.add_argument("--batch", type=int, default=8)

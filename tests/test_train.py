@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from train import loop
-from train.config import TrainConfig, parse_args
+from train.config import DEFAULT_GRAD_BUCKETS, TrainConfig, parse_args
 from train.data import make_dataset
 from train.mesh import parse_mesh, validate_mesh
 
@@ -46,6 +46,13 @@ def test_loss_decreases(reference):
   held = reference["heldout"]
   assert held[12] < held[0] - 1.0, held
   assert all(np.isfinite(v) for v in losses.values())
+
+
+def test_summary_records_the_environment(reference):
+  """summary.json names what the bits may depend on beyond the code: CPU and packages."""
+  env = reference["summary"]["environment"]
+  assert env["packages"]["jax"] == jax.__version__
+  assert env["cpu_vector_isa"] in ("avx512", "avx2", "below avx2", "unknown") and env["cpu"]
 
 
 def test_identical_runs_are_bitwise_equal(tmp_path, data, reference):
@@ -361,10 +368,12 @@ def test_peak_learning_rate_is_the_model_configs_unless_given():
 
 
 def test_bucketed_gradient_sums_give_the_same_bits(tmp_path, data, reference):
-  """--grad-buckets: the ordered sums in chained buckets in backward order give the
-  same training, bit for bit, as one sum after the whole backward pass (the losses of
-  steps 2-3 depend on every earlier update)."""
-  run = _train(tmp_path, data, grad_buckets=3, stop_after=3)
+  """--grad-buckets: one sum after the whole backward pass gives the same training, bit
+  for bit, as the default ordered sums in chained buckets in backward order (the
+  losses of steps 2-3 depend on every earlier update)."""
+  assert TrainConfig(**SMALL).num_grad_buckets == DEFAULT_GRAD_BUCKETS > 1  # the reference's
+  assert TrainConfig(**SMALL, grad_reduction="xla").num_grad_buckets == 1
+  run = _train(tmp_path, data, grad_buckets=1, stop_after=3)
   assert sorted(run["losses"]) == [1, 2, 3]
   assert all(run["losses"][k] == reference["losses"][k] for k in run["losses"])
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import pathlib
+import platform
 import re
 import time
 from typing import Any, Optional, Sequence
@@ -238,10 +240,10 @@ def ordered_grads(s: Setup):
   order. No float sum over devices is left to XLA or NCCL. The sums go in a few
   buffers, one after the other (`ordered_psum_many`), after the whole backward pass:
   one collective in flight at a time (2 per leaf, free to overlap, hung on 4x H200).
-  With cfg.grad_buckets > 1 they go in that many buckets in `backward_order`, chained
-  (`ordered_psum_buckets`), so that the early ones may overlap the rest of the backward
-  pass (EXPERIMENTAL, not yet timed; then a gradient collective may be in flight beside
-  the MoE layer's own). Same bits either way.
+  With cfg.num_grad_buckets > 1 (the default: 3) they go in that many buckets in
+  `backward_order`, chained (`ordered_psum_buckets`), so that the early ones may overlap
+  the rest of the backward pass (a gradient collective may then be in flight beside the
+  MoE layer's own; 0.3-7% more tokens/s on 4x H100, README). Same bits either way.
   The aux losses are computed from statistics summed over the mesh inside the MoE
   layer (`uniep_jax.ordered_reduce.ordered_allsum`): each shard's gradient holds 1/shards of their derivative per shard, so the
   sum holds it once.
@@ -265,9 +267,9 @@ def ordered_grads(s: Setup):
     names = sorted(grads)
     # one chain of collectives: the gradients (and ce) in buffers (in backward order when
     # bucketed), then the norm's parts
-    order = backward_order(names) if s.cfg.grad_buckets > 1 else names
+    order = backward_order(names) if s.cfg.num_grad_buckets > 1 else names
     *summed, ce = ordered_psum_buckets([(grads[k], reduce_axes[k]) for k in order] + [(ce, axes)],
-                                       s.cfg.grad_buckets)
+                                       s.cfg.num_grad_buckets)
     grads = dict(zip(order, summed))
     parts = ordered_psum_many([(jnp.sum(jnp.square(grads[k].astype(jnp.float32))),
                                 tuple(a for a in axes if a in _spec_axes(pspec[k]))) for k in names],
@@ -380,6 +382,36 @@ def _log(msg: str) -> None:
   if is_main_process():
     print(msg, flush=True)
 
+
+
+def environment() -> dict:
+  """What a run's bits may depend on besides the code and the flags, recorded in
+  summary.json: the package versions and, on the CPU, the widest vector ISA that
+  XLA:CPU may compile for. The same 300-step main job, same code and jax, gave sha256
+  be29b67b... on one 2-core machine (not recorded) and 0c39cac5... on another, an
+  AVX2-only AMD EPYC (train/README.md)."""
+  flags = model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+          model = value.strip()
+        elif key == "flags" and not flags:
+          flags = value
+  except OSError:
+    pass
+  isa = ("avx512" if "avx512f" in flags.split() else "avx2" if "avx2" in flags.split()
+         else "unknown" if not flags else "below avx2")
+  versions = {}
+  for name in ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint"):
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  return dict(cpu=model or platform.processor() or platform.machine(), cpu_vector_isa=isa,
+              python=platform.python_version(), packages=versions)
 
 def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   """Run training; returns per-step losses, held-out losses, checksum and timings."""
@@ -495,12 +527,12 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   steady = step_times[1:] or step_times
   summary = dict(
       config=cfg.config, mesh=dict(s.mesh.shape), backend=cfg.backend, steps=cfg.last_step,
-      peak_lr=s.lr, grad_reduction=cfg.grad_reduction, grad_buckets=cfg.grad_buckets, moe=moe,
+      peak_lr=s.lr, grad_reduction=cfg.grad_reduction, grad_buckets=cfg.num_grad_buckets, moe=moe,
       start_step=start, unigram_entropy_nats=h_uni, unigram_entropy_bits=h_uni / LN2,
       final_train_loss_nats=final_train, final_heldout_loss_nats=final_held,
       final_train_loss_bits=final_train / LN2, final_heldout_loss_bits=final_held / LN2,
       tokens_per_s=tokens_per_step / float(np.mean(steady)), loop_s=t_end - t_loop,
-      wall_s=t_end - t_start, **cs)
+      wall_s=t_end - t_start, environment=environment(), **cs)
   if main:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   if cfg.plot and main:
@@ -510,6 +542,7 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   _log(f"final train loss (mean of last {len(tail)} steps): {final_train:.4f} nats = {final_train / LN2:.4f} bits per token")
   _log(f"final held-out loss: {final_held:.4f} nats = {final_held / LN2:.4f} bits per token")
   _log(f"throughput {summary['tokens_per_s']:,.0f} tokens/s; wall {summary['wall_s']:.1f} s")
-  _log(f"param checksum: sum={cs['param_sum']!r} sha256={cs['sha256']}")
+  _log(f"param checksum: sum={cs['param_sum']!r} sha256={cs['sha256']} "
+       f"(cpu {summary['environment']['cpu']}, vector ISA {summary['environment']['cpu_vector_isa']})")
   _log(f"wrote {metrics_path}, {out / 'summary.json'}" + (f", {out / 'loss.png'}" if cfg.plot else ""))
   return dict(summary=summary, losses=losses, heldout=heldout, params=params, rest=rest)
