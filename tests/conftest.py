@@ -8,7 +8,41 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+class _NumpyWithRowInvariantMatmul:
+  """numpy, but `matmul` in float64, rounded once to the dtype asked for.
+
+  The Mosaic GPU interpreter (CPU interpret mode) computes each wgmma as
+  `acc + np.matmul(a, b, dtype=float32)`, i.e. with the BLAS numpy was built with.
+  OpenBLAS's float32 kernels round a row's dot products differently depending on
+  where the row sits in the matrix on some CPUs (measured 2026-11-27 on a 2-core AMD
+  EPYC with AVX2: every one of 127 row shifts of a [128, 64] @ [64, 128] product
+  changed bits; an earlier machine did not), which a GPU's wgmma does not do. The
+  grouped GEMM's row-invariance test then failed on the CPU (1 bf16 element in
+  32768) for a reason outside the kernel. In float64 the products of bf16/f16
+  operands are exact, and so are their sums unless the terms span more than ~2^30,
+  so a row's result no longer depends on its position or on the CPU's BLAS. Only
+  the interpreter's module sees this (`gpu_callbacks.np`); numpy itself is untouched.
+  """
+
+  def __getattr__(self, name):
+    return getattr(np, name)
+
+  @staticmethod
+  def matmul(a, b, dtype=None):
+    out = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    return out.astype(np.result_type(a, b) if dtype is None else dtype)
+
+
+try:
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gpu_callbacks
+except ImportError:   # the interpreter moved: tests run with numpy's own matmul
+  _gpu_callbacks = None
+if _gpu_callbacks is not None and hasattr(_gpu_callbacks, "np"):
+  _gpu_callbacks.np = _NumpyWithRowInvariantMatmul()
 
 
 def make_mesh(data: int, expert: int):
