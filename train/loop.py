@@ -383,7 +383,6 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-
 def environment() -> dict:
   """What a run's bits may depend on besides the code and the flags, recorded in
   summary.json: the package versions and, on the CPU, the widest vector ISA that
