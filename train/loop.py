@@ -412,6 +412,7 @@ def environment() -> dict:
   return dict(cpu=model or platform.processor() or platform.machine(), cpu_vector_isa=isa,
               python=platform.python_version(), packages=versions)
 
+
 def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   """Run training; returns per-step losses, held-out losses, checksum and timings."""
   t_start = time.perf_counter()

@@ -81,8 +81,9 @@ class KernelConfig:
     fwd+bwd in the MoE layer's mode, 4x dead rows; ms row-major -> bands of 8):
     mixtral-like 30.02 -> 27.50 (gate/up 7.69 -> 5.63), deepseek-like 29.71 -> 26.48
     (gate/up 6.63 -> 5.78), qwen3-like 5.95 -> 6.11, small-experts 1.78 -> 1.80
-    (weights of 6.3 / 2.9 MB stay in L2: the bands only cost); bands of 16 on
-    mixtral-like 30.56 -> 26.59 (another run). The bits do not depend on it (each
+    (weights of 6.3 / 2.9 MB stay in L2: the bands only cost). Bands of 8, 16, 32 in
+    one run (commit 7910eb1): mixtral-like 27.38 / 27.28 / 27.77, deepseek-like
+    27.28 / 27.29 / 27.96: 8 = 16 within noise, 32 slower. The bits do not depend on it (each
     tile is computed whole by one CTA; checked on that GPU and on the CPU); the
     CTA-subset and walk() paths of the fused kernels keep the row-major order.
   """
