@@ -48,6 +48,20 @@ BACKEND_CONFIGS = {
     "uniep_fused_bwd": uniep_jax.UniEPConfig(
         backend="uniep", fused=uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=2048,
                                                      return_in_kernel=False, backward=True)),
+    # EXPERIMENTAL v2.2: Kernel A with items dealt round robin over 16 transfer CTAs and
+    # only the live chunks walked; v1's down GEMM and return; the backward fused (dy
+    # dispatch + da) and/or the dX return on 16 CTAs beside the dw_gate_up wgrad
+    "uniep_fa_bwd": uniep_jax.UniEPConfig(
+        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
+                                                     return_in_kernel=False, backward=True)),
+    "uniep_fa_bwd_rbw": uniep_jax.UniEPConfig(
+        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
+                                                     return_in_kernel=False, backward=True,
+                                                     wgrad_return_ctas=16)),
+    "uniep_fa_rbw": uniep_jax.UniEPConfig(
+        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
+                                                     return_in_kernel=False,
+                                                     wgrad_return_ctas=16)),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
 }

@@ -176,20 +176,27 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   lax.fori_loop(0, steps, step, 0)
 
 
+def transfer_semaphores(num_ctas: int):
+  """The (ready, done) semaphores of `_transfer_body`, one per transfer CTA each."""
+  return (pl.get_global(plgpu.SemaphoreType.REGULAR((num_ctas,))),
+          pl.get_global(plgpu.SemaphoreType.REGULAR((num_ctas,))))
+
+
 def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
                    w: int, chunk_rows: int, col_tile: int, num_ctas: int,
-                   axis_name, num_peers: int):
+                   axis_name, num_peers: int, cta_axis: str = "cta", sems=None):
   """One CTA's share of every peer offset's work list. `axis_name=None`: the
-  local form (every offset's rows land in this device's `out`)."""
+  local form (every offset's rows land in this device's `out`). Kernels that embed
+  it (`wgrad_return.py`) run it on CTAs [0, num_ctas) of their `cta_axis` and pass
+  `sems` (`transfer_semaphores`, allocated at the kernel's top level)."""
   ns, hidden = src_gmem.shape
   n_col = hidden // col_tile
-  c = lax.axis_index("cta")
+  c = lax.axis_index(cta_axis)
   stride = 3 * w + 1
 
   if axis_name is not None:
     me = lax.axis_index(axis_name)
-    ready_sem = pl.get_global(plgpu.SemaphoreType.REGULAR((num_ctas,)))
-    done_sem = pl.get_global(plgpu.SemaphoreType.REGULAR((num_ctas,)))
+    ready_sem, done_sem = transfer_semaphores(num_ctas) if sems is None else sems
     for p in range(num_peers):
       pl.semaphore_signal(ready_sem.at[c], device_id={axis_name: p})
     pl.semaphore_wait(ready_sem.at[c], num_peers)

@@ -43,18 +43,27 @@ Before the launch, plain JAX (`chunk_work_lists`) turns the dispatch segments
   items stably sorted by chunk; chunk_start[k] = first item of chunk k
 
   row j of the table: src_row[W] | dst_row[W] | rows[W] | chunk_start[C + 1]
+                      | deal_start[C] | live_chunks
   W = cdiv(Ns, item_rows) + El + C (pieces <= El + C - 1: one peer's segments
   are disjoint in the destination, so at most C - 1 interior boundaries cut them).
+  deal_start[k]: the rank of chunk k's first item of offset j in the sender's whole
+  walk (chunk-major, offsets 1..R-1, 0 inside a chunk); live_chunks = cdiv(L, B),
+  L the most live receive rows of any rank (from the count matrix: equal on all ranks).
 
 Transfer CTA loop (warpgroup 0 of CTA c < n_comm):
 
-  for k in range(C):                         # dynamic
+  for k in range(live_chunks):               # dynamic; later chunks hold no rows anywhere
     for j in 1, ..., R-1, 0:                 # STATIC (TMA peer id must be host-computable)
-      items chunk_start[k] + c, + n_comm, ... of offset j:
+      the items i of (k, j) with (deal_start[k] + i) mod n_comm == c:
         per column tile: GMEM src --TMA load--> SMEM stage --TMA store ladder--> peer recv
     wait_smem_to_gmem(0)                     # all of this CTA's stores landed
     signal chunk_sem[k] on every rank (itself included)
-  for k in c, c + n_comm, ... < C: wait chunk_sem[k] >= R * n_comm (no decrement)
+  for k in c, c + n_comm, ... < live_chunks: wait chunk_sem[k] >= R * n_comm (no decrement)
+
+Items are dealt round robin over the whole walk, not per (k, j) list from CTA 0:
+a chunk holds few items per source (qwen3-like at EP 4, B = 2048: 8 items of 128
+rows from each of two sources), so dealing each list from CTA 0 left most transfer
+CTAs idle and made the dispatch per-CTA bound (v2.2, NOTES_fused.md).
 
 GEMM CTA: before the pipeline of each COMPUTE tile (all three warpgroups, via
 the `before_tile` hook): wait chunk_sem[load_row // B] >= R * n_comm, no decrement.
@@ -89,6 +98,8 @@ Synchronisation contract (invariants; copied from SYNC.md)
       each, after `wait_smem_to_gmem(0)` of all its stores of chunk k, empty or
       not (a signal orders the NVLink writes issued before it):
           expected(chunk_sem[k]) = R * n_comm.
+      Only chunks k < live_chunks are signalled and waited on (every GEMM tile of
+      every rank lies in one: a tile starts before its rank's live rows end).
       Consumers: GEMM CTAs of this rank (before a tile of chunk k) and the
       transfer CTAs' final sweep, all with decrement=False (many waiters on one
       semaphore; a decrementing wait would take the whole count and deadlock
@@ -143,15 +154,37 @@ def num_items(src_rows: int, num_local_experts: int, num_chunks: int, item_rows:
   return -(-src_rows // item_rows) + num_local_experts + num_chunks
 
 
+def transfer_order(num_peers: int) -> list:
+  """The static order in which a transfer CTA visits the peer offsets inside a chunk:
+  remote peers first, its own rows last."""
+  return list(range(1, num_peers)) + [0]
+
+
+def work_row_length(w: int, num_chunks: int) -> int:
+  """Entries of one peer offset's row of the work table (see `chunk_work_lists`)."""
+  return 3 * w + 2 * num_chunks + 2
+
+
 def chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, item_rows: int,
-                     recv_chunk_rows: int, num_chunks: int):
+                     recv_chunk_rows: int, num_chunks: int, live_rows=None):
   """Per peer offset j (row j: peer (rank + j) mod R), the items in chunk order.
 
   seg_*: [R, El] int32 indexed by (peer, local expert); segment e of peer p
-  copies src[seg_src : + seg_len] to peer p's recv[seg_dst : + seg_len]. Returns
-  int32 [R, 3 * W + C + 1]: src_row[W], dst_row[W], rows[W], chunk_start[C + 1]
-  (items of destination chunk k are [chunk_start[k], chunk_start[k + 1]); no
-  item crosses a chunk boundary; chunk_start[C] = live item count).
+  copies src[seg_src : + seg_len] to peer p's recv[seg_dst : + seg_len].
+  live_rows: the most live receive-layout rows any rank has (the same value on every
+  rank, from the count matrix; None: all C chunks). Returns int32
+  [R, 3 * W + 2 * C + 2] (`work_row_length`):
+    src_row[W], dst_row[W], rows[W]   the items, chunk by chunk
+    chunk_start[C + 1]                items of destination chunk k are
+                                      [chunk_start[k], chunk_start[k + 1]); no item
+                                      crosses a chunk boundary; chunk_start[C] = live
+                                      item count
+    deal_start[C]                     the rank of item chunk_start[k] in the sender's
+                                      whole walk (chunk-major, peer offsets in
+                                      `transfer_order` inside a chunk): items are dealt
+                                      to the transfer CTAs round robin over that walk,
+                                      so every CTA has work whatever a chunk holds
+    live_chunks[1]                    cdiv(live_rows, B): chunks any rank can wait on
   """
   _, el = seg_len.shape
   b = recv_chunk_rows
@@ -183,7 +216,20 @@ def chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, item_row
                                    side="left").astype(jnp.int32)   # [C + 1]
     return jnp.concatenate([i_src[order], i_dst[order], rows[order], chunk_start])
 
-  return jax.vmap(one)(seg_src, seg_dst, seg_len)
+  lists = jax.vmap(one)(seg_src, seg_dst, seg_len)                  # [R, 3W + C + 1]
+  r = seg_len.shape[0]
+  starts = lists[:, 3 * w:]
+  counts = starts[:, 1:] - starts[:, :-1]                           # [R, C] items per (j, k)
+  walk = jnp.array(transfer_order(r), jnp.int32)
+  in_walk = counts[walk].T.reshape(-1)                              # (k, position in walk)
+  dealt = (jnp.cumsum(in_walk) - in_walk).reshape(num_chunks, r).T  # [R (walk position), C]
+  deal_start = jnp.zeros_like(dealt).at[walk].set(dealt)            # back to rows j
+  if live_rows is None:
+    live = jnp.int32(num_chunks)
+  else:
+    live = jnp.minimum((jnp.asarray(live_rows, jnp.int32) + b - 1) // b, num_chunks)
+  live = jnp.broadcast_to(live, (r, 1)).astype(jnp.int32)
+  return jnp.concatenate([lists, deal_start.astype(jnp.int32), live], axis=1)
 
 
 # ----------------------------------------------------------------------------
@@ -194,25 +240,31 @@ def chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, item_row
 def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chunk_sem, *,
                    w: int, num_chunks: int, item_rows: int, col_tile: int, n_comm: int,
                    axis_name, num_peers: int):
-  """Warpgroup 0 of transfer CTA c: every chunk's items, then the final sweep.
+  """Warpgroup 0 of transfer CTA c: the live chunks' items, then the final sweep.
   axis_name=None: the local form (every offset lands in this device's recv, no
   semaphores; runs in the CPU interpret mode)."""
   c = lax.axis_index("sm")
-  stride = 3 * w + num_chunks + 1
+  stride = work_row_length(w, num_chunks)
+  starts, deals = 3 * w, 3 * w + num_chunks + 1
+  live_chunks = work_gmem[stride - 1]          # the same on every rank and every row
   if axis_name is not None:
     me = lax.axis_index(axis_name)
 
   def chunk_body(kc, carry):
-    for j in list(range(1, num_peers)) + [0]:   # static: remote peers first, own rows last
+    for j in transfer_order(num_peers):         # static: the TMA peer id must be host-computable
       base = j * stride
       if axis_name is None or j == 0:
         dst_gmem = recv_gmem
       else:
         dst_gmem = plgpu.remote_ref(recv_gmem, {axis_name: lax.rem(me + j, num_peers)})
-      first_item = work_gmem[base + 3 * w + kc]
+      first_item = work_gmem[base + starts + kc]
+      # round robin over the sender's whole walk: item i of this (k, j) list has walk
+      # rank deal_start + i and goes to CTA (deal_start + i) mod n_comm
+      dealt = lax.rem(work_gmem[base + deals + kc], n_comm)
       move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
-                 first_item=first_item, count=work_gmem[base + 3 * w + kc + 1] - first_item,
-                 w=w, cta=c, num_ctas=n_comm, item_rows=item_rows, col_tile=col_tile)
+                 first_item=first_item, count=work_gmem[base + starts + kc + 1] - first_item,
+                 w=w, cta=lax.rem(c - dealt + n_comm, n_comm), num_ctas=n_comm,
+                 item_rows=item_rows, col_tile=col_tile)
 
     plgpu.wait_smem_to_gmem(0)                  # this CTA's stores of chunk kc landed
     if axis_name is not None:
@@ -220,15 +272,17 @@ def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chu
         pl.semaphore_signal(chunk_sem.at[kc], device_id={axis_name: p})
     return carry
 
-  lax.fori_loop(0, num_chunks, chunk_body, 0)
+  # Chunks past every rank's live rows hold no item and no GEMM tile: no rank sends,
+  # signals or waits on them.
+  lax.fori_loop(0, live_chunks, chunk_body, 0)
 
   if axis_name is not None:
-    # Final sweep: when every CTA is past it, every chunk of this rank's recv has
+    # Final sweep: when every CTA is past it, every live chunk of this rank's recv has
     # landed (kernel end => recv complete). Chunks c, c + n_comm, ...
     def sweep(i, carry):
       plgpu.semaphore_wait(chunk_sem.at[c + i * n_comm], num_peers * n_comm, decrement=False)
       return carry
-    lax.fori_loop(0, (num_chunks - c + n_comm - 1) // n_comm, sweep, 0)
+    lax.fori_loop(0, (live_chunks - c + n_comm - 1) // n_comm, sweep, 0)
 
 
 def _transfer_scope(work_gmem, src_gmem, recv_gmem, chunk_sem, *, item_rows, col_tile, **kw):
@@ -336,7 +390,7 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
                            kernel: KernelConfig = KernelConfig(),
                            transfer: TransferConfig = TransferConfig(),
                            fused: FusedConfig = FusedConfig(),
-                           zero_window: Optional[int] = None):
+                           zero_window: Optional[int] = None, live_rows=None):
   """Dispatch + gate/up in one launch. Inside `shard_map` over `axis_name` (size R).
 
   rows_sorted [Ns, H]: this rank's sorted rows; seg_*: [R, El] dispatch segments
@@ -346,8 +400,10 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
   block_m, F_p as `grouped_gemm` pads F. recv rows that no segment covers are
   undefined (callers zero what they need, as `dispatch._send_nvlink`); dead rows
   of a, h, u are zero (zero_window=W: only those before round_up(live rows, W), the
-  rest undefined and their tiles skipped, as `grouped_gemm._row_tile_plan`). GPU only
-  (remote refs and semaphores).
+  rest undefined and their tiles skipped, as `grouped_gemm._row_tile_plan`).
+  live_rows: int32 scalar, the most live receive rows of any rank, the SAME on every
+  rank (`layout.max_received_rows`): chunks past it are neither sent, signalled nor
+  waited on (None: all of them). GPU only (remote refs and semaphores).
   """
   ns, hidden = rows_sorted.shape
   el, w_hidden, two_f = w_gate_up.shape
@@ -364,7 +420,7 @@ def fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, 
   return _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
                  (gg._pad_gate_up(w_gate_up, st.f_p),), gemm_in=(0, 0), out_shapes=outs,
                  name="fused_dispatch_gate_up", st=st, axis_name=axis_name, kernel=kernel,
-                 transfer=transfer, fused=fused, zero_window=zero_window)
+                 transfer=transfer, fused=fused, zero_window=zero_window, live_rows=live_rows)
 
 
 def fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_down, h, u, *,
@@ -372,7 +428,7 @@ def fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_
                            kernel: KernelConfig = KernelConfig(),
                            transfer: TransferConfig = TransferConfig(),
                            fused: FusedConfig = FusedConfig(),
-                           zero_window: Optional[int] = None):
+                           zero_window: Optional[int] = None, live_rows=None):
   """The backward's twin of `fused_dispatch_gate_up` (EXPERIMENTAL, `FusedConfig.backward`):
   the dispatch of dy (the transpose of the return: the same segments as the forward's
   dispatch) and da = dy @ w_down^T with the SwiGLU derivative in its epilogue (grouped
@@ -384,7 +440,8 @@ def fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_
   dhu is what `grouped_gemm.swiglu_backward`'s "dswiglu" launch writes (same body,
   same tile plan, same block_k: only WHEN a tile runs changes); dy_recv rows that no
   segment covers are undefined (the caller zeroes the window the wgrad reads); dead
-  rows of dhu as `fused_dispatch_gate_up`'s outputs (zero_window). GPU only.
+  rows of dhu as `fused_dispatch_gate_up`'s outputs (zero_window); live_rows as there.
+  GPU only.
   """
   ns, hidden = dy_sorted.shape
   el, ffn, w_hidden = w_down.shape
@@ -404,13 +461,13 @@ def fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_
   return _launch(dy_sorted, seg_src, seg_dst, seg_len, group_sizes,
                  (gg._pad_axis(w_down, 1, st.f_p), h, u), gemm_in=(0, 1, 2), out_shapes=outs,
                  name="fused_dispatch_dswiglu", st=st, axis_name=axis_name, kernel=kernel,
-                 transfer=transfer, fused=fused, zero_window=zero_window)
+                 transfer=transfer, fused=fused, zero_window=zero_window, live_rows=live_rows)
 
 
 def _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, inputs: tuple, *,
             gemm_in: tuple, out_shapes: tuple, name: str, st: _Static, axis_name,
             kernel: KernelConfig, transfer: TransferConfig, fused: FusedConfig,
-            zero_window: Optional[int]):
+            zero_window: Optional[int], live_rows=None):
   """One fused launch: the transfer role pushes `rows_sorted` into the owners' first
   output (the GEMM's lhs), the GEMM role runs `st.gemm_kw`'s body on it."""
   ns, hidden = rows_sorted.shape
@@ -421,7 +478,7 @@ def _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, inputs: tuple, 
   rank = lax.axis_index(axis_name)
   work = chunk_work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=ns,
                           item_rows=item_rows, recv_chunk_rows=fused.recv_chunk_rows,
-                          num_chunks=st.num_chunks)
+                          num_chunks=st.num_chunks, live_rows=live_rows)
   w = num_items(ns, seg_len.shape[1], st.num_chunks, item_rows)
   plan = gg._row_tile_plan(group_sizes, st.m_p, kernel.block_m, zero_window)
   body = functools.partial(
@@ -444,7 +501,8 @@ def _launch(rows_sorted, seg_src, seg_dst, seg_len, group_sizes, inputs: tuple, 
 
 def transfer_chunks_local(src, seg_src, seg_dst, seg_len, *, out_rows: int, rank: int = 0,
                           transfer: TransferConfig = TransferConfig(),
-                          recv_chunk_rows: int = 256, n_comm: int = 2, interpret=None):
+                          recv_chunk_rows: int = 256, n_comm: int = 2, live_rows=None,
+                          interpret=None):
   """The transfer role alone, local form: every peer offset's items land in this
   device's [out_rows, H] output, chunk by chunk, in the fused kernel's launch
   shape (3 warpgroups, Warpgroup semantics, grid n_comm). No semaphores, so it
@@ -459,7 +517,7 @@ def transfer_chunks_local(src, seg_src, seg_dst, seg_len, *, out_rows: int, rank
   num_chunks = -(-out_rows // recv_chunk_rows)
   work = chunk_work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=ns,
                           item_rows=item_rows, recv_chunk_rows=recv_chunk_rows,
-                          num_chunks=num_chunks)
+                          num_chunks=num_chunks, live_rows=live_rows)
   w = num_items(ns, seg_len.shape[1], num_chunks, item_rows)
 
   def body(work_gmem, src_gmem, out_gmem):

@@ -657,7 +657,12 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
 
 def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int,
                   block_m: int, block_n: int, block_k: int, stages: int, in_dtype,
-                  epi_slots: int = 1):
+                  epi_slots: int = 1, cta_offset: int = 0, num_ctas: Optional[int] = None):
+  """The wgrad body. cta_offset, num_ctas (default off: the standalone kernel's
+  program): walk the output tiles on CTAs [cta_offset, cta_offset + num_ctas) of the
+  "sm" axis only (local CTA i takes tiles i, i + num_ctas, ...), for kernels that give
+  the other CTAs other work (`wgrad_return.py`). A tile's sum runs whole on one CTA in
+  a fixed order, so which CTA runs it changes no bit."""
   _, k_out = lhs_gmem.shape
   _, n_out = dout_gmem.shape
   cta_k = _NUM_COMPUTE_WGS * block_m
@@ -711,9 +716,7 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epi_smem):
-    @plgpu.nd_loop((num_groups * k_tiles * n_tiles,), collective_axes="sm")
-    def _tile_loop(loop_info):
-      (lin,) = loop_info.index
+    def tile(lin):
       g = lin // (k_tiles * n_tiles)
       kt = (lin // n_tiles) % k_tiles
       nt = lin % n_tiles
@@ -736,6 +739,15 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
           dout_gmem.at[:, pl.ds(nt * block_n, block_n)],
           allocations=pipeline_allocs)
 
+    total = num_groups * k_tiles * n_tiles
+    if num_ctas is None:
+      @plgpu.nd_loop((total,), collective_axes="sm")
+      def _tile_loop(loop_info):
+        (lin,) = loop_info.index
+        tile(lin)
+    else:
+      _cta_subset_loop(total, cta_offset, num_ctas, tile)
+
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -744,6 +756,23 @@ def wgrad_launch(config: KernelConfig, in_dtype, out_dtype) -> _Launch:
   return _Launch(config.block_k, config.block_k, config.block_n // 2, 1, 1, config.block_n,
                  _NUM_COMPUTE_WGS * config.block_m, jnp.dtype(out_dtype).itemsize,
                  jnp.dtype(in_dtype).itemsize, epi_slots=config.epilogue_slots)
+
+
+def wgrad_params(m: int, num_groups: int, in_dtype, out_dtype, config: KernelConfig,
+                 smem: int = device_lib.HOPPER_SMEM_BYTES) -> dict:
+  """The static keyword arguments of `_wgrad_kernel` for m padded rows (one source of
+  truth for the standalone launch and for kernels that embed the body)."""
+  launch = wgrad_launch(config, in_dtype, out_dtype)
+  stages = launch.stages(config.max_concurrent_steps, m // config.block_k, config.block_m, smem)
+  return dict(num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
+              block_k=config.block_k, stages=stages, in_dtype=in_dtype,
+              epi_slots=launch.epi_slots)
+
+
+def wgrad_bounds(group_sizes, m: int):
+  """The wgrad body's first operand: [starts | ends] of every group's rows, int32."""
+  starts, ends = _group_bounds(group_sizes, m)
+  return jnp.concatenate([starts, ends]).astype(jnp.int32)
 
 
 def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, interpret):
@@ -762,14 +791,7 @@ def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, inte
   in_dtype = lhs.dtype
   if dout.dtype != in_dtype:
     raise ValueError(f"lhs and dout must share one dtype, got {lhs.dtype} and {dout.dtype}")
-  launch = wgrad_launch(config, in_dtype, out_dtype)
-  stages = launch.stages(config.max_concurrent_steps, m // block_k, block_m,
-                         device_lib.HOPPER_SMEM_BYTES)
-  starts, ends = _group_bounds(group_sizes, m)
-  bounds = jnp.concatenate([starts, ends]).astype(jnp.int32)
-  body = functools.partial(_wgrad_kernel, num_groups=g, block_m=block_m, block_n=block_n,
-                           block_k=block_k, stages=stages, in_dtype=in_dtype,
-                           epi_slots=launch.epi_slots)
+  body = functools.partial(_wgrad_kernel, **wgrad_params(m, g, in_dtype, out_dtype, config))
   kernel = plgpu.kernel(
       body,
       kernel_name="grouped_gemm_wgrad",
@@ -781,7 +803,7 @@ def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, inte
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=resolve_interpret(interpret),
   )
-  return kernel(bounds, lhs, dout)
+  return kernel(wgrad_bounds(group_sizes, m), lhs, dout)
 
 
 # ----------------------------------------------------------------------------
@@ -981,12 +1003,23 @@ def swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, *, config: K
   saved residuals a, h, u ([m_p, F_p], the gate/up epilogue's outputs). Returns
   (dx [M, H], dw_gate_up [G, H, 2F], dw_down). Also the backward pass of the fused
   uniep forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u."""
+  dhu = swiglu_dhu(x, w_down, group_sizes, h, u, dy, config=config, interpret=interpret,
+                   zero_window=zero_window, fuse_da_epilogue=fuse_da_epilogue)
+  return swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, config=config,
+                                  interpret=interpret, zero_window=zero_window)
+
+
+def swiglu_dhu(x, w_down, group_sizes, h, u, dy, *, config: KernelConfig, interpret=None,
+               zero_window: Optional[int] = None, fuse_da_epilogue: bool = False):
+  """The first half of `swiglu_backward`: da = dy @ w_down^T and the SwiGLU derivative,
+  [dh | du] ([m_p, 2 F_p] in x's dtype; h, u [m_p, F_p] the forward's residuals), in the
+  da launch's epilogue (fuse_da_epilogue) or by XLA over a float32 da."""
   interpret = resolve_interpret(interpret)
   h_dim = x.shape[1]
   kw = dict(config=config, interpret=interpret)
   f_p = _swiglu_padded_f(w_down.shape[1], config)
   wd_p = _pad_axis(w_down, 1, f_p)
-  m_p = a.shape[0]
+  m_p = h.shape[0]
   h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
   dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
   da_args = ([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes)
@@ -994,14 +1027,12 @@ def swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, *, config: K
     # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, [dh | du]: [m_p, 2 f_p]
     (dhu,) = _row_tiled_call(*da_args, mode="dswiglu", transpose_b=True, out_dtype=x.dtype,
                              save_hu=False, zero_window=zero_window, epi_inputs=(h, u), **kw)
-  else:
-    # da = dy @ w_down^T, float32 out: [m_p, f_p]; dh, du by XLA over all m_p rows
-    (da,) = _row_tiled_call(*da_args, mode="plain", transpose_b=True, out_dtype=jnp.float32,
-                            save_hu=False, zero_window=zero_window, **kw)
-    dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
-    dhu = jnp.concatenate([dh, du], axis=1).astype(x.dtype)
-  return swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, config=config,
-                                  interpret=interpret, zero_window=zero_window)
+    return dhu
+  # da = dy @ w_down^T, float32 out: [m_p, f_p]; dh, du by XLA over all m_p rows
+  (da,) = _row_tiled_call(*da_args, mode="plain", transpose_b=True, out_dtype=jnp.float32,
+                          save_hu=False, zero_window=zero_window, **kw)
+  dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
+  return jnp.concatenate([dh, du], axis=1).astype(x.dtype)
 
 
 def swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, *,
@@ -1010,26 +1041,40 @@ def swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, *,
   """The rest of `swiglu_backward` once [dh | du] ([m_p, 2 F_p], its "dswiglu" launch's
   output) is known: dx and the two weight gradients. Also the tail of the fused
   uniep backward (uniep_jax/fused.py), whose fused dy dispatch computes dhu."""
+  kw = dict(config=config, interpret=interpret)
+  dx = swiglu_dx_from_dhu(x, w_gate_up, group_sizes, dhu, zero_window=zero_window, **kw)
+  m_p = a.shape[0]
+  # [dw_gate | dw_up] = x^T [dh | du]: one wgrad over N = 2 f_p
+  dw_gate_up = _unpad_gate_up(gmm_wgrad(_pad_axis(x, 0, m_p), dhu, group_sizes,
+                                        out_dtype=w_gate_up.dtype, **kw), w_down.shape[1])
+  return dx, dw_gate_up, swiglu_dw_down(a, dy, w_down, group_sizes, **kw)
+
+
+def swiglu_dx_from_dhu(x, w_gate_up, group_sizes, dhu, *, config: KernelConfig, interpret=None,
+                       zero_window: Optional[int] = None):
+  """dx = [dh | du] @ w_gate_up^T ([m_p, 2 F_p] @ [2 F_p, H]): one plain dgrad launch;
+  returns [M, H] for x [M, H]."""
   interpret = resolve_interpret(interpret)
   m, h_dim = x.shape
-  f_dim = w_down.shape[1]
-  kw = dict(config=config, interpret=interpret)
-  f_p = _swiglu_padded_f(f_dim, config)
+  f_p = _swiglu_padded_f(w_gate_up.shape[2] // 2, config)
   wgu_p = _pad_gate_up(w_gate_up, f_p)
-  m_p = a.shape[0]
   h_out = _round_up(h_dim, _NUM_COMPUTE_WGS * config.block_n)  # H as an output dim
-  # dx = [dh | du] @ w_gate_up^T: one plain dgrad over K = 2 f_p, [m_p, h_out]
   (dx,) = _row_tiled_call([dhu], [_pad_axis(wgu_p, 1, h_out)], group_sizes, mode="plain",
                           transpose_b=True, out_dtype=x.dtype, save_hu=False,
-                          zero_window=zero_window, **kw)
-  dx = dx[:m, :h_dim]
-  x_w = _pad_axis(x, 0, m_p)
-  # [dw_gate | dw_up] = x^T [dh | du]: one wgrad over N = 2 f_p
-  dw_gate_up = _unpad_gate_up(gmm_wgrad(x_w, dhu, group_sizes, out_dtype=w_gate_up.dtype, **kw),
-                              f_dim)
-  dw_down = gmm_wgrad(a, _pad_axis(dy.astype(x.dtype), 0, m_p), group_sizes,
-                      out_dtype=w_down.dtype, **kw)[:, :f_dim, :]
-  return dx, dw_gate_up, dw_down
+                          zero_window=zero_window, config=config, interpret=interpret)
+  return dx[:m, :h_dim]
+
+
+def swiglu_dw_down(a, dy, w_down, group_sizes, *, config: KernelConfig, interpret=None):
+  """dw_down = a^T dy for a [m_p, F_p] (the gate/up launch's output) and dy [<= m_p, H]."""
+  return gmm_wgrad(a, _pad_axis(dy.astype(a.dtype), 0, a.shape[0]), group_sizes,
+                   out_dtype=w_down.dtype, config=config,
+                   interpret=resolve_interpret(interpret))[:, :w_down.shape[1], :]
+
+
+def unpad_dw_gate_up(dw, ffn: int):
+  """[G, H, 2 F_p] ([dw_gate | dw_up], F padded as the gate/up launch pads it) -> [G, H, 2F]."""
+  return _unpad_gate_up(dw, ffn)
 
 
 @functools.lru_cache(maxsize=None)

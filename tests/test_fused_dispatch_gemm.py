@@ -35,16 +35,28 @@ def _dispatch_segments(rng, r, el, t, k, skew):
           for rank, plan in enumerate(skewed_plans(rng, r, el, t, k, skew))]
 
 
-def _check_work(work, seg_src, seg_dst, seg_len, *, rank, src_rows, item_rows, b, num_chunks):
-  """Every segment row covered exactly once; items inside one chunk; chunk order."""
+def _check_work(work, seg_src, seg_dst, seg_len, *, rank, src_rows, item_rows, b, num_chunks,
+                live_chunks=None):
+  """Every segment row covered exactly once; items inside one chunk; chunk order; the
+  deal ranks follow the sender's chunk-major walk; no item past the live chunks."""
   r, el = seg_len.shape
   w = fdg.num_items(src_rows, el, num_chunks, item_rows)
   work = np.asarray(work)
-  assert work.shape == (r, 3 * w + num_chunks + 1)
+  assert work.shape == (r, fdg.work_row_length(w, num_chunks))
+  starts = work[:, 3 * w:3 * w + num_chunks + 1]
+  deals = work[:, 3 * w + num_chunks + 1:-1]
+  assert np.all(work[:, -1] == (num_chunks if live_chunks is None else live_chunks))
+  walked = 0
+  for kc in range(num_chunks):
+    for j in fdg.transfer_order(r):
+      assert deals[j, kc] == walked, (kc, j)
+      walked += starts[j, kc + 1] - starts[j, kc]
+  for j in range(r):
+    assert starts[j, -1] == starts[j, work[j, -1]], "items past the live chunks"
   for j in range(r):
     peer = (rank + j) % r
     src, dst, rows = work[j, :w], work[j, w:2 * w], work[j, 2 * w:3 * w]
-    cs = work[j, 3 * w:]
+    cs = starts[j]
     live = cs[-1]
     assert cs[0] == 0 and np.all(np.diff(cs) >= 0) and live <= w
     assert np.all(rows[:live] >= 1) and np.all(rows[:live] <= item_rows)
@@ -73,11 +85,46 @@ def test_chunk_work_lists_cover_every_row_once(r, el, t, k, item_rows, b, skew):
     src_rows = t * k
     out_rows = plan.recv_valid.shape[0]
     num_chunks = -(-out_rows // b)
-    work = fdg.chunk_work_lists(seg.src_start, seg.dst_start, seg.rows, rank=rank,
-                                src_rows=src_rows, item_rows=item_rows, recv_chunk_rows=b,
-                                num_chunks=num_chunks)
-    _check_work(work, seg.src_start, seg.dst_start, seg.rows, rank=rank, src_rows=src_rows,
-                item_rows=item_rows, b=b, num_chunks=num_chunks)
+    live = layout.max_received_rows(plan)
+    live_chunks = min(-(-int(live) // b), num_chunks)
+    for bound, want in ((None, None), (live, live_chunks)):
+      work = fdg.chunk_work_lists(seg.src_start, seg.dst_start, seg.rows, rank=rank,
+                                  src_rows=src_rows, item_rows=item_rows, recv_chunk_rows=b,
+                                  num_chunks=num_chunks, live_rows=bound)
+      _check_work(work, seg.src_start, seg.dst_start, seg.rows, rank=rank, src_rows=src_rows,
+                  item_rows=item_rows, b=b, num_chunks=num_chunks, live_chunks=want)
+
+
+def test_max_received_rows_is_the_largest_receive_count():
+  rng = np.random.default_rng(5)
+  plans = skewed_plans(rng, 4, 3, 64, 2, 4.0)
+  got = {int(layout.max_received_rows(p)) for p in plans}
+  assert got == {max(int(p.num_received) for p in plans)}    # every rank computes the same
+
+
+def test_round_robin_deal_keeps_every_transfer_cta_busy():
+  """Each CTA's share of the sender's walk differs from any other's by at most one
+  item, however the items fall into chunks (dealing each (chunk, offset) list from
+  CTA 0 gave CTA 0 every chunk's first item)."""
+  rng = np.random.default_rng(11)
+  r, el, t, k, item_rows, b = 4, 8, 256, 4, 16, 64
+  for rank, (seg, plan) in enumerate(_dispatch_segments(rng, r, el, t, k, 2.0)):
+    num_chunks = -(-plan.recv_valid.shape[0] // b)
+    work = np.asarray(fdg.chunk_work_lists(seg.src_start, seg.dst_start, seg.rows, rank=rank,
+                                           src_rows=t * k, item_rows=item_rows,
+                                           recv_chunk_rows=b, num_chunks=num_chunks))
+    w = fdg.num_items(t * k, el, num_chunks, item_rows)
+    starts = work[:, 3 * w:3 * w + num_chunks + 1]
+    deals = work[:, 3 * w + num_chunks + 1:-1]
+    for n_comm in (3, 16):
+      share = np.zeros(n_comm, int)
+      for kc in range(num_chunks):
+        for j in fdg.transfer_order(r):
+          count = starts[j, kc + 1] - starts[j, kc]
+          cta_rank = (np.arange(n_comm) - deals[j, kc] % n_comm) % n_comm   # the kernel's
+          share += np.maximum(count - cta_rank + n_comm - 1, 0) // n_comm    # move_items steps
+      assert share.sum() == starts[:, -1].sum()
+      assert share.max() - share.min() <= 1, (n_comm, share)
 
 
 def test_chunk_work_lists_generic_segments():
@@ -104,8 +151,11 @@ def test_transfer_role_local_form_matches_numpy():
                         dst_start=seg.dst_start + rows_per_peer * jnp.arange(r)[:, None])
   x = jax.random.normal(jax.random.key(0), (t * k, h), jnp.float32).astype(jnp.bfloat16)
   cfg = TransferConfig(chunk_rows=8, col_tile=64)
+  # live_rows: the whole window buffer (every segment lies below it); 3 CTAs over
+  # chunks of few items exercise the round-robin deal
   out = fdg.transfer_chunks_local(x, seg.src_start, seg.dst_start, seg.rows, out_rows=out_rows,
-                                  rank=0, transfer=cfg, recv_chunk_rows=32, n_comm=2,
+                                  rank=0, transfer=cfg, recv_chunk_rows=32, n_comm=3,
+                                  live_rows=int(jnp.max(seg.dst_start + seg.rows)),
                                   interpret=INTERPRET)
   assert_no_races()
   out, xs = np.asarray(out.astype(jnp.float32)), np.asarray(x.astype(jnp.float32))

@@ -336,7 +336,9 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     (None, None, uniep_jax.KernelConfig(raster_rows=8)),   # tiles walked in bands
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None),
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 backward=True), None)])
+                                 backward=True), None),
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
+                                 wgrad_return_ctas=16), None)])
 def test_uniep_layer_lowers_for_cuda(bound, fused, kernel):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
@@ -368,17 +370,18 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel):
   # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
   # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
   # (2 transfers + 4 GEMM kernels) or the fused one (dy dispatch + da in one launch, dx,
-  # 2 wgrads, the return)
+  # 2 wgrads, the return; with wgrad_return_ctas the return rides in the dw_gate_up launch)
   if fused is None:
     expected = 10
   else:
-    expected = (2 if fused.return_in_kernel else 3) + (5 if fused.backward else 6)
+    expected = ((2 if fused.return_in_kernel else 3) + (5 if fused.backward else 6)
+                - (1 if fused.wgrad_return_ctas else 0))
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
 
 
 def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,
                                       w_gate_up, *, out_rows, axis_name, kernel, transfer,
-                                      fused, zero_window=None):
+                                      fused, zero_window=None, live_rows=None):
   """Kernel A's contract in plain JAX + the grouped GEMM's swiglu body: recv rows no
   segment covers hold garbage, as in the kernel."""
   from pallas_kernels import grouped_gemm as gg
@@ -393,7 +396,7 @@ def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, gr
 
 def _simulated_fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, group_sizes, w_down,
                                       h, u, *, out_rows, axis_name, kernel, transfer, fused,
-                                      zero_window=None):
+                                      zero_window=None, live_rows=None):
   """The backward twin's contract: dy pushed as the dispatch pushes rows, then the
   grouped GEMM's "dswiglu" launch on it. Rows no segment lands in hold NaN (unwritten
   memory may hold any bits): what reads them must not let them through (the dswiglu
@@ -419,8 +422,20 @@ def _simulated_fused_gemm_return(a, w_down, seg_src, seg_dst, seg_len, *, out_ro
                              out_rows=out_rows, config=None, axis_name=axis_name)
 
 
-# Kernels A and B with v1's backward; Kernel A, v1's down GEMM and return, the fused backward
-@pytest.mark.parametrize("variant", [{}, dict(return_in_kernel=False, backward=True)])
+def _simulated_wgrad_with_return(lhs, dout, group_sizes, rows, seg_src, seg_dst, seg_len, *,
+                                 out_rows, axis_name, out_dtype=None, config, transfer, n_comm):
+  """The wgrad + return launch's contract: the standalone wgrad and v1's return."""
+  from pallas_kernels import grouped_gemm as gg
+  dw = gg.gmm_wgrad(lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
+  return dw, _simulated_transfer(rows, seg_src, seg_dst, seg_len, out_rows=out_rows,
+                                 config=transfer, axis_name=axis_name, garbage=jnp.nan)
+
+
+# Kernels A and B with v1's backward; Kernel A, v1's down GEMM and return, the fused
+# backward; the same with the dX return beside the dw_gate_up wgrad
+@pytest.mark.parametrize("variant", [
+    {}, dict(return_in_kernel=False, backward=True),
+    dict(return_in_kernel=False, backward=True, wgrad_return_ctas=1)])
 def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
   contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:
@@ -434,10 +449,12 @@ def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   import pallas_kernels.ep_transfer as ep
   import pallas_kernels.fused_dispatch_gemm as fdg
   import pallas_kernels.fused_gemm_return as fgr
+  import pallas_kernels.wgrad_return as wgr
   monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
   monkeypatch.setattr(fdg, "fused_dispatch_gate_up", _simulated_fused_dispatch_gate_up)
   monkeypatch.setattr(fgr, "fused_gemm_return", _simulated_fused_gemm_return)
   monkeypatch.setattr(fdg, "fused_dispatch_dswiglu", _simulated_fused_dispatch_dswiglu)
+  monkeypatch.setattr(wgr, "gmm_wgrad_with_return", _simulated_wgrad_with_return)
   mesh = make_mesh(1, 1)
   axes = ("data", "expert")
   e, h, f, top_k = 4, 64, 48, 2

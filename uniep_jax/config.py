@@ -177,6 +177,11 @@ class FusedConfig:
     Kernel A fuses the forward's (`fused_dispatch_gemm.fused_dispatch_dswiglu`);
     needs the SwiGLU derivative in the kernel (`swiglu_grad_in_kernel`). False:
     v1's backward.
+  wgrad_return_ctas: EXPERIMENTAL (v2.2): > 0 runs the backward's dX return (the
+    transfer of d_recv back to the source ranks) on this many CTAs of the dw_gate_up
+    wgrad's launch, beside its tiles (pallas_kernels/wgrad_return.py): in v1 the two
+    run one after the other although neither needs the other. 0: v1's return after
+    the wgrads.
   The bits never depend on these fields.
   """
 
@@ -184,10 +189,13 @@ class FusedConfig:
   recv_chunk_rows: int = 2048
   return_in_kernel: bool = True
   backward: bool = False
+  wgrad_return_ctas: int = 0
 
   def __post_init__(self):
     if self.n_comm < 1:
       raise ValueError(f"n_comm={self.n_comm} must be >= 1")
+    if self.wgrad_return_ctas < 0:
+      raise ValueError(f"wgrad_return_ctas={self.wgrad_return_ctas} must be >= 0 (0: off)")
     if self.recv_chunk_rows < 1:
       raise ValueError(f"recv_chunk_rows={self.recv_chunk_rows} must be >= 1")
 

@@ -45,7 +45,8 @@ import jax
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig
 from uniep_jax.dispatch import (_return_nvlink, _send_nvlink, _zero_plan_cotangent,
                                 as_received, zero_dropped_rows)
-from uniep_jax.layout import DispatchPlan, dispatch_segments, return_segments
+from uniep_jax.layout import (DispatchPlan, dispatch_segments, max_received_rows,
+                              return_segments)
 
 
 def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, kernel,
@@ -61,7 +62,7 @@ def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, 
   recv, a, h, u = fused_dispatch_gemm.fused_dispatch_gate_up(
       rows_sorted, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate_up,
       out_rows=recv_rows, axis_name=axis_name, kernel=kernel, transfer=transfer, fused=fused,
-      zero_window=kernel.block_k)
+      zero_window=kernel.block_k, live_rows=max_received_rows(plan))
   # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
   # window after the live rows zeroed (the wgrad reads up to block_k rows past a group)
   recv = as_received(recv, plan)
@@ -94,7 +95,7 @@ def _fused_ffn_fwd(rows_sorted, w_gate_up, w_down, plan, axis_name, el, kernel, 
 
 
 def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, dy_sorted):
-  from pallas_kernels.grouped_gemm import swiglu_backward, swiglu_backward_from_dhu
+  from pallas_kernels.grouped_gemm import swiglu_backward_from_dhu, swiglu_dhu
 
   recv, a, h, u, w_gate_up, w_down, plan = res
   if fused.backward:
@@ -105,19 +106,46 @@ def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, 
     dy_recv, dhu = fused_dispatch_dswiglu(
         dy_sorted.astype(recv.dtype), seg.src_start, seg.dst_start, seg.rows,
         plan.recv_group_sizes, w_down, h, u, out_rows=recv_rows, axis_name=axis_name,
-        kernel=kernel, transfer=transfer, fused=fused, zero_window=kernel.block_k)
+        kernel=kernel, transfer=transfer, fused=fused, zero_window=kernel.block_k,
+        live_rows=max_received_rows(plan))
     # as v1's send: the window after the live rows zeroed (the dw_down wgrad reads it)
     dy_recv = as_received(dy_recv, plan)
+  else:   # v1's: the dy dispatch, then the da launch (swiglu_backward's first half)
+    dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)   # the return's transpose
+    dhu = swiglu_dhu(recv, w_down, plan.recv_group_sizes, h, u, dy_recv, config=kernel,
+                     fuse_da_epilogue=grad_in_kernel, zero_window=kernel.block_k)
+  if fused.wgrad_return_ctas:
+    # dx, dw_down, then dw_gate_up with the dX return on wgrad_return_ctas of its CTAs
+    d_rows, dw_gate_up, dw_down = _tail_with_return(recv, w_gate_up, w_down, a, dy_recv, dhu,
+                                                    plan, axis_name, el, kernel, transfer,
+                                                    fused)
+  else:
     d_recv, dw_gate_up, dw_down = swiglu_backward_from_dhu(
         recv, w_gate_up, w_down, plan.recv_group_sizes, a, dy_recv, dhu, config=kernel,
         zero_window=kernel.block_k)
-  else:
-    dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)   # the return's transpose
-    d_recv, dw_gate_up, dw_down = swiglu_backward(
-        recv, w_gate_up, w_down, plan.recv_group_sizes, a, h, u, dy_recv, config=kernel,
-        fuse_da_epilogue=grad_in_kernel, zero_window=kernel.block_k)
-  d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)       # the dispatch's transpose
+    d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)     # the dispatch's transpose
   return d_rows, dw_gate_up, dw_down, _zero_plan_cotangent(plan)
+
+
+def _tail_with_return(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name, el, kernel,
+                      transfer, fused):
+  """The backward's tail from [dh | du] with the dX return beside the dw_gate_up wgrad
+  (`FusedConfig.wgrad_return_ctas`): the same launches' bits as
+  `swiglu_backward_from_dhu` + `_return_nvlink`, in one launch fewer."""
+  from pallas_kernels import grouped_gemm as gg
+  from pallas_kernels.wgrad_return import gmm_wgrad_with_return
+  group_sizes = plan.recv_group_sizes
+  d_recv = gg.swiglu_dx_from_dhu(recv, w_gate_up, group_sizes, dhu, config=kernel,
+                                 zero_window=kernel.block_k)
+  dw_down = gg.swiglu_dw_down(a, dy_recv, w_down, group_sizes, config=kernel)
+  seg = return_segments(plan, jax.lax.axis_index(axis_name))
+  dw_gate_up, back = gmm_wgrad_with_return(
+      gg._pad_axis(recv, 0, a.shape[0]), dhu, group_sizes, d_recv, seg.src_start,
+      seg.dst_start, seg.rows, out_rows=plan.sort_order.shape[0], axis_name=axis_name,
+      out_dtype=w_gate_up.dtype, config=kernel, transfer=transfer,
+      n_comm=fused.wgrad_return_ctas)
+  d_rows = zero_dropped_rows(back, plan, el)
+  return d_rows, gg.unpad_dw_gate_up(dw_gate_up, w_down.shape[1]), dw_down
 
 
 _fused_ffn.defvjp(_fused_ffn_fwd, _fused_ffn_bwd)

@@ -211,6 +211,15 @@ class Segments:
   rows: jax.Array        # number of rows (0 allowed)
 
 
+def max_received_rows(plan: DispatchPlan) -> jax.Array:
+  """The most live receive-layout rows of any rank (int32 scalar, within the receive
+  bound): the same value on every rank, since it comes from the count matrix alone."""
+  cm = plan.count_matrix
+  r, e = cm.shape
+  per_rank = jnp.sum(cm.reshape(r, r, e // r), axis=(0, 2))        # [R] rows each receives
+  return jnp.minimum(jnp.max(per_rank), plan.recv_valid.shape[0]).astype(jnp.int32)
+
+
 def dispatch_segments(plan: DispatchPlan, rank) -> Segments:
   """This rank's sorted rows -> the owners' receive layouts, per (dst, le)."""
   cm = plan.count_matrix
