@@ -62,6 +62,13 @@ BACKEND_CONFIGS = {
         backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
                                                      return_in_kernel=False,
                                                      wgrad_return_ctas=16)),
+    # EXPERIMENTAL v2.2: Kernel A, Kernel C (the down GEMM with each finished chunk sent
+    # back beside it), v1's dy dispatch and da, the dX return beside the dw_gate_up wgrad
+    "uniep_fac_rbw": uniep_jax.UniEPConfig(
+        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
+                                                     return_in_kernel=False,
+                                                     down_return_ctas=16,
+                                                     wgrad_return_ctas=16)),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
 }

@@ -329,3 +329,50 @@ def test_valid_point_sizes():
   assert (st.m_p, st.f_p, st.num_chunks, st.num_sms, st.col_tile) == (1024, 256, 4, 8, 256)
   with pytest.raises(ValueError, match="n_comm"):
     fdg.FusedConfig(n_comm=0)
+
+
+def test_kernel_c_source_chunked_work_lists_and_signal_counts():
+  """Kernel C (pallas_kernels/down_gemm_return.py): the return's items cut and ordered
+  by the SOURCE's chunks (every segment row once, each item inside one source chunk),
+  and expected[k] = 2 x column tiles x the running row tiles of chunk k."""
+  from pallas_kernels import down_gemm_return as dgr
+  rng = np.random.default_rng(17)
+  r, el, t, k, item_rows, b, block_m = 4, 3, 64, 2, 16, 64, 32
+  for rank, plan in enumerate(skewed_plans(rng, r, el, t, k, 3.0)):
+    seg = layout.return_segments(plan, rank)
+    recv_rows = plan.recv_valid.shape[0]
+    num_chunks = -(-recv_rows // b)
+    rows = max(recv_rows, t * k)
+    work = np.asarray(dgr.source_chunk_work_lists(
+        seg.src_start, seg.dst_start, seg.rows, rank=rank, rows=rows, item_rows=item_rows,
+        chunk_rows=b, num_chunks=num_chunks, live_rows=plan.num_received))
+    w = fdg.num_items(rows, el, num_chunks, item_rows)
+    starts = work[:, 3 * w:3 * w + num_chunks + 1]
+    assert np.all(work[:, -1] == -(-int(plan.num_received) // b))
+    for j in range(r):
+      peer = (rank + j) % r
+      src, dst, n = work[j, :w], work[j, w:2 * w], work[j, 2 * w:3 * w]
+      got = {}
+      for kc in range(num_chunks):
+        for it in range(starts[j, kc], starts[j, kc + 1]):
+          assert kc * b <= src[it] and src[it] + n[it] <= (kc + 1) * b
+          for q in range(n[it]):
+            got[int(dst[it]) + q] = int(src[it]) + q
+      want = {int(d) + q: int(s) + q for s, d, m in zip(np.asarray(seg.src_start[peer]),
+                                                        np.asarray(seg.dst_start[peer]),
+                                                        np.asarray(seg.rows[peer]))
+              for q in range(m)}
+      assert got == want
+    m_p = -(-recv_rows // block_m) * block_m
+    tile_plan = gg._row_tile_plan(plan.recv_group_sizes, m_p, block_m, zero_window=16)
+    nt = gg.num_row_tiles(m_p, el, block_m)
+    expected = np.asarray(dgr.chunk_signals(tile_plan, num_tiles=nt, n_tiles=3, chunk_rows=b,
+                                            num_chunks=num_chunks))
+    tp = np.asarray(tile_plan).reshape(5, nt)
+    want = np.zeros(num_chunks, int)
+    for load_row, kind in zip(tp[1], tp[4]):
+      if kind != gg._NONE:
+        want[load_row // b] += 2 * 3
+    np.testing.assert_array_equal(expected, want)
+    live_chunks = -(-int(plan.num_received) // b)
+    assert np.all(expected[:live_chunks] > 0)      # every live chunk has tiles to wait for

@@ -338,7 +338,9 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  backward=True), None),
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 wgrad_return_ctas=16), None)])
+                                 wgrad_return_ctas=16), None),
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
+                                 down_return_ctas=16, wgrad_return_ctas=16), None)])
 def test_uniep_layer_lowers_for_cuda(bound, fused, kernel):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
@@ -374,8 +376,8 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel):
   if fused is None:
     expected = 10
   else:
-    expected = ((2 if fused.return_in_kernel else 3) + (5 if fused.backward else 6)
-                - (1 if fused.wgrad_return_ctas else 0))
+    expected = ((2 if fused.return_in_kernel or fused.down_return_ctas else 3)
+                + (5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0))
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
 
 
@@ -431,11 +433,25 @@ def _simulated_wgrad_with_return(lhs, dout, group_sizes, rows, seg_src, seg_dst,
                                  config=transfer, axis_name=axis_name, garbage=jnp.nan)
 
 
+def _simulated_down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *,
+                                out_rows, live_rows, axis_name, kernel, transfer, chunk_rows,
+                                n_comm, zero_window=None):
+  """Kernel C's contract: v1's down GEMM, then v1's return of its rows."""
+  from pallas_kernels import grouped_gemm as gg
+  y = gg.down_projection(a, w_down, group_sizes, config=kernel, zero_window=zero_window)
+  return y, _simulated_transfer(y[:, :w_down.shape[2]], seg_src, seg_dst, seg_len,
+                                out_rows=out_rows, config=transfer, axis_name=axis_name,
+                                garbage=jnp.nan)
+
+
 # Kernels A and B with v1's backward; Kernel A, v1's down GEMM and return, the fused
-# backward; the same with the dX return beside the dw_gate_up wgrad
+# backward; the same with the dX return beside the dw_gate_up wgrad; Kernel A, Kernel C
+# (the down GEMM with the chunked return beside it), v1's dy dispatch, the dX return
+# beside the wgrad
 @pytest.mark.parametrize("variant", [
     {}, dict(return_in_kernel=False, backward=True),
-    dict(return_in_kernel=False, backward=True, wgrad_return_ctas=1)])
+    dict(return_in_kernel=False, backward=True, wgrad_return_ctas=1),
+    dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1)])
 def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
   contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:
@@ -450,11 +466,13 @@ def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   import pallas_kernels.fused_dispatch_gemm as fdg
   import pallas_kernels.fused_gemm_return as fgr
   import pallas_kernels.wgrad_return as wgr
+  import pallas_kernels.down_gemm_return as dgr
   monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
   monkeypatch.setattr(fdg, "fused_dispatch_gate_up", _simulated_fused_dispatch_gate_up)
   monkeypatch.setattr(fgr, "fused_gemm_return", _simulated_fused_gemm_return)
   monkeypatch.setattr(fdg, "fused_dispatch_dswiglu", _simulated_fused_dispatch_dswiglu)
   monkeypatch.setattr(wgr, "gmm_wgrad_with_return", _simulated_wgrad_with_return)
+  monkeypatch.setattr(dgr, "down_gemm_return", _simulated_down_gemm_return)
   mesh = make_mesh(1, 1)
   axes = ("data", "expert")
   e, h, f, top_k = 4, 64, 48, 2

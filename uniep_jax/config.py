@@ -182,6 +182,11 @@ class FusedConfig:
     wgrad's launch, beside its tiles (pallas_kernels/wgrad_return.py): in v1 the two
     run one after the other although neither needs the other. 0: v1's return after
     the wgrads.
+  down_return_ctas: EXPERIMENTAL (v2.2, "Kernel C"): > 0 (with return_in_kernel=False)
+    runs the forward's down GEMM and return in one launch
+    (pallas_kernels/down_gemm_return.py): this many CTAs push each recv_chunk_rows
+    chunk of the GEMM's output back to the sources as soon as its tiles are stored,
+    while the other CTAs compute later chunks. 0: v1's down GEMM, then v1's return.
   The bits never depend on these fields.
   """
 
@@ -190,8 +195,15 @@ class FusedConfig:
   return_in_kernel: bool = True
   backward: bool = False
   wgrad_return_ctas: int = 0
+  down_return_ctas: int = 0
 
   def __post_init__(self):
+    if self.down_return_ctas < 0:
+      raise ValueError(f"down_return_ctas={self.down_return_ctas} must be >= 0 (0: off)")
+    if self.down_return_ctas and self.return_in_kernel:
+      raise ValueError(f"down_return_ctas={self.down_return_ctas} picks Kernel C for the "
+                       f"forward's return; Kernel B (return_in_kernel=True) is the other "
+                       f"choice: set return_in_kernel=False")
     if self.n_comm < 1:
       raise ValueError(f"n_comm={self.n_comm} must be >= 1")
     if self.wgrad_return_ctas < 0:

@@ -72,6 +72,15 @@ def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, 
         a, w_down, seg.src_start, seg.dst_start, seg.rows, out_rows=rows_sorted.shape[0],
         axis_name=axis_name, kernel=kernel)
     y_sorted = zero_dropped_rows(y_sorted, plan, el)
+  elif fused.down_return_ctas:   # Kernel C: the down GEMM, each finished chunk sent back
+    from pallas_kernels.down_gemm_return import down_gemm_return
+    seg = return_segments(plan, rank)
+    _, y_sorted = down_gemm_return(
+        a, w_down, plan.recv_group_sizes, seg.src_start, seg.dst_start, seg.rows,
+        out_rows=rows_sorted.shape[0], live_rows=plan.num_received, axis_name=axis_name,
+        kernel=kernel, transfer=transfer, chunk_rows=fused.recv_chunk_rows,
+        n_comm=fused.down_return_ctas, zero_window=kernel.block_k)
+    y_sorted = zero_dropped_rows(y_sorted, plan, el)
   else:   # v1's down GEMM (its dead-row window, moe.py's zero_dead_rows=False), v1's return
     y_recv = down_projection(a, w_down, plan.recv_group_sizes, config=kernel,
                              zero_window=kernel.block_k)
