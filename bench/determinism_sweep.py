@@ -63,7 +63,13 @@ FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
          uniep_jax.FusedConfig(n_comm=48, recv_chunk_rows=2048),
          # Kernel A with v1's down GEMM and return, and the fused backward (EXPERIMENTAL)
          uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
-                               backward=True)]
+                               backward=True),
+         # v2.2: the dX return beside the dw_gate_up wgrad; Kernel C (the down GEMM with
+         # its finished chunks sent back beside it)
+         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
+                               wgrad_return_ctas=16),
+         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
+                               down_return_ctas=8, wgrad_return_ctas=8)]
 
 
 def _inputs(shape, mesh):

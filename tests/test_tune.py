@@ -509,7 +509,7 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
   assert res.best.candidate.fused == uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=1024)
   entry = T.cache_entry(res)
   assert entry["fused"] == dict(n_comm=32, recv_chunk_rows=1024, return_in_kernel=True,
-                                backward=False)
+                                backward=False, wgrad_return_ctas=0, down_return_ctas=0)
   assert T._entry_candidate(json.loads(json.dumps(entry))) == res.best.candidate
   # a fused candidate that does not give pallas's bits is never picked
   clock = FakeClock()
@@ -518,6 +518,26 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
                space=space, budget_s=1e9, progress=False, clock=clock)
   assert [t.candidate.label() for t in res.mismatches] == [bad]
   assert res.best.candidate.label() == "m128_n128_k64_s3|c128_x64_t256|f16_b2048"
+
+
+def test_stage3_points_with_returns_beside_the_gemms():
+  """v2.2's fields (the dX return beside the wgrad, Kernel C) are stage-3 knobs: in the
+  labels, cached, and pruned by their own checks (CTAs left for the GEMM)."""
+  space = _space(fused=((16, 2048, False, False, 16), (16, 2048, False, False, 200),
+                        (16, 2048, False, False, 16, 16), (16, 2048, False, False, 0, 132)))
+  clock = FakeClock()
+  res = T.tune(DEEPSEEK_BWD, FakeRunner(clock, _fused_times), device=HOPPER, space=space,
+               budget_s=1e9, progress=False, clock=clock)
+  fused = [t for t in res.trials if t.stage == "fused"]
+  assert [t.candidate.label() for t in fused] == [
+      "m128_n128_k64_s3|c128_x64_t256|f16_b2048_v1ret_rbw16",
+      "m128_n128_k64_s3|c128_x64_t256|f16_b2048_v1ret_dr16_rbw16"]
+  reasons = _reasons(res.enumeration)
+  assert any("wgrad_return_ctas=200 must be < num_sms=132" in r for r in reasons)
+  assert any("down_return_ctas=132 must be < num_sms=132" in r for r in reasons)
+  entry = T.cache_entry(res)
+  assert T._entry_candidate(json.loads(json.dumps(entry))) == res.best.candidate
+  assert res.best.candidate.fused.wgrad_return_ctas == 16
 
 
 def test_stages_fused_only_times_the_default_then_the_fused_points():

@@ -8,7 +8,9 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
             a --Kernel B: down GEMM whose epilogue stores each tile straight
                           into the source rank's sorted rows--> y_sorted
                                 (pallas_kernels/fused_gemm_return.py)
-            (FusedConfig.return_in_kernel=False: v1's down GEMM, then v1's return)
+            (FusedConfig.return_in_kernel=False: v1's down GEMM, then v1's return;
+             with down_return_ctas > 0, Kernel C: the down GEMM with each finished chunk
+             sent back beside it, pallas_kernels/down_gemm_return.py)
   backward  v1's, kernel for kernel:
             dy_sorted --send over NVLink (the transpose of the return)--> dy_recv
             --grouped_gemm.swiglu_backward (residuals recv, a, h, u)--> d_recv, dW
@@ -18,6 +20,9 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
                         dswiglu epilogue, one launch--> dy_recv, [dh | du]
                                 (fused_dispatch_gemm.fused_dispatch_dswiglu)
             --grouped_gemm.swiglu_backward_from_dhu--> d_recv, dW --return--> d_rows
+            With FusedConfig.wgrad_return_ctas > 0 (v2.2): dx, dw_down, then ONE launch
+            for dw_gate_up with the return of d_recv on that many of its CTAs
+            (pallas_kernels/wgrad_return.py): the two ran one after the other in v1.
 
 Bits. Kernel A runs the grouped GEMM's own body on v1's tile plan, so a, h, u
 equal v1's; Kernel B runs v1's down-GEMM tiles and stores each row where v1's

@@ -7,7 +7,8 @@ fused: FusedConfig | None)`:
   KernelConfig    block_m, block_n, block_k, max_concurrent_steps, epilogue_slots,
                   raster_rows (grouped GEMM)
   TransferConfig  chunk_rows, num_ctas, col_tile                 (NVLink rows)
-  FusedConfig     n_comm, recv_chunk_rows, return_in_kernel, backward  (the v2 fused
+  FusedConfig     n_comm, recv_chunk_rows, return_in_kernel, backward,
+                  wgrad_return_ctas, down_return_ctas  (the v2 fused
                   kernels; None: v1)
 `SearchSpace` lists the values of each knob; the product of the kernel and
 transfer knobs is the enumerated space; its `fused` points are stage 3.
@@ -244,7 +245,9 @@ class Candidate:
     if self.fused is not None:
       f = self.fused
       label += (f"|f{f.n_comm}_b{f.recv_chunk_rows}" + ("" if f.return_in_kernel else "_v1ret")
-                + ("_fbwd" if f.backward else ""))
+                + ("_fbwd" if f.backward else "")
+                + (f"_dr{f.down_return_ctas}" if f.down_return_ctas else "")
+                + (f"_rbw{f.wgrad_return_ctas}" if f.wgrad_return_ctas else ""))
     return label
 
   def knobs(self) -> dict:
@@ -263,7 +266,8 @@ class Candidate:
 KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilogue_slots",
                 "raster_rows")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
-FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward")
+FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward",
+               "wgrad_return_ctas", "down_return_ctas")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
 
 
@@ -319,10 +323,14 @@ class SearchSpace:
   # () turns stage 3 off. The fused backward with fewer transfer CTAs too: at n_comm 32
   # its GEMM lost more than the transfer it hid (deepseek-like, 4x H200: 44.04 ms vs
   # v1's 43.02, bench/results/moe_layer_NVIDIA_H200_ep4_run7.json).
+  # v2.2 (Kernel A's items dealt round robin, the dX return beside the dw_gate_up wgrad:
+  # 5th field wgrad_return_ctas) was the fastest point of the layer run on 4x H200
+  # (moe_layer_NVIDIA_H200_ep4_run9_v22.json): (16, 2048, False, False, 16).
   fused: Sequence[tuple] = ((16, 2048), (32, 2048), (64, 2048), (32, 1024), (32, 4096),
                             (32, 2048, False, False), (32, 2048, False, True),
                             (16, 2048, False, True), (8, 2048, False, True),
-                            (32, 2048, True, True))
+                            (32, 2048, True, True), (16, 2048, False, False, 16),
+                            (16, 2048, False, True, 16), (16, 1024, False, False, 16))
 
   def points(self) -> Iterable[dict]:
     names = KERNEL_KNOBS + TRANSFER_KNOBS
@@ -437,6 +445,14 @@ def check_fused(cand: Candidate, problem: TuneProblem, device: DeviceFacts) -> N
       fgr.validate(recv_rows=a.m_p, k=a.f_p, ffn=p.ffn, hidden=p.hidden, num_local_experts=el,
                    num_peers=p.ep, dtype=jnp.dtype(p.dtype), kernel=kernel,
                    smem=device.smem_bytes)
+    for name in ("wgrad_return_ctas", "down_return_ctas"):   # CTAs of a split launch
+      ctas = getattr(cand.fused, name)
+      if ctas and not ctas < device.num_sms:
+        raise ValueError(f"{name}={ctas} must be < num_sms={device.num_sms}")
+    cta_n = 2 * kernel.block_n
+    if cand.fused.down_return_ctas and p.hidden % cta_n:
+      raise ValueError(f"hidden={p.hidden} must be divisible by the CTA tile width "
+                       f"2 * block_n = {cta_n} (Kernel C sends the down GEMM's columns as they are)")
   except ValueError as e:
     raise InvalidCandidate(f"fused kernels: {e}") from None
 
