@@ -400,9 +400,11 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   then the traced program is exactly that of the standalone kernel):
     cta_offset, num_ctas  walk the tiles on CTAs [cta_offset, cta_offset +
         num_ctas) of the "sm" grid axis only (same interleaved order as
-        `plgpu.nd_loop`: local CTA i takes tiles i, i + num_ctas, ..., row-major:
-        raster_rows does not apply); the caller must run this body only on those
-        CTAs. None: every CTA.
+        `plgpu.nd_loop`: local CTA i takes schedule steps i, i + num_ctas, ...,
+        each mapped through the same `raster_rows` bands; bands still walk the rows
+        upward, band after band, which the fused kernels' per-chunk waits and
+        signals rely on); the caller must run this body only on those CTAs. None:
+        every CTA.
     before_tile(load_row)  called by all three warpgroups before the pipeline of
         every COMPUTE tile, i.e. before the first TMA load of its block_m rows
         [load_row, load_row + block_m) of the lhs operands. When it returns, the
@@ -547,8 +549,9 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       def _tile_loop(loop_info):
         (s,) = loop_info.index
         tile(_raster(s, num_tiles, n_tiles, raster_rows))
-    else:
-      _cta_subset_loop(num_tiles * n_tiles, cta_offset, num_ctas, tile)
+    else:   # the same banded walk on the subset (v2.2; was row-major)
+      _cta_subset_loop(num_tiles * n_tiles, cta_offset, num_ctas,
+                       lambda s: tile(_raster(s, num_tiles, n_tiles, raster_rows)))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

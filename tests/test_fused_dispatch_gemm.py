@@ -9,6 +9,7 @@ semaphores do not run in interpret mode; executing it needs GPUs:
 `bench/check_fused_gpu.py`).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -169,8 +170,10 @@ def test_transfer_role_local_form_matches_numpy():
 
 
 def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
-  """The hooks the fused kernel uses (CTA subset walk + before_tile) change no bit."""
-  m, kdim, n, g = 384, 128, 128, 3
+  """The hooks the fused kernels use (CTA subset walk in bands of 2 row tiles, before_tile
+  as Kernel A, after_tile as Kernel C) change no bit against the standalone launch's
+  row-major walk: 2 column tiles, so the bands reorder the tiles."""
+  m, kdim, n, g = 384, 128, 256, 3
   ks = jax.random.split(jax.random.key(3), 3)
   gs = jnp.array([100, 0, 170], jnp.int32)                 # empty group, dead rows
   x = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
@@ -179,9 +182,11 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
   ref = gg._row_tiled_call([x], [w_gate_up, w_gate_up], gs, mode="swiglu", transpose_b=False,
                            out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET,
                            b_col_offsets=(0, n))
+  banded = dataclasses.replace(cfg, raster_rows=2)
   params = gg.row_tiled_params(m, kdim, n, g, mode="swiglu", transpose_b=False,
                                out_dtype=jnp.bfloat16, in_dtype=jnp.bfloat16, save_hu=True,
-                               config=cfg, b_col_offsets=(0, n))
+                               config=banded, b_col_offsets=(0, n))
+  assert params["raster_rows"] == 2 and m // cfg.block_m > 2
   offset, count = 1, 2          # CTA 0 idles (stands for a transfer CTA)
 
   def body(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem):
@@ -189,7 +194,8 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
     def _():
       gg._row_tiled_kernel(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem,
                            cta_offset=offset, num_ctas=count,
-                           before_tile=lambda load_row: plgpu.commit_smem(), **params)
+                           before_tile=lambda load_row: plgpu.commit_smem(),
+                           after_tile=lambda load_row: plgpu.wait_smem_to_gmem(0), **params)
 
   kernel = plgpu.kernel(
       body, out_type=tuple(jax.ShapeDtypeStruct((m, n), jnp.bfloat16) for _ in range(3)),

@@ -84,8 +84,10 @@ class KernelConfig:
     (weights of 6.3 / 2.9 MB stay in L2: the bands only cost). Bands of 8, 16, 32 in
     one run (commit 7910eb1): mixtral-like 27.38 / 27.28 / 27.77, deepseek-like
     27.28 / 27.29 / 27.96: 8 = 16 within noise, 32 slower. The bits do not depend on it (each
-    tile is computed whole by one CTA; checked on that GPU and on the CPU); the
-    CTA-subset and walk() paths of the fused kernels keep the row-major order.
+    tile is computed whole by one CTA; checked on that GPU and on the CPU). The
+    fused kernels' GEMMs on a CTA subset (Kernels A and C) walk the same bands since
+    v2.2 (before: row-major, so their large-weight GEMMs lacked the bands' gain; not
+    yet timed); the walk() path of Kernel B stays row-major.
   """
 
   block_m: int = 128
