@@ -57,7 +57,12 @@ Synchronisation contract
   done[k]: producers the GEMM CTAs' compute warpgroups, one signal per warpgroup per
       tile of chunk k, each after `wait_smem_to_gmem(0)` (its stores of that tile are
       complete). Consumers: transfer CTAs, `decrement=False`. Invariant when the wait
-      returns: every row of chunk k of y is written.
+      returns: every row of chunk k that a running tile covers (every live row) is
+      written; rows past the dead-row window are never written (and never sent).
+  Open point (as Kernel A's): the transfer reads chunk k with TMA loads (async proxy)
+      after an acquire in the generic proxy (`fence.acquire.sys` in the semaphore
+      wait), with no proxy fence between them; the layer checksums (bitwise = v1 on
+      4x H200, run 10) are what test that this ordering suffices.
   done_sem[c]: as ep_transfer's (one waiter each): when every transfer CTA is past its
       wait, every peer's writes into this rank's y_sorted have landed.
   Deadlock freedom: GEMM CTAs never wait; transfer CTAs wait only on local GEMM tiles
@@ -178,6 +183,10 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
   if chunk_rows % kernel.block_m:
     raise ValueError(f"recv_chunk_rows={chunk_rows} must be a multiple of block_m="
                      f"{kernel.block_m} (a GEMM row tile must lie in one chunk)")
+  if m_p < transfer.chunk_rows:
+    raise ValueError(f"a has {m_p} rows, fewer than one transfer item (TransferConfig."
+                     f"chunk_rows={transfer.chunk_rows}): the transfer's load box must fit "
+                     f"inside the GEMM's output")
   num_sms = device_lib.num_sms(kernel.num_sms)
   if not 1 <= n_comm < num_sms:
     raise ValueError(f"down_return_ctas={n_comm} must be in [1, num_sms={num_sms}) (at "

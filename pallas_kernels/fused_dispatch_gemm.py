@@ -1,7 +1,8 @@
 """EXPERIMENTAL (v2 "Kernel A"): NVLink dispatch fused with the SwiGLU gate/up GEMM.
 
 In `moe_ffn` as `UniEPConfig(backend="uniep", fused=FusedConfig(...))` (uniep_jax/fused.py);
-bitwise = v1 on 4x H200 (bench/check_fused*_gpu.py small cases), not yet timed. Design and synchronisation: SYNC.md, "Kernel A".
+bitwise = v1 on 4x H200 (bench/check_fused*_gpu.py small cases; layer checksums of runs 7-10);
+times in NOTES_fused.md. Design and synchronisation: SYNC.md, "Kernel A".
 Bring-up on GPUs: `bench/check_fused_gpu.py` (bitwise against v1).
 
 Algorithm
@@ -98,8 +99,9 @@ Synchronisation contract (invariants; copied from SYNC.md)
       each, after `wait_smem_to_gmem(0)` of all its stores of chunk k, empty or
       not (a signal orders the NVLink writes issued before it):
           expected(chunk_sem[k]) = R * n_comm.
-      Only chunks k < live_chunks are signalled and waited on (every GEMM tile of
-      every rank lies in one: a tile starts before its rank's live rows end).
+      Only chunks k < live_chunks are signalled and waited on (every COMPUTE tile of
+      every rank lies in one: it starts before its rank's live rows end; zero tiles of
+      the dead-row window may lie past them but never wait).
       Consumers: GEMM CTAs of this rank (before a tile of chunk k) and the
       transfer CTAs' final sweep, all with decrement=False (many waiters on one
       semaphore; a decrementing wait would take the whole count and deadlock
@@ -272,8 +274,8 @@ def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chu
         pl.semaphore_signal(chunk_sem.at[kc], device_id={axis_name: p})
     return carry
 
-  # Chunks past every rank's live rows hold no item and no GEMM tile: no rank sends,
-  # signals or waits on them.
+  # Chunks past every rank's live rows hold no item and no compute tile (the only tiles
+  # that wait): no rank sends, signals or waits on them.
   lax.fori_loop(0, live_chunks, chunk_body, 0)
 
   if axis_name is not None:

@@ -1,7 +1,8 @@
 """EXPERIMENTAL (v2 "Kernel B"): the down-projection GEMM whose epilogue returns rows.
 
 In `moe_ffn` as `UniEPConfig(backend="uniep", fused=FusedConfig(...))` (uniep_jax/fused.py);
-bitwise = v1 on 4x H200 (bench/check_fused*_gpu.py small cases), not yet timed. Design and synchronisation: SYNC.md, "Kernel B".
+bitwise = v1 on 4x H200 (bench/check_fused*_gpu.py small cases); times in NOTES_fused.md
+(slower than v1's down GEMM + return). Design and synchronisation: SYNC.md, "Kernel B".
 Bring-up on GPUs: `bench/check_fused_return_gpu.py` (bitwise against v1).
 
 Algorithm

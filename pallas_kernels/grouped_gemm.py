@@ -421,6 +421,10 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         `remote_ref`), gmem_row the first output row of the tile's rows
         [lo, hi) (default lo). Used by `fused_gemm_return.py`.
   """
+  if after_tile is not None and mode == "dswiglu":
+    raise ValueError("after_tile: mode 'dswiglu' stores through its own epilogue, which "
+                     "does not call the hook (a caller counting its signals would wait "
+                     "forever)")
   num_a, num_b = _MODE_OPERANDS[mode]
   a_gmems = refs[:num_a]
   b_gmems = refs[num_a:num_a + num_b]

@@ -382,3 +382,32 @@ def test_kernel_c_source_chunked_work_lists_and_signal_counts():
     np.testing.assert_array_equal(expected, want)
     live_chunks = -(-int(plan.num_received) // b)
     assert np.all(expected[:live_chunks] > 0)      # every live chunk has tiles to wait for
+
+
+@pytest.mark.parametrize("recv_rows,block_m,b", [(None, 32, 64), (200, 32, 64), (256, 16, 32)])
+def test_every_compute_tile_waits_on_a_live_chunk(recv_rows, block_m, b):
+  """Kernel A's deadlock invariant: the chunk of every COMPUTE tile of every rank (the
+  only tiles that wait) is < live_chunks = cdiv(max_received_rows, B), the chunks every
+  rank signals; with and without a receive bound, ranks receiving nothing included."""
+  rng = np.random.default_rng(23)
+  r, el, t, k = 4, 3, 64, 2
+  plans = skewed_plans(rng, r, el, t, k, 6.0, recv_rows=recv_rows)
+  live = {int(layout.max_received_rows(p)) for p in plans}
+  assert len(live) == 1                          # the same on every rank
+  live_chunks = -(-live.pop() // b)
+  assert live_chunks <= -(-plans[0].recv_valid.shape[0] // b)
+  for plan in plans:
+    m_p = -(-plan.recv_valid.shape[0] // block_m) * block_m
+    nt = gg.num_row_tiles(m_p, el, block_m)
+    tp = np.asarray(gg._row_tile_plan(plan.recv_group_sizes, m_p, block_m,
+                                      zero_window=64)).reshape(5, nt)
+    compute = tp[4] == gg._COMPUTE
+    assert np.all(tp[1][compute] // b < live_chunks)
+    assert int(plan.num_received) <= live_chunks * b
+
+
+def test_max_received_rows_within_a_receive_bound():
+  rng = np.random.default_rng(29)
+  plans = skewed_plans(rng, 4, 3, 64, 2, 8.0, recv_rows=96)
+  got = {int(layout.max_received_rows(p)) for p in plans}
+  assert got == {max(int(p.num_received) for p in plans)} and got.pop() <= 96

@@ -162,8 +162,8 @@ class FusedConfig:
   gate/up GEMM in one launch, each GEMM tile waiting only for its chunk; Kernel B
   (pallas_kernels/fused_gemm_return.py) stores each down-GEMM tile straight into
   the source rank's sorted rows. The backward pass is v1's unless `backward`. Bits:
-  the same as v1 (checked on GPUs for Kernels A and B; not yet for `backward` and
-  `return_in_kernel=False`).
+  the same as v1 (every field combination below that ran on 4x H200 gave v1's output
+  and gradient checksums; pallas_kernels/NOTES_fused.md has the times).
 
   n_comm: CTAs (SMs) that move rows; the other num_sms - n_comm run the GEMM.
   recv_chunk_rows: B, rows per chunk of the receive layout (the unit of
@@ -174,7 +174,7 @@ class FusedConfig:
     the sources' rows); False: v1's down GEMM, then v1's return transfer. The
     profile of 4x H100 (NOTES_fused.md) had Kernel B at 8.53 ms against 4.4 + 2.27
     for v1's pair (its remote stores stall the GEMM CTAs).
-  backward: EXPERIMENTAL (built, CPU-tested, not yet run on a GPU): the backward's
+  backward: EXPERIMENTAL (bitwise = v1 on 4x H200; no faster there): the backward's
     dispatch of dy and its da GEMM (with dh, du in the epilogue) in one launch, as
     Kernel A fuses the forward's (`fused_dispatch_gemm.fused_dispatch_dswiglu`);
     needs the SwiGLU derivative in the kernel (`swiglu_grad_in_kernel`). False:
@@ -258,11 +258,12 @@ class UniEPConfig:
   fused: only for "uniep": None (default) runs the v1 transfer and GEMM kernels
     one after the other; a `FusedConfig` runs the forward pass with the v2 fused
     kernels (dispatch + gate/up in one launch, down GEMM + return in another, or
-    v1's down GEMM and return with `return_in_kernel=False`) and, with `backward`,
-    the backward's dy dispatch + da GEMM in one launch. EXPERIMENTAL: Kernels A and
-    B bitwise equal to v1 on GPUs (bench/check_fused*_gpu.py's small cases; v2
-    forward timed in run 5); `backward` and `return_in_kernel=False` not yet run on
-    a GPU. `uniep_jax/fused.py`.
+    v1's down GEMM and return with `return_in_kernel=False`, or Kernel C) and, with
+    `backward`, the backward's dy dispatch + da GEMM in one launch, with
+    `wgrad_return_ctas` the dX return beside the dw_gate_up wgrad. EXPERIMENTAL,
+    opt-in: bitwise equal to v1 on GPUs; the fastest point so far (4x H200, qwen3-like
+    and deepseek-like) is FusedConfig(16, 2048, return_in_kernel=False,
+    wgrad_return_ctas=16). `uniep_jax/fused.py`.
   swiglu_grad_in_kernel: only for "pallas" / "uniep": compute the backward's
     SwiGLU derivative (dh, du) in the epilogue of the da = dy @ w_down^T GEMM
     (grouped GEMM mode "dswiglu") instead of storing da in float32 and running an

@@ -15,7 +15,7 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
             dy_sorted --send over NVLink (the transpose of the return)--> dy_recv
             --grouped_gemm.swiglu_backward (residuals recv, a, h, u)--> d_recv, dW
             --return over NVLink (the transpose of the dispatch)--> d_rows_sorted
-            or, with FusedConfig.backward (EXPERIMENTAL, not yet run on a GPU):
+            or, with FusedConfig.backward (EXPERIMENTAL; bitwise = v1 on 4x H200, no faster):
             dy_sorted --Kernel A's twin: NVLink dispatch of dy + da GEMM with the
                         dswiglu epilogue, one launch--> dy_recv, [dh | du]
                                 (fused_dispatch_gemm.fused_dispatch_dswiglu)
@@ -33,8 +33,8 @@ rest skipped). So outputs and gradients equal "uniep" without `fused` (and "pall
 bit for bit wherever the kernels' own GPU checks hold (bench/check_fused_gpu.py,
 bench/check_fused_return_gpu.py: Kernels A and B bitwise on 4x H200 in their small
 cases, 2026-11-26; the GPU sweep, bench/determinism_sweep.py, covers the fused points;
-the fused backward and return_in_kernel=False have NOT yet run on a GPU). Risk to
-check on the first GPU runs: the fused launches take every SM and spin on cross-rank
+every fused variant gave v1's output and gradient checksums in the layer runs 7, 9 and
+10 on 4x H200, NOTES_fused.md). Risk to check in training: the fused launches take every SM and spin on cross-rank
 semaphores, so a collective kernel running beside them (gradient all-reduces that
 overlap the backward: --grad-reduction xla, or --grad-buckets > 1) could keep CTAs from
 becoming resident (SYNC.md's deadlock argument assumes all are); run them under a hang
