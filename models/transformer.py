@@ -27,10 +27,12 @@ from uniep_jax.config import FusedConfig, KernelConfig, UniEPConfig
 from uniep_jax.module import SwiGLU, UniEPMoE, fan_in_normal, sharding_metadata
 
 AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped")
-# `Transformer(fused=True)` (backend "uniep"; EXPERIMENTAL): Kernel A forward (dispatch +
-# gate/up in one launch) with v1's down GEMM and return, and the fused backward (the dy
-# dispatch + the da GEMM in one launch); the bits are v1's.
-TRAIN_FUSED = FusedConfig(n_comm=32, recv_chunk_rows=2048, return_in_kernel=False, backward=True)
+# `Transformer(fused=True)` (backend "uniep"; EXPERIMENTAL): the fastest fused point of the
+# layer runs (4x H200, pallas_kernels/NOTES_fused.md, v2.2): Kernel A forward (dispatch +
+# gate/up in one launch, 16 transfer CTAs) with v1's down GEMM and return, v1's backward
+# with the dX return on 16 CTAs of the dw_gate_up wgrad's launch; the bits are v1's.
+TRAIN_FUSED = FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
+                          wgrad_return_ctas=16)
 
 
 class RMSNorm(nnx.Module):

@@ -418,7 +418,7 @@ def test_fused_kernels_reach_the_moe_layers():
   s = loop.make_setup(cfg)
   configs = [m.config for m in loop.build_model(cfg, s.model_cfg, s.mesh).moe_modules()]
   assert configs and all(c.fused == TRAIN_FUSED for c in configs)
-  assert TRAIN_FUSED.backward and not TRAIN_FUSED.return_in_kernel
+  assert TRAIN_FUSED.wgrad_return_ctas and not TRAIN_FUSED.return_in_kernel
   assert loop.moe_options(cfg)["fused"] is True
 
 

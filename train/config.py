@@ -142,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
   a("--kernel-stages", type=int, default=None,
     help="pallas/uniep: the grouped GEMM's TMA pipeline depth (KernelConfig.max_concurrent_steps)")
   a("--fused", action="store_true",
-    help="uniep, EXPERIMENTAL: the v2 fused kernels, forward and backward (dispatch + first "
-         "GEMM in one launch each way; models.transformer.TRAIN_FUSED)")
+    help="uniep, EXPERIMENTAL: the v2 fused kernels (the dispatch inside the gate/up GEMM's "
+         "launch, the backward's dX return inside the dw_gate_up wgrad's; "
+         "models.transformer.TRAIN_FUSED)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")
