@@ -6,6 +6,15 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# numpy's OpenBLAS on one thread (read when numpy loads, so before it is imported). The
+# Mosaic GPU interpreter runs every wgmma as a small np.matmul ([128, 64] @ [64, 128]);
+# threaded OpenBLAS splits each over the cores and its worker spin-waits between calls
+# (2-core CI machine, 2026-11-27: 0.86 ms per such product with both cores busy vs 0.08
+# ms on one thread; the spinning worker took 13% of a Pallas test's CPU time, CPU the
+# other pytest worker needed). No bit depends on it: OpenBLAS splits a product over its
+# threads by blocks of the output, never along K, and the interpreter's products are
+# float64 and exact anyway (_NumpyWithRowInvariantMatmul below).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -194,13 +194,29 @@ def _ffn_operands(seed: int, m: int, h: int = 128, f: int = 96):
   return x, w_gate_up, w_down, rand(ks[4], (m, h)), jnp.asarray(GROUP_SIZES)
 
 
-@pytest.mark.parametrize("backward", ["xla", "epilogue"])
-def test_swiglu_ffn_forward_and_gradients(backward):
-  x, w_gate_up, w_down, dy, gs = _ffn_operands(5, 256)
+# the zeroing-mode tests' operands: 196 dead rows of 384 (a dead row tile past the
+# block_k window of the rows after the live ones); the cotangent is random on every row
+FFN_SEED, FFN_ROWS = 9, 384
+
+
+@functools.lru_cache(maxsize=None)
+def _zeroing_mode_ffn(backward: str):
+  """y and (dx, dw_gate_up, dw_down) of the FFN in its default mode (zero_dead_rows=True)
+  on `_ffn_operands(FFN_SEED, FFN_ROWS)`, with `backward`'s variant: checked against the
+  reference by test_swiglu_ffn_forward_and_gradients and the bits that
+  test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit compares with, so its six
+  interpreted launches run once per module and variant."""
+  x, w_gate_up, w_down, dy, gs = _ffn_operands(FFN_SEED, FFN_ROWS)
   ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
                                          **BACKWARDS[backward])
   y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
-  grads = vjp(dy)
+  return y, vjp(dy)
+
+
+@pytest.mark.parametrize("backward", ["xla", "epilogue"])
+def test_swiglu_ffn_forward_and_gradients(backward):
+  x, w_gate_up, w_down, dy, gs = _ffn_operands(FFN_SEED, FFN_ROWS)
+  y, grads = _zeroing_mode_ffn(backward)
   # Forward: exactly the documented casts (a rounded to bf16), f32 accumulation.
   y_ref = gg.reference_swiglu_ffn(x, w_gate_up, w_down, gs)
   rel = np.linalg.norm(f32(y) - f32(y_ref)) / np.linalg.norm(f32(y_ref))
@@ -226,19 +242,16 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(backward):
   tiles past a block_k window. Live rows of y and dx and every weight gradient are
   bitwise those of the zeroing mode; the window rows are zero; the cotangent's
   dead rows past the window are never read (NaN there changes nothing)."""
-  x, w_gate_up, w_down, dy, gs = _ffn_operands(9, 384)   # 196 dead rows of 384
+  x, w_gate_up, w_down, dy, gs = _ffn_operands(FFN_SEED, FFN_ROWS)   # 196 dead rows of 384
   total, window_end = LIVE_ROWS, WINDOW_END
-  dy = dy.at[total:].set(0.0)
+  # the cotangent stays random (finite) in the window; the zeroing mode's run has it
+  # random on every dead row
   dy_nan = dy.at[window_end:].set(jnp.nan)
-
-  def run(zero, cot):
-    ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
-                                           zero_dead_rows=zero, **BACKWARDS[backward])
-    y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
-    return y, vjp(cot)
-
-  y0, g0 = run(True, dy)
-  y1, g1 = run(False, dy_nan)
+  y0, g0 = _zeroing_mode_ffn(backward)
+  ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
+                                         zero_dead_rows=False, **BACKWARDS[backward])
+  y1, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
+  g1 = vjp(dy_nan)
   bits = lambda v: np.asarray(v).view(np.uint16)  # noqa: E731
   np.testing.assert_array_equal(bits(y1[:total]), bits(y0[:total]))
   np.testing.assert_array_equal(bits(g1[0][:total]), bits(g0[0][:total]))
@@ -282,6 +295,22 @@ def _layer_mode_ffn(cfg, x, w_gate_up, w_down, dy, gs):
   return y[:LIVE_ROWS], dx[:LIVE_ROWS], dwgu, dwd
 
 
+@functools.lru_cache(maxsize=None)
+def _knob_operands():
+  """The operands of the tests that change one KernelConfig knob (epilogue slots, raster
+  order) and compare bits with CONFIG: 2 column tiles, each with live columns, in the
+  gate/up launch (F = 256, CTA tile 128) and in the down and dx launches (H = 320 padded
+  to 512, CTA tile 256)."""
+  return _ffn_operands(23, 256, h=320, f=256)
+
+
+@functools.lru_cache(maxsize=None)
+def _knob_reference():
+  """`_layer_mode_ffn` with CONFIG (one epilogue slot, row-major) on `_knob_operands`:
+  both knob tests compare with it, so its six interpreted launches run once per module."""
+  return _layer_mode_ffn(CONFIG, *_knob_operands())
+
+
 def test_two_epilogue_slots_change_no_bit():
   """KernelConfig.epilogue_slots=2 (chunk i stored while chunk i + 1 is written to the
   other slot): the FFN's forward and backward in the MoE layer's mode give the same
@@ -291,9 +320,8 @@ def test_two_epilogue_slots_change_no_bit():
   synchronously and ignores bulk-async groups, so a missing wait or group commit
   cannot show here: bench/ffn_ab.py checks the bits on the GPU."""
   import dataclasses
-  operands = _ffn_operands(17, 256)
-  one = _layer_mode_ffn(CONFIG, *operands)
-  two = _layer_mode_ffn(dataclasses.replace(CONFIG, epilogue_slots=2), *operands)
+  one = _knob_reference()
+  two = _layer_mode_ffn(dataclasses.replace(CONFIG, epilogue_slots=2), *_knob_operands())
   assert_no_races()
   chex.assert_trees_all_equal(two, one)
   with pytest.raises(ValueError, match="epilogue_slots=3 must be 1 or 2"):
@@ -340,15 +368,13 @@ def test_raster_order_changes_no_bit():
   FFN's forward and backward in the MoE layer's mode and a plain forward give the
   same bits in bands of 3 row tiles (a short last band) as row-major."""
   import dataclasses
-  operands = _ffn_operands(23, 256, h=512, f=256)   # 2 column tiles
+  operands = _knob_operands()   # 2 column tiles
   x, _, w_down, _, gs = operands
+  plain = lambda cfg: gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET)  # noqa: E731
 
-  def run(cfg):
-    plain = gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET)
-    return _layer_mode_ffn(cfg, *operands) + (plain,)
-
-  row_major = run(CONFIG)
-  banded = run(dataclasses.replace(CONFIG, raster_rows=3))
+  row_major = _knob_reference() + (plain(CONFIG),)
+  banded_config = dataclasses.replace(CONFIG, raster_rows=3)
+  banded = _layer_mode_ffn(banded_config, *operands) + (plain(banded_config),)
   assert_no_races()
   chex.assert_trees_all_equal(banded, row_major)
   with pytest.raises(ValueError, match="raster_rows=0 must be >= 1"):

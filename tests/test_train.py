@@ -5,6 +5,7 @@ In-process tests use the 8 virtual CPU devices of conftest.py; the CLI tests run
 `python -m train` in a subprocess (it sizes its own device pool before importing jax).
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -33,10 +34,39 @@ def _train(path, data, **kw):
   return loop.train(TrainConfig(**{**SMALL, "out": str(path), **kw}), data=data)
 
 
+@contextlib.contextmanager
+def _compilation_cache(path):
+  """JAX's persistent compilation cache in `path` (every program, however quick to
+  compile) while the block runs: a later block on the same path loads the programs an
+  earlier one compiled instead of compiling them again. The cache key is the program
+  (HLO, compile options, devices), so a program that differs in any way is compiled."""
+  from jax.experimental.compilation_cache import compilation_cache
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  old = {n: getattr(jax.config, n) for n in names}
+  for n, v in zip(names, (str(path), 0.0, 0)):
+    jax.config.update(n, v)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    for n, v in old.items():
+      jax.config.update(n, v)
+    compilation_cache.reset_cache()
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data):
-  """An uninterrupted 12-step run on mesh data=2,expert=4."""
-  return _train(tmp_path_factory.mktemp("ref"), data)
+def reference_programs(tmp_path_factory):
+  """A compilation cache holding the reference run's programs (see test_resume_...)."""
+  return tmp_path_factory.mktemp("reference_programs")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data, reference_programs):
+  """An uninterrupted 12-step run on mesh data=2,expert=4 (its programs are also written
+  to the reference_programs cache; the run itself compiles every one of them)."""
+  with _compilation_cache(reference_programs):
+    return _train(tmp_path_factory.mktemp("ref"), data)
 
 
 def test_loss_decreases(reference):
@@ -63,11 +93,17 @@ def test_identical_runs_are_bitwise_equal(tmp_path, data, reference):
   assert again["summary"]["param_sum"] == reference["summary"]["param_sum"]
 
 
-def test_resume_is_bitwise_equal(tmp_path, data, reference):
+def test_resume_is_bitwise_equal(tmp_path, data, reference, reference_programs):
+  # Both halves load the reference run's compiled programs (init, train and eval steps:
+  # the same HLO, stop_after and the checkpoint flags stay outside them) instead of
+  # compiling them twice more: what is checked is the state a resumed run restores and
+  # the batches it continues with. Compiling the same program twice to the same bits is
+  # test_identical_runs_are_bitwise_equal's check, which compiles its own.
   ckpt = str(tmp_path / "ckpt")
-  first = _train(tmp_path / "a", data, ckpt_dir=ckpt, ckpt_every=3, stop_after=6)
-  assert sorted(first["losses"]) == list(range(1, 7))
-  second = _train(tmp_path / "b", data, ckpt_dir=ckpt, ckpt_every=3, resume=True)
+  with _compilation_cache(reference_programs):
+    first = _train(tmp_path / "a", data, ckpt_dir=ckpt, ckpt_every=3, stop_after=6)
+    assert sorted(first["losses"]) == list(range(1, 7))
+    second = _train(tmp_path / "b", data, ckpt_dir=ckpt, ckpt_every=3, resume=True)
   assert second["summary"]["start_step"] == 6
   assert sorted(second["losses"]) == list(range(7, 13))
   merged = {**first["losses"], **second["losses"]}
