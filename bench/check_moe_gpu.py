@@ -90,12 +90,15 @@ def main(argv=None):
       mesh = jax.make_mesh((data, ep), ("data", "expert"))
       by_backend = {}
       for backend in args.backends.split(","):
-        if backend in ("pallas", "uniep") and dtype == jnp.float32:
+        # "<backend>_dd": the same backend with token de-duplication (dedup_tokens)
+        base, dedup = (backend[:-3], True) if backend.endswith("_dd") else (backend, False)
+        if base in ("pallas", "uniep") and dtype == jnp.float32:
           continue  # the Pallas kernels take bf16 operands
-        transports = {"xla_dropless": ["ragged", "padded"], "pallas": ["padded"]}.get(backend, [None])
+        transports = {"xla_dropless": ["ragged", "padded"], "pallas": ["padded"]}.get(base, [None])
         outs = {}
         for tr in transports:
-          cfg = uniep_jax.UniEPConfig(backend=backend, transport=tr, capacity_factor=100.0)
+          cfg = uniep_jax.UniEPConfig(backend=base, transport=tr, capacity_factor=100.0,
+                                      dedup_tokens=dedup)
           tag = f"{backend}/{tr}/{jnp.dtype(dtype).name}/data={data},ep={ep}"
           try:
             f_fwd, f_grad = _fns(mesh, top_k, cfg)
@@ -120,6 +123,11 @@ def main(argv=None):
                  common.same_bits(outs["ragged"], outs["padded"]))
         if outs:
           by_backend[backend] = next(iter(outs.values()))
+      for backend in list(by_backend):
+        if backend.endswith("_dd") and backend[:-3] in by_backend:
+          # de-duplication sends fewer rows and changes no bit
+          record(f"{backend}_equals_{backend[:-3]}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
+                 common.same_bits(by_backend[backend], by_backend[backend[:-3]]))
       if "uniep" in by_backend and "pallas" in by_backend:
         # The UniEP guarantee: the NVLink transport changes no bit.
         record(f"uniep_equals_pallas_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",

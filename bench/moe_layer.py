@@ -69,6 +69,10 @@ BACKEND_CONFIGS = {
                                                      return_in_kernel=False,
                                                      down_return_ctas=16,
                                                      wgrad_return_ctas=16)),
+    # token de-duplication: each (token, owner) pair sent once, the owner copies it to
+    # its experts' rows (uniep_jax/dedup.py); same bits as the plain dispatch
+    "uniep_dd": uniep_jax.UniEPConfig(backend="uniep", dedup_tokens=True),
+    "pallas_dd": uniep_jax.UniEPConfig(backend="pallas", transport="padded", dedup_tokens=True),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
 }

@@ -346,14 +346,31 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel):
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
   kernel gets as far as the Mosaic GPU custom call (it runs on GPUs in
   bench/check_moe_gpu.py)."""
+  hidden = 128 if fused is None else 256   # Kernel B: H a multiple of 2 * block_n
+  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused, kernel=kernel)
+  text = lower_uniep_layer_for_cuda(cfg, hidden)
+  # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
+  # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
+  # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
+  # (2 transfers + 4 GEMM kernels) or the fused one (dy dispatch + da in one launch, dx,
+  # 2 wgrads, the return; with wgrad_return_ctas the return rides in the dw_gate_up launch)
+  if fused is None:
+    expected = 10
+  else:
+    expected = ((2 if fused.return_in_kernel or fused.down_return_ctas else 3)
+                + (5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0))
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
+
+
+def lower_uniep_layer_for_cuda(cfg, hidden):
+  """The StableHLO text of the uniep layer's gradient (mesh data=2, expert=4, bf16,
+  256 tokens, E=8, F=192, top-2) lowered for CUDA on this CPU-only machine."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   from pallas_kernels import device as device_lib
   mesh = make_mesh(2, 4)
   axes = ("data", "expert")
-  hidden = 128 if fused is None else 256   # Kernel B: H a multiple of 2 * block_n
   p = make_params(jax.random.key(0), experts=E, hidden=hidden, ffn=192, dtype=jnp.bfloat16)
   specs = uniep_jax.param_specs(p)
-  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused, kernel=kernel)
 
   def body(xl, pl):
     y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=2, config=cfg, token_axes=axes)
@@ -366,19 +383,8 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel):
   x = jax.ShapeDtypeStruct((256, hidden), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes)))
   ps = jax.tree.map(sds, p, specs)
   with device_lib.lowering_for_gpu():
-    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ps).lower(
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ps).lower(
         lowering_platforms=("cuda",)).as_text()
-  # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
-  # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
-  # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
-  # (2 transfers + 4 GEMM kernels) or the fused one (dy dispatch + da in one launch, dx,
-  # 2 wgrads, the return; with wgrad_return_ctas the return rides in the dw_gate_up launch)
-  if fused is None:
-    expected = 10
-  else:
-    expected = ((2 if fused.return_in_kernel or fused.down_return_ctas else 3)
-                + (5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0))
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
 
 
 def _simulated_fused_dispatch_gate_up(rows_sorted, seg_src, seg_dst, seg_len, group_sizes,

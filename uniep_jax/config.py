@@ -274,6 +274,14 @@ class UniEPConfig:
     gradients differ from the XLA pass's by at most a bf16 ulp of dh (XLA fuses the
     sigmoid differently); "pallas" and "uniep" give the same bits as each other
     either way. `use_swiglu_grad_in_kernel` is the resolved value.
+  dedup_tokens: token de-duplication for the dropless backends ("xla_dropless",
+    "pallas", "uniep" without `fused`): the forward dispatch sends each token ONCE
+    per destination rank (not once per expert there) and the owner copies it to its
+    experts' rows (`uniep_jax/dedup.py`; on "nvlink" a Pallas gather that writes the
+    live rows only). Bytes per rank drop from T*K rows to at most T*min(R, K) (K=8,
+    R=4: ~3.6 T). Same receive layout, same bits; the backward pass is unchanged
+    (slot rows returned and summed at home in slot order). Costs one int32
+    all_gather of R + T*K per rank and a unique receive buffer of R*T rows.
   """
 
   backend: str = "xla_dropless"
@@ -285,6 +293,7 @@ class UniEPConfig:
   receive_capacity_factor: Optional[float] = None
   fused: Optional[FusedConfig] = None
   swiglu_grad_in_kernel: Optional[bool] = None
+  dedup_tokens: bool = False
 
   def __post_init__(self):
     if self.receive_capacity_factor is not None and not self.receive_capacity_factor > 0:
@@ -311,6 +320,14 @@ class UniEPConfig:
     if self.swiglu_grad_in_kernel not in (None, True, False):
       raise ValueError(f"swiglu_grad_in_kernel must be None, True or False, "
                        f"got {self.swiglu_grad_in_kernel!r}")
+    if not isinstance(self.dedup_tokens, bool):
+      raise ValueError(f"dedup_tokens must be True or False, got {self.dedup_tokens!r}")
+    if self.dedup_tokens and self.backend not in ("xla_dropless", "pallas", "uniep"):
+      raise ValueError(f"dedup_tokens (de-duplicated dispatch) is for the dropless backends "
+                       f"'xla_dropless', 'pallas', 'uniep', got backend={self.backend!r}")
+    if self.dedup_tokens and self.fused is not None:
+      raise ValueError("dedup_tokens applies to the v1 dispatch; fused (Kernel A) moves the "
+                       "receive layout's rows itself: set fused=None or dedup_tokens=False")
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")

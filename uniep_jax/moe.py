@@ -28,6 +28,7 @@ from uniep_jax.capacity import capacity_moe_shard
 from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
 from uniep_jax.config import TRANSPORTS
+from uniep_jax.dedup import dispatch_unique, plan_dedup
 from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, collect, default_transport, dispatch, sort_rows,
                                 unsort_rows)
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
@@ -203,7 +204,13 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
                                   grad_in_kernel=config.use_swiglu_grad_in_kernel)
       y_assign = unsort_rows(y_sorted, plan, top_k)                      # [T, K, H]
     else:
-      recv = dispatch(x, plan, **kw)                                     # [R*T*K, H]
+      if config.dedup_tokens:   # each (token, owner) pair sent once (uniep_jax/dedup.py)
+        dplan = plan_dedup(out.topk_experts, plan, axis_name=expert_axis,
+                           num_local_experts=el, top_k=top_k)
+        recv = dispatch_unique(x, plan, dplan, top_k, expert_axis, el, transport,
+                               config.transfer)                          # [R*T*K, H]
+      else:
+        recv = dispatch(x, plan, **kw)                                   # [R*T*K, H]
       if config.backend in ("pallas", "uniep"):
         # the receive layout holds the worst case (R*T*K rows); its dead rows are
         # never read back (collect takes the live rows only): the kernels skip them

@@ -1,0 +1,162 @@
+"""Rows gathered by index into consecutive output rows, live rows only (one GPU).
+
+The owner-side half of token de-duplication (`uniep_jax/dedup.py`): a source
+sends each token once per destination rank; the owner copies it to every receive
+layout row of its experts that the token selected. XLA's gather would write the
+whole worst-case receive layout (R*T*K rows, 2 GiB at qwen3-like); this kernel
+writes only rows [0, live), `live` read from memory, so its cost follows the live
+rows.
+
+Problem
+-------
+  src    [Ns, H]   rows to read (the unique receive buffer)
+  index  [N] int32 out row p <- src row index[p], for p < live (index[p] in [0, Ns))
+  live   int32     rows to write (a device value, <= N)
+  out    [out_rows, H], out_rows >= N; rows >= live are left untouched (undefined)
+
+Tiling
+------
+Rows are viewed as 3-D, [N, H / ct, ct] with ct <= 256 (the TMA box limit per
+dimension), so that one TMA box moves a whole row's column block. A tile is G
+consecutive output rows (`rows_per_tile`) x one column block of nb * ct columns
+(nb * ct = H unless two stages of a whole row would not fit in shared memory:
+then the widest divisor of H / ct that fits). Tiles are numbered row tile major,
+column block minor, and dealt round robin: CTA c takes tiles c, c + num_ctas, ...
+
+  GMEM src row index[p] --G TMA loads of [1, nb, ct]--> SMEM stage [G, nb, ct]
+        --TMA store ladder (one box per set bit of the tile's live rows)--> GMEM out
+
+Buffers
+-------
+SMEM: 2 stages of [G, nb, ct] in the src dtype, no swizzle (a store may start at
+any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB.
+
+Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
+------------------------
+  load_barrier[s] (num_arrivals = G): the G row loads of one tile into stage s each
+      arrive once with their bytes; the CTA waits on it before storing the tile.
+      Every load group is waited exactly once (phases alternate per stage).
+  stage reuse: before loading tile i + 1 into stage 1 - s the CTA waits
+      `wait_smem_to_gmem(0, wait_read_only=True)`: the store of tile i - 1 (the
+      only one issued from that stage) has finished reading it.
+  end: `wait_smem_to_gmem(0)`: every store of the CTA has landed before the kernel
+      ends, so the next XLA op reads complete rows.
+  No semaphores, no atomics: each output row is written by exactly one store of one
+  CTA, with the value of its index; the result does not depend on timing.
+Rows of a partial last tile past `live` are loaded (from row index[live - 1]) but
+never stored. Runs in the CPU interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import device as device_lib
+from pallas_kernels.tma import ladder_store
+
+ROWS_PER_TILE = 16
+# Two stages per CTA must fit with room to spare (Hopper: 227 KiB per block).
+STAGE_BUDGET_BYTES = 160 * 1024
+
+
+def column_blocking(hidden: int, itemsize: int, rows_per_tile: int,
+                    budget: int = STAGE_BUDGET_BYTES) -> tuple[int, int]:
+  """(ct, nb): columns per TMA box and boxes per column block. ct is the widest
+  multiple of 8 <= 256 dividing `hidden`; nb the most boxes (a divisor of
+  hidden / ct) whose two stages of `rows_per_tile` rows fit in `budget` bytes."""
+  ct = next((t for t in range(min(256, hidden), 7, -1) if hidden % t == 0 and t % 8 == 0),
+            None)
+  if ct is None:
+    raise ValueError(f"hidden={hidden} has no divisor that is a multiple of 8 and <= 256 "
+                     f"(the TMA box limit)")
+  boxes = hidden // ct
+  for nb in range(boxes, 0, -1):
+    if boxes % nb == 0 and 2 * rows_per_tile * nb * ct * itemsize <= budget:
+      return ct, nb
+  raise ValueError(f"rows_per_tile={rows_per_tile} rows of {ct} columns x {itemsize} B do "
+                   f"not fit twice in {budget} B of shared memory; lower rows_per_tile")
+
+
+def _gather_body(table_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
+                 rows_per_tile: int, n_blocks: int, num_ctas: int):
+  g = rows_per_tile
+  nb = stage_smem.shape[2]
+  live = table_gmem[0]                                   # index[p] at table_gmem[1 + p]
+  c = lax.axis_index("cta")
+  tiles = pl.cdiv(live, g) * n_blocks
+  steps = jnp.maximum(tiles - c + num_ctas - 1, 0) // num_ctas
+
+  def tile_of(s):
+    tile = c + s * num_ctas
+    return (tile // n_blocks) * g, (tile % n_blocks) * nb   # first row, first box
+
+  def load(s, stage):
+    p0, b0 = tile_of(s)
+    for i in range(g):
+      row = table_gmem[1 + jnp.minimum(p0 + i, live - 1)]
+      plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(b0, nb)],
+                              stage_smem.at[stage, pl.ds(i, 1)], load_barrier.at[stage])
+
+  @pl.when(steps > 0)
+  def _():
+    load(0, 0)
+
+  def step(s, carry):
+    stage = lax.rem(s, 2)
+    plgpu.barrier_wait(load_barrier.at[stage])
+
+    @pl.when(s + 1 < steps)
+    def _():
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
+      load(s + 1, 1 - stage)
+
+    p0, b0 = tile_of(s)
+    ladder_store(stage_smem.at[stage], out_gmem.at[:, pl.ds(b0, nb)], 0, p0,
+                 jnp.minimum(g, live - p0), g)
+    return carry
+
+  lax.fori_loop(0, steps, step, 0)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def gather_live_rows(src, index, live, *, out_rows: int, rows_per_tile: int = ROWS_PER_TILE,
+                     num_ctas: int | None = None, stage_budget_bytes: int = STAGE_BUDGET_BYTES,
+                     interpret=None):
+  """out[p] = src[index[p]] for p < live; a new [out_rows, H] buffer whose rows
+  >= live are undefined. src [Ns, H]; index [N] int32 (N <= out_rows) with
+  index[p] in [0, Ns) for p < live; live: int32 scalar (traced is fine), <= N."""
+  ns, hidden = src.shape
+  n = index.shape[0]
+  if index.ndim != 1 or n > out_rows:
+    raise ValueError(f"index must be [N] with N <= out_rows={out_rows}, got shape {index.shape}")
+  if rows_per_tile < 1 or rows_per_tile > 256 or rows_per_tile & (rows_per_tile - 1):
+    raise ValueError(f"rows_per_tile={rows_per_tile} must be a power of two in [1, 256] "
+                     f"(the store ladder's largest box)")
+  itemsize = jnp.dtype(src.dtype).itemsize
+  ct, nb = column_blocking(hidden, itemsize, rows_per_tile,
+                           min(stage_budget_bytes, device_lib.smem_capacity()))
+  boxes = hidden // ct
+  num_ctas = device_lib.num_sms(num_ctas)
+  table = jnp.concatenate([jnp.minimum(jnp.asarray(live, jnp.int32), n).reshape(1),
+                           index.astype(jnp.int32)])
+  if interpret is None:
+    interpret = device_lib.default_interpret()
+  body = functools.partial(_gather_body, rows_per_tile=rows_per_tile, n_blocks=boxes // nb,
+                           num_ctas=num_ctas)
+  kernel = plgpu.kernel(
+      body,
+      kernel_name="gather_live_rows",
+      out_type=jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype),
+      scratch_types=[plgpu.SMEM((2, rows_per_tile, nb, ct), src.dtype),
+                     plgpu.Barrier(num_arrivals=rows_per_tile, num_barriers=2)],
+      grid=(num_ctas,),
+      grid_names=("cta",),
+      interpret=interpret,
+  )
+  return kernel(table, src.reshape(ns, boxes, ct)).reshape(out_rows, hidden)

@@ -1,0 +1,197 @@
+"""Token de-duplication (`UniEPConfig.dedup_tokens`, uniep_jax/dedup.py): each
+(token, owner) pair crosses the network once, and everything after the dispatch is
+bit for bit what the plain dispatch gives: outputs, aux values and every gradient,
+under jit, with and without a receive bound."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import uniep_jax
+from uniep_jax import UniEPConfig
+from uniep_jax.dedup import local_unique_routing, make_dedup_plan, unique_send_rows
+from uniep_jax.layout import local_group_sizes, make_plan
+from conftest import make_mesh
+from moe_testlib import make_params, make_x
+
+E, H, F = 8, 32, 48
+
+
+def _routing(seed, tokens, top_k, experts=E, hot=None):
+  logits = jax.random.normal(jax.random.key(seed), (tokens, experts))
+  if hot is not None:
+    logits = logits.at[:, hot].add(100.0)
+  return jax.lax.top_k(logits, top_k)[1].astype(jnp.int32)
+
+
+@pytest.mark.parametrize("ranks,top_k,hot", [(4, 2, None), (4, 3, 5), (2, 4, None), (8, 2, 0)])
+def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot):
+  """The unique send rows are the (token, owner) pairs in (owner, token) order, and
+  each receive row's expand position names the unique row of its own token."""
+  tokens, el = 24, E // ranks
+  topks = [_routing(10 * s + top_k, tokens, top_k, hot=hot) for s in range(ranks)]
+  counts = jnp.stack([local_group_sizes(t, E) for t in topks])
+  plans = [make_plan(t, counts, s) for s, t in enumerate(topks)]
+  local = [local_unique_routing(t, p, el) for t, p in zip(topks, plans)]
+  gathered = jnp.stack([payload for _, payload in local])
+  dplans = [make_dedup_plan(present, gathered, p, s, top_k)
+            for s, ((present, _), p) in enumerate(zip(local, plans))]
+  owners = [np.asarray(t) // el for t in topks]
+  for s, dp in enumerate(dplans):
+    assert dp.unique_tokens.shape == (unique_send_rows(tokens, top_k, ranks),)
+    for d in range(ranks):
+      want = [t for t in range(tokens) if d in owners[s][t]]
+      off, n = int(dp.unique_send_offsets[d]), int(dp.unique_send_counts[d])
+      assert np.asarray(dp.unique_tokens[off:off + n]).tolist() == want
+      assert int(dp.unique_counts[s, d]) == n
+  # fewer rows than the plain dispatch whenever a token has two experts on one rank
+  sent_unique = sum(int(dp.unique_send_counts.sum()) for dp in dplans)
+  sent_plain = sum(int(p.send_counts.sum()) for p in plans)
+  distinct = sum(len(set(o[t].tolist())) for o in owners for t in range(tokens))
+  assert sent_unique == distinct <= sent_plain
+  # receive row p = (le, s, t, k): its unique row (s, position) holds token t
+  for me, (p, dp) in enumerate(zip(plans, dplans)):
+    n_live = int(p.num_received)
+    src = np.asarray(p.recv_source)[:n_live]
+    pos = np.asarray(dp.expand_position)[:n_live]
+    for s in range(ranks):
+      sel = src == s
+      sender = dplans[s]
+      off = int(sender.unique_send_offsets[me])
+      got_tokens = np.asarray(sender.unique_tokens)[off + pos[sel]]
+      # the plain dispatch's rows from s: s's sorted rows for me, in order
+      sorted_rows = np.asarray(plans[s].sort_order)[
+          int(plans[s].send_offsets[me]):int(plans[s].send_offsets[me] + plans[s].send_counts[me])]
+      idx = np.asarray(p.recv_index_in_source)[:n_live][sel]
+      np.testing.assert_array_equal(got_tokens, sorted_rows[idx] // top_k)
+
+
+def _moe_fns(mesh, cfg, top_k):
+  fwd = jax.jit(lambda x, p: uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=top_k, config=cfg))
+
+  def loss(x, p):
+    y, aux = fwd(x, p)
+    w = jnp.sin(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+    return jnp.sum(y.astype(jnp.float32) * w) + aux["load_balance_loss"]
+
+  return fwd, jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+@pytest.mark.parametrize("backend,data,ep,top_k,bound,dtype", [
+    ("xla_dropless", 1, 4, 3, None, jnp.float32),
+    ("xla_dropless", 2, 4, 2, 1.0, jnp.float32),     # a hot expert overflows the bound
+    ("xla_dropless", 1, 8, 4, None, jnp.bfloat16)])
+def test_dedup_equals_plain_dispatch_bitwise(backend, data, ep, top_k, bound, dtype):
+  mesh = make_mesh(data, ep)
+  kx, kp = jax.random.split(jax.random.key(5))
+  bias = jnp.zeros(E).at[3].set(100.0) if bound else None
+  p = make_params(kp, experts=E, hidden=H, ffn=F, dtype=dtype, bias=bias)
+  x = make_x(kx, 128, H, dtype)
+  results = []
+  for dedup in (False, True):
+    cfg = UniEPConfig(backend=backend, receive_capacity_factor=bound, dedup_tokens=dedup)
+    fwd, grad = _moe_fns(mesh, cfg, top_k)
+    results.append((fwd(x, p), grad(x, p)))
+  (y0, aux0), g0 = results[0]
+  (y1, aux1), g1 = results[1]
+  assert (int(aux0["dropped"]) > 0) == (bound is not None)
+  chex.assert_trees_all_equal(y1, y0)
+  chex.assert_trees_all_equal(aux1, aux0)
+  chex.assert_trees_all_equal(g1, g0)
+  # and repeatable
+  cfg = UniEPConfig(backend=backend, receive_capacity_factor=bound, dedup_tokens=True)
+  fwd, grad = _moe_fns(mesh, cfg, top_k)
+  chex.assert_trees_all_equal(grad(x, p), g1)
+
+
+def _simulated_gather_live_rows(src, index, live, *, out_rows, garbage=jnp.nan):
+  """`gather_live_rows`' contract in plain JAX: rows past `live` hold garbage (the
+  kernel leaves them unwritten)."""
+  p = jnp.arange(out_rows)
+  rows = jnp.take(src, jnp.pad(index, (0, out_rows - index.shape[0])), axis=0, mode="clip")
+  return jnp.where((p < live)[:, None], rows, jnp.asarray(garbage, src.dtype))
+
+
+def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
+  """The "nvlink" transport's de-duplicated dispatch (one segment per owner into a
+  packed unique buffer, the live-rows gather, the zeroed window) with the NVLink
+  transfer and the gather kernel replaced by their contracts (the kernel itself:
+  test_gather_live_rows_kernel): the same outputs and gradients as the padded
+  transport without de-duplication. (Interpreted kernels run at EP = 1 only: on
+  several virtual devices at once the interpreter stalls.)"""
+  import pallas_kernels.ep_transfer as ep
+  import pallas_kernels.row_gather as rg
+  from test_moe import _simulated_transfer
+  monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
+  monkeypatch.setattr(rg, "gather_live_rows", _simulated_gather_live_rows)
+  mesh = make_mesh(1, 4)
+  axes = ("data", "expert")
+  kx, kp = jax.random.split(jax.random.key(73))
+  p = make_params(kp, experts=E, hidden=H, ffn=F)
+  x = make_x(kx, 64, H)
+  specs = uniep_jax.param_specs(p)
+  x = jax.device_put(x, NamedSharding(mesh, P(axes)))
+  p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
+
+  def run(transport, dedup):
+    cfg = UniEPConfig(backend="xla_dropless", dedup_tokens=dedup)
+
+    def body(xl, pl):
+      y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=3, config=cfg, token_axes=axes,
+                                     transport=transport)
+      return y
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(axes), specs), out_specs=P(axes),
+                       check_vma=False)
+    loss = lambda x, p: jnp.sum(jnp.sin(fn(x, p)))  # noqa: E731
+    return jax.jit(fn)(x, p), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
+
+  y_n, g_n = run("nvlink", True)
+  y_p, g_p = run("padded", False)
+  chex.assert_trees_all_equal(y_n, y_p)
+  chex.assert_trees_all_equal(g_n, g_p)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(backend="xla_capacity"), "dedup_tokens"),
+    (dict(backend="uniep", fused=uniep_jax.FusedConfig()), "dedup_tokens"),
+    (dict(backend="pallas", dedup_tokens=1), "dedup_tokens must be")])
+def test_dedup_config_errors_name_the_field(bad, match):
+  kw = dict(dedup_tokens=True) | bad
+  with pytest.raises(ValueError, match=match):
+    UniEPConfig(**kw)
+
+
+@pytest.mark.parametrize("live,rows_per_tile,hidden,budget,blocking", [
+    (0, 8, 512, 8192, (256, 1)), (37, 8, 512, 8192, (256, 1)),   # 2 column blocks
+    (70, 4, 96, 1 << 20, (96, 1))])
+def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking):
+  """The Mosaic GPU kernel in the interpret mode, with the race detector: rows below
+  `live` are src[index], bit for bit; rows past it are never written (the interpreter
+  fills unwritten output with NaN); a row is split into column blocks when two stages
+  of whole rows exceed the shared-memory budget."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  import pallas_kernels.row_gather as rg
+  rng = np.random.default_rng(live)
+  src = jnp.asarray(rng.standard_normal((40, hidden)), jnp.bfloat16)
+  index = jnp.asarray(rng.integers(0, 40, 70), jnp.int32)
+  assert rg.column_blocking(hidden, 2, rows_per_tile, budget) == blocking
+  out = rg.gather_live_rows(src, index, jnp.int32(live), out_rows=80,
+                            rows_per_tile=rows_per_tile, num_ctas=3, stage_budget_bytes=budget,
+                            interpret=plgpu.InterpretGPUParams(detect_races=True))
+  out = np.asarray(out.astype(jnp.float32))
+  want = np.asarray(src.astype(jnp.float32))[np.asarray(index)]
+  np.testing.assert_array_equal(out[:live], want[:live])
+  assert np.isnan(out[live:]).all()
+
+
+def test_uniep_layer_with_dedup_lowers_for_cuda():
+  """backend "uniep" with dedup_tokens lowers for CUDA on this CPU-only machine: v1's
+  10 Mosaic GPU kernels plus the live-rows gather (the forward transfer now moves
+  unique rows; the backward is v1's)."""
+  from test_moe import lower_uniep_layer_for_cuda
+  text = lower_uniep_layer_for_cuda(UniEPConfig(backend="uniep", dedup_tokens=True), 128)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 11

@@ -1,0 +1,209 @@
+"""Token de-duplication: the dispatch sends each token once per destination rank.
+
+A token's K experts often share an owner (K=8 over R=4 ranks: ~3.6 distinct
+ranks per token), and every expert of one owner gets the same row x[t]. With
+`UniEPConfig.dedup_tokens` the dispatch moves one copy per (token, destination
+rank), and the owner copies it to the receive layout rows of its experts
+(`expand`): the dispatch's bytes drop from T*K rows to sum_d U[me, d] <= T*min(R, K)
+rows per rank. The receive layout, and so every later step, is unchanged, row for
+row: the bits are those of the plain dispatch (rows are copied, never summed).
+
+Only the forward dispatch of x is de-duplicated. Its backward pass (the return
+of each slot's dX row, then the sum over the K slots at home in slot order) is
+the plain dispatch's: a pre-sum on the owner would change the sum order that the
+determinism contract fixes.
+
+Notation as in `layout.py` (this rank `me`, R ranks, T tokens, K slots, El local
+experts). Orders:
+
+1. Unique send order (source): pairs (token t, destination d) with at least one
+   of t's experts on d, ordered by (d, t). Rows for d are the slice
+   [unique_send_offsets[d], + unique_send_counts[d]) of `unique_tokens`.
+2. U[s, d] (int32 [R, R]): rows source s sends to d, all-gathered together with
+   every sorted row's position inside its (token, destination) block
+   (`unique_position`): one int32 all_gather of [R + T*K] per rank.
+3. Unique receive buffer (owner): source-major, rows from s in token order;
+   packed (block of s at sum_{s'<s} U[s', me]) for "ragged"/"nvlink", one slot of
+   T rows per source for "padded".
+4. Expand: receive layout row p (local expert le, source s, token t, slot k)
+   copies unique row (s, expand_position[p]). Rows of one (le, s) block are
+   distinct tokens, so the copy is one read per receive row.
+
+A receive bound (`receive_capacity_factor`) still applies to the receive layout;
+the unique receive buffer is dropless (R*T rows) and rows it holds for dropped
+assignments are simply not copied.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from uniep_jax.dispatch import (_RETURN, _replicate_bwd, _take_rows, _zero_plan_cotangent,
+                                _zeros_varying_like, as_received, sum_to_type_of)
+from uniep_jax.layout import DispatchPlan, _exclusive_cumsum
+from uniep_jax.ragged import enumerate_runs
+
+
+@flax.struct.dataclass
+class DedupPlan:
+  # --- source side ---
+  unique_tokens: jax.Array        # [T*min(R,K)] int32: token of unique send row u (0 past the live)
+  unique_send_counts: jax.Array   # [R] int32: unique rows sent to each destination (U[me, :])
+  unique_send_offsets: jax.Array  # [R] int32: start of destination d's rows in unique_tokens
+  # --- global ---
+  unique_counts: jax.Array        # [R, R] int32: U[src, dst]
+  # --- destination side ---
+  unique_recv_offsets: jax.Array  # [R] int32: packed start of source s's rows (sum_{s'<s} U[s', me])
+  unique_output_offsets: jax.Array  # [R] int32: where my rows land in d's packed buffer
+  expand_position: jax.Array      # [recv_rows] int32: receive row p -> index inside its
+                                  #   source's unique block (0 for dead rows)
+
+
+def unique_send_rows(num_tokens: int, top_k: int, num_ranks: int) -> int:
+  """Static size of the unique send order: a token has at most min(R, K) owners."""
+  return num_tokens * min(num_ranks, top_k)
+
+
+def local_unique_routing(topk_experts: jax.Array, plan: DispatchPlan, num_local_experts: int):
+  """This rank's part of the de-duplication, before the all_gather.
+
+  Returns (present [T, R] bool: token t has an expert on rank d; payload [R + T*K]
+  int32 for the all_gather: U[me, :] then, for every sorted row q, the position of
+  its (token, destination) pair inside the destination's unique block)."""
+  t, k = topk_experts.shape
+  r = plan.send_counts.shape[0]
+  dest = topk_experts.astype(jnp.int32) // num_local_experts                  # [T, K]
+  present = jnp.any(dest[:, :, None] == jnp.arange(r, dtype=jnp.int32), axis=1)  # [T, R]
+  counts = jnp.sum(present, axis=0, dtype=jnp.int32)                          # [R]
+  position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present           # [T, R] exclusive
+  token_of_sorted = plan.sort_order // k
+  dest_of_sorted = plan.sorted_experts // num_local_experts
+  unique_position = position[token_of_sorted, dest_of_sorted]                 # [T*K]
+  return present, jnp.concatenate([counts, unique_position])
+
+
+def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan, rank,
+                    top_k: int) -> DedupPlan:
+  """The `DedupPlan` of EP rank `rank` from `present` (`local_unique_routing`) and
+  `gathered` [R, R + T*K] (every rank's payload, all-gathered over the expert axis)."""
+  t, r = present.shape
+  rank = jnp.asarray(rank, jnp.int32)
+  u = gathered[:, :r]                                                         # [src, dst]
+  unique_position = gathered[:, r:]                                           # [src, T*K]
+  counts = present.sum(axis=0, dtype=jnp.int32)
+  send_offsets = _exclusive_cumsum(counts)
+  # unique_tokens: slot i of the (d, t) order holds the u-th present token of d
+  size = unique_send_rows(t, top_k, r)
+  d, within, valid = enumerate_runs(counts, size)
+  inclusive = jnp.cumsum(present, axis=0, dtype=jnp.int32)                    # [T, R]
+  nth = jax.vmap(lambda col: jnp.searchsorted(col, jnp.arange(t, dtype=jnp.int32),
+                                              side="right"), in_axes=1)(inclusive)  # [R, T]
+  unique_tokens = jnp.where(valid, nth[d, jnp.minimum(within, t - 1)], 0).astype(jnp.int32)
+  # owner side
+  incoming = jax.lax.dynamic_index_in_dim(u, rank, axis=1, keepdims=False)    # [src]
+  recv_offsets = _exclusive_cumsum(incoming)
+  before_me = jnp.sum(jnp.where(jnp.arange(r)[:, None] < rank, u, 0), axis=0)  # [dst]
+  # receive row p from source s, index i in s's block for me: s's sorted row
+  # (s's rows for ranks < me) + i; its unique position was gathered
+  cm = plan.count_matrix
+  el = cm.shape[1] // r
+  rows_before = jnp.sum(jnp.where(jnp.arange(cm.shape[1])[None, :] < rank * el, cm, 0), axis=1)
+  sorted_row = rows_before[plan.recv_source] + plan.recv_index_in_source
+  expand_position = jnp.where(
+      plan.recv_valid,
+      unique_position[plan.recv_source, jnp.clip(sorted_row, 0, unique_position.shape[1] - 1)],
+      0).astype(jnp.int32)
+  return DedupPlan(unique_tokens=unique_tokens, unique_send_counts=counts,
+                   unique_send_offsets=send_offsets.astype(jnp.int32),
+                   unique_counts=u.astype(jnp.int32),
+                   unique_recv_offsets=recv_offsets.astype(jnp.int32),
+                   unique_output_offsets=before_me.astype(jnp.int32),
+                   expand_position=expand_position)
+
+
+# ---------------------------------------------------------------------------
+# Transports: unique rows -> the owners' unique receive buffers -> receive layout.
+# ---------------------------------------------------------------------------
+def _dedup_padded(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
+  t, h = x.shape
+  r = plan.send_counts.shape[0]
+  q = jnp.arange(t, dtype=jnp.int32)
+  at = dplan.unique_send_offsets[:, None] + q[None, :]                       # [R, T]
+  valid = q[None, :] < dplan.unique_send_counts[:, None]
+  tokens = dplan.unique_tokens[jnp.minimum(at, dplan.unique_tokens.shape[0] - 1)]
+  buf = _take_rows(x, tokens.reshape(-1), valid.reshape(-1)).reshape(r, t, h)
+  got = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)                 # [R(src), T, H]
+  flat = plan.recv_source * t + dplan.expand_position
+  return _take_rows(got.reshape(r * t, h), flat, plan.recv_valid)
+
+
+def _dedup_ragged(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
+  t, h = x.shape
+  r = plan.send_counts.shape[0]
+  rows = jnp.take(x, dplan.unique_tokens, axis=0)                            # [T*min(R,K), H]
+  incoming = dplan.unique_counts[:, jax.lax.axis_index(axis_name)]
+  packed = jax.lax.ragged_all_to_all(
+      rows, _zeros_varying_like(rows, (r * t, h)), dplan.unique_send_offsets,
+      dplan.unique_send_counts, dplan.unique_output_offsets, incoming, axis_name=axis_name)
+  flat = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
+  return _take_rows(packed, flat, plan.recv_valid)
+
+
+def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
+  from pallas_kernels.ep_transfer import transfer_segments  # GPU kernels, lazy
+  from pallas_kernels.row_gather import gather_live_rows
+  t, h = x.shape
+  r = plan.send_counts.shape[0]
+  rows = jnp.take(x, dplan.unique_tokens, axis=0)                            # [T*min(R,K), H]
+  column = lambda a: a[:, None]  # noqa: E731  one segment per destination
+  unique = transfer_segments(rows, column(dplan.unique_send_offsets),
+                             column(dplan.unique_output_offsets),
+                             column(dplan.unique_send_counts), out_rows=r * t, config=transfer,
+                             axis_name=axis_name)                            # [R*T, H] packed
+  index = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
+  recv = gather_live_rows(unique, index, plan.num_received, out_rows=plan.recv_valid.shape[0])
+  return as_received(recv, plan)
+
+
+_DEDUP = {"padded": _dedup_padded, "ragged": _dedup_ragged, "nvlink": _dedup_nvlink}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def dispatch_unique(x, plan: DispatchPlan, dplan: DedupPlan, top_k, axis_name,
+                    num_local_experts, transport, transfer):
+  """x [T, H] -> receive layout [recv_rows, H], each (token, owner) pair sent once;
+  the same rows as `dispatch.dispatch`, and its backward pass."""
+  return _DEDUP[transport](x, plan, dplan, axis_name, transfer)
+
+
+def _dispatch_unique_fwd(x, plan, dplan, top_k, axis_name, num_local_experts, transport,
+                         transfer):
+  out = _DEDUP[transport](x, plan, dplan, axis_name, transfer)
+  return out, (plan, dplan, x[:0])
+
+
+def _dispatch_unique_bwd(top_k, axis_name, num_local_experts, transport, transfer, res, ct):
+  # The plain dispatch's backward pass, op for op: the return of every slot's row
+  # (`send_rows`' transpose), the inverse permutation (`sort_rows`' `permute_rows`),
+  # then the K slots of a token summed in slot order (`replicate_slots`).
+  plan, dplan, x_like = res
+  rows_sorted = _RETURN[transport](ct, plan, axis_name, num_local_experts, transfer)
+  every = jnp.ones(plan.sorted_position.shape, bool)
+  slots = sum_to_type_of(_take_rows(rows_sorted, plan.sorted_position, every), x_like)
+  (dx,) = _replicate_bwd(top_k, None, slots)
+  return (dx, _zero_plan_cotangent(plan), _zero_plan_cotangent(dplan))
+
+
+dispatch_unique.defvjp(_dispatch_unique_fwd, _dispatch_unique_bwd)
+
+
+def plan_dedup(topk_experts: jax.Array, plan: DispatchPlan, *, axis_name, num_local_experts,
+               top_k: int) -> DedupPlan:
+  """The `DedupPlan` inside a shard_map over `axis_name` (one small all_gather)."""
+  present, payload = local_unique_routing(topk_experts, plan, num_local_experts)
+  gathered = jax.lax.all_gather(payload, axis_name)                           # [R, R + T*K]
+  return make_dedup_plan(present, gathered, plan, jax.lax.axis_index(axis_name), top_k)
