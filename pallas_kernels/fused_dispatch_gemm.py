@@ -143,7 +143,7 @@ from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.ep_transfer import move_items
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig  # noqa: F401 (FusedConfig re-exported)
-from uniep_jax.ragged import block_pieces, enumerate_runs
+from uniep_jax.ragged import SEARCH_METHOD, block_pieces, enumerate_runs
 
 
 # ----------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, item_row
     order = jnp.argsort(i_chunk, stable=True)                       # chunk k before k + 1
     i_chunk = i_chunk[order]
     chunk_start = jnp.searchsorted(i_chunk, jnp.arange(num_chunks + 1, dtype=jnp.int32),
-                                   side="left").astype(jnp.int32)   # [C + 1]
+                                   side="left", method=SEARCH_METHOD).astype(jnp.int32)  # [C + 1]
     return jnp.concatenate([i_src[order], i_dst[order], rows[order], chunk_start])
 
   lists = jax.vmap(one)(seg_src, seg_dst, seg_len)                  # [R, 3W + C + 1]

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from uniep_jax.dispatch import (_RETURN, _replicate_bwd, _take_rows, _zero_plan_cotangent,
                                 _zeros_varying_like, as_received, sum_to_type_of)
 from uniep_jax.layout import DispatchPlan, _exclusive_cumsum
-from uniep_jax.ragged import enumerate_runs
+from uniep_jax.ragged import SEARCH_METHOD, enumerate_runs
 
 
 @flax.struct.dataclass
@@ -101,7 +101,8 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
   d, within, valid = enumerate_runs(counts, size)
   inclusive = jnp.cumsum(present, axis=0, dtype=jnp.int32)                    # [T, R]
   nth = jax.vmap(lambda col: jnp.searchsorted(col, jnp.arange(t, dtype=jnp.int32),
-                                              side="right"), in_axes=1)(inclusive)  # [R, T]
+                                              side="right", method=SEARCH_METHOD),
+               in_axes=1)(inclusive)                                       # [R, T]
   unique_tokens = jnp.where(valid, nth[d, jnp.minimum(within, t - 1)], 0).astype(jnp.int32)
   # owner side
   incoming = jax.lax.dynamic_index_in_dim(u, rank, axis=1, keepdims=False)    # [src]
