@@ -205,14 +205,15 @@ class Transformer(nnx.Module):
   def __init__(self, c: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
                backend: str = "xla_dropless", capacity_factor: float = 1.25,
                swiglu_grad_in_kernel: Optional[bool] = None,
-               kernel_stages: Optional[int] = None, fused: bool = False, rngs: nnx.Rngs):
+               kernel_stages: Optional[int] = None, fused: bool = False,
+               dedup_tokens: bool = False, rngs: nnx.Rngs):
     self.c, self.mesh = c, mesh
     self.dtype = jnp.dtype(c.dtype)
     kernel = (KernelConfig() if kernel_stages is None
               else KernelConfig(max_concurrent_steps=kernel_stages))
     moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor,
                              swiglu_grad_in_kernel=swiglu_grad_in_kernel, kernel=kernel,
-                             fused=TRAIN_FUSED if fused else None)
+                             fused=TRAIN_FUSED if fused else None, dedup_tokens=dedup_tokens)
     kw = sharding_metadata((None, None), mesh)
     self.embed = nnx.Param(fan_in_normal(rngs.params(), (c.vocab_size, c.d_model), c.d_model,
                                           jnp.float32), **kw)

@@ -437,9 +437,10 @@ def test_kernel_stages_reach_the_moe_layers():
   model = loop.build_model(cfg, s.model_cfg, s.mesh)
   configs = [m.config for m in model.moe_modules()]
   assert configs and all(c.kernel.max_concurrent_steps == 2 for c in configs)
-  assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, kernel_stages=2, fused=False)
+  assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, kernel_stages=2, fused=False,
+                                       dedup_tokens=False)
   assert loop.moe_options(TrainConfig(backend="uniep")) == dict(
-      swiglu_grad_in_kernel=True, kernel_stages=3, fused=False)
+      swiglu_grad_in_kernel=True, kernel_stages=3, fused=False, dedup_tokens=False)
   assert loop.moe_options(TrainConfig(backend="xla_dropless")) == {}
 
 
@@ -456,6 +457,20 @@ def test_fused_kernels_reach_the_moe_layers():
   assert configs and all(c.fused == TRAIN_FUSED for c in configs)
   assert TRAIN_FUSED.wgrad_return_ctas and not TRAIN_FUSED.return_in_kernel
   assert loop.moe_options(cfg)["fused"] is True
+
+
+def test_dedup_tokens_reaches_the_moe_layers():
+  from train.config import TrainConfig, parse_args
+  with pytest.raises(ValueError, match="dedup_tokens is only for the dropless backends"):
+    TrainConfig(backend="xla_capacity", dedup_tokens=True)
+  with pytest.raises(ValueError, match="drop --fused or --dedup-tokens"):
+    TrainConfig(backend="uniep", fused=True, dedup_tokens=True)
+  cfg = parse_args(["--dedup-tokens", "--mesh", "data=2,expert=4"])
+  s = loop.make_setup(cfg)
+  configs = [m.config for m in loop.build_model(cfg, s.model_cfg, s.mesh).moe_modules()]
+  assert configs and all(c.dedup_tokens for c in configs)
+  assert loop.moe_options(cfg) == dict(dedup_tokens=True)
+  assert not parse_args([]).dedup_tokens
 
 
 def test_swiglu_grad_in_kernel_needs_a_pallas_backend():

@@ -29,6 +29,7 @@ class TrainConfig:
   swiglu_grad_in_kernel: Optional[bool] = None  # UniEPConfig.swiglu_grad_in_kernel (None: on for pallas/uniep)
   kernel_stages: Optional[int] = None  # KernelConfig.max_concurrent_steps (pallas/uniep; None: its default)
   fused: bool = False  # uniep: the v2 fused kernels (models.transformer.TRAIN_FUSED; EXPERIMENTAL)
+  dedup_tokens: bool = False  # UniEPConfig.dedup_tokens: each token dispatched once per owner rank
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -79,6 +80,12 @@ class TrainConfig:
     if self.fused and self.swiglu_grad_in_kernel is False:
       raise ValueError("fused (its backward computes dh, du in the da GEMM's epilogue) needs "
                        "the SwiGLU derivative in the kernel: drop --no-swiglu-grad-in-kernel")
+    if self.dedup_tokens and self.backend not in ("xla_dropless", "pallas", "uniep"):
+      raise ValueError(f"dedup_tokens is only for the dropless backends (xla_dropless, pallas, "
+                       f"uniep), got backend={self.backend!r}")
+    if self.dedup_tokens and self.fused:
+      raise ValueError("dedup_tokens applies to the v1 dispatch, not to the fused kernels: "
+                       "drop --fused or --dedup-tokens")
     if self.kernel_stages is not None:
       if self.backend not in ("pallas", "uniep"):
         raise ValueError(f"kernel_stages is only for --backend pallas or uniep, got "
@@ -145,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     help="uniep, EXPERIMENTAL: the v2 fused kernels (the dispatch inside the gate/up GEMM's "
          "launch, the backward's dX return inside the dw_gate_up wgrad's; "
          "models.transformer.TRAIN_FUSED)")
+  a("--dedup-tokens", action="store_true",
+    help="dropless backends: the dispatch sends each token once per owner rank, not once per "
+         "expert there (UniEPConfig.dedup_tokens; the same bits, fewer bytes)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")

@@ -89,19 +89,20 @@ def moe_options(cfg: TrainConfig) -> dict:
   """The Pallas expert FFN's options this run resolves to (defaults included), for
   the log and summary.json: a resumed or compared run shows what produced its bits."""
   if cfg.backend not in ("pallas", "uniep"):
-    return {}
+    return dict(dedup_tokens=True) if cfg.dedup_tokens else {}
   from uniep_jax.config import KernelConfig, UniEPConfig
   stages = KernelConfig().max_concurrent_steps if cfg.kernel_stages is None else cfg.kernel_stages
   c = UniEPConfig(backend=cfg.backend, swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel)
   return dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, kernel_stages=stages,
-              fused=cfg.fused)
+              fused=cfg.fused, dedup_tokens=cfg.dedup_tokens)
 
 
 def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
   """The model that `cfg` trains (its MoE options), initialised from cfg.seed."""
   return Transformer(model_cfg, mesh=mesh, backend=cfg.backend, capacity_factor=cfg.capacity_factor,
                      swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
-                     kernel_stages=cfg.kernel_stages, fused=cfg.fused, rngs=nnx.Rngs(cfg.seed))
+                     kernel_stages=cfg.kernel_stages, fused=cfg.fused,
+                     dedup_tokens=cfg.dedup_tokens, rngs=nnx.Rngs(cfg.seed))
 
 
 def make_setup(cfg: TrainConfig) -> Setup:
@@ -432,7 +433,7 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   _log(f"mesh {dict(s.mesh.shape)} on {len(s.mesh.devices.flat)} {jax.devices()[0].platform} devices{procs}; "
        f"backend {cfg.backend}; batch {cfg.batch}x{cfg.seq} tokens; aux-free bias rate {s.bias_rate}")
   moe = moe_options(cfg)
-  if cfg.backend in ("pallas", "uniep"):
+  if moe:
     _log("expert FFN: " + ", ".join(f"{k} {v}" for k, v in moe.items()))
   _log(f"data: {data.description}; train {len(data.train)} / held-out {len(data.heldout)} tokens; "
        f"unigram entropy {h_uni:.4f} nats/token = {h_uni / LN2:.4f} bits/token")
