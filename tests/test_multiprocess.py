@@ -87,7 +87,7 @@ def test_training_two_processes_match_one_with_resume(tmp_path):
   """1 x 8 devices for 3 steps == 2 x 4 devices for 2 steps, checkpoint, resume, 1 more."""
   text = tmp_path / "corpus.txt"
   text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(3000)))
-  common = ["--steps", "3", "--warmup", "1", "--batch", "8", "--seq", "32", "--eval-every", "2",
+  common = ["--n-layers", "1", "--steps", "3", "--warmup", "1", "--batch", "8", "--seq", "32", "--eval-every", "2",
             "--eval-batches", "1", "--data", str(text), "--no-progress", "--no-plot"]
   r = _run("-m", "train", *common, "--out", str(tmp_path / "single"))
   assert r.returncode == 0, r.stdout + r.stderr

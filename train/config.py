@@ -23,6 +23,7 @@ DEFAULT_GRAD_BUCKETS = 3
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   config: str = "tiny"  # model config name (models.CONFIGS)
+  n_layers: Optional[int] = None  # overrides the model config's layer count
   mesh: str = "data=2,expert=4"
   backend: str = "xla_dropless"
   capacity_factor: float = 1.25
@@ -86,6 +87,8 @@ class TrainConfig:
     if self.dedup_tokens and self.fused:
       raise ValueError("dedup_tokens applies to the v1 dispatch, not to the fused kernels: "
                        "drop --fused or --dedup-tokens")
+    if self.n_layers is not None and self.n_layers < 1:
+      raise ValueError(f"n_layers={self.n_layers} must be >= 1")
     if self.kernel_stages is not None:
       if self.backend not in ("pallas", "uniep"):
         raise ValueError(f"kernel_stages is only for --backend pallas or uniep, got "
@@ -139,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "on byte-level Python standard-library sources.")
   a = p.add_argument
   a("--config", default=d.config, help="model config name (default %(default)s)")
+  a("--n-layers", type=int, default=None,
+    help="override the model config's number of transformer blocks (e.g. a 1-block smoke run)")
   a("--mesh", default=d.mesh, help="mesh axes, e.g. data=2,expert=4; the product must equal the "
                                   "device count (CPU: that many virtual devices are created)")
   a("--backend", default=d.backend, choices=BACKEND_CHOICES, help="moe_ffn backend")

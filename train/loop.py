@@ -108,7 +108,8 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
 def make_setup(cfg: TrainConfig) -> Setup:
   shape = parse_mesh(cfg.mesh)
   try:
-    model_cfg = get_config(cfg.config, max_seq_len=cfg.seq)
+    layers = {} if cfg.n_layers is None else dict(n_layers=cfg.n_layers)
+    model_cfg = get_config(cfg.config, max_seq_len=cfg.seq, **layers)
   except ValueError as e:
     raise ConfigError(str(e)) from e
   validate_mesh(shape, num_devices=len(jax.devices()), num_experts=model_cfg.n_experts, batch=cfg.batch)
