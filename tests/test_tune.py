@@ -24,7 +24,7 @@ DEEPSEEK_BWD = T.TuneProblem(8192, 7168, 2048, 256, 8, 4, "bfloat16", "bwd")
 def _space(**kw):
   base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(3,),
               epilogue_slots=(1,), raster_rows=(None,), chunk_rows=(128,), num_ctas=(64,),
-              col_tile=(256,), fused=())
+              col_tile=(256,), fused=(), dedup_tokens=())
   base.update(kw)
   return T.SearchSpace(**base)
 
@@ -656,6 +656,42 @@ def test_stage3_fused_backward_points_only_when_the_backward_is_timed():
   # a report from before the two knobs replays with FusedConfig's defaults
   old = dict(T.DEFAULT_CANDIDATE.knobs(), n_comm=32, recv_chunk_rows=2048)
   assert T.candidate_from_knobs(old).fused == uniep_jax.FusedConfig(32, 2048)
+
+
+def test_stage3_tries_token_dedup_on_the_v1_winner(tmp_path, no_shipped_cache):
+  """SearchSpace.dedup_tokens: stage 3 times the best v1 candidate with token
+  de-duplication too (never a fused one); a dedup winner is labelled, cached and
+  resolved for a fully auto uniep config, and an explicit dedup_tokens=True keeps v1."""
+  space = _space(fused=((16, 2048),), dedup_tokens=(True,))
+  clock = FakeClock()
+  times = lambda cand: 5.0 if cand.dedup_tokens else _fused_times(cand)  # noqa: E731
+  res = T.tune(DEEPSEEK_BWD, FakeRunner(clock, times), device=HOPPER, space=space,
+               budget_s=1e9, progress=False, clock=clock)
+  fused = [t.candidate.label() for t in res.trials if t.stage == "fused"]
+  assert fused == ["m128_n128_k64_s3|c128_x64_t256|f16_b2048", "m128_n128_k64_s3|c128_x64_t256|dd"]
+  assert res.best.candidate.dedup_tokens and res.best.candidate.fused is None
+  assert T.candidate_from_knobs(res.best.candidate.knobs()) == res.best.candidate
+  with pytest.raises(T.InvalidCandidate, match="dedup_tokens applies to the v1 dispatch"):
+    T.candidate_from_knobs(dict(res.best.candidate.knobs(), n_comm=16, recv_chunk_rows=2048))
+  entry = json.loads(json.dumps(T.cache_entry(res)))
+  assert entry["dedup_tokens"] is True and T._entry_candidate(entry) == res.best.candidate
+  dev, shape = no_shipped_cache
+  user = tmp_path / "user.json"
+  T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD), entry)
+  auto = UniEPConfig(backend="uniep", kernel=None, transfer=None)
+  assert T.resolve_config(auto, device=dev, cache_path=user, **shape).dedup_tokens
+  r = T.resolve_config(UniEPConfig(backend="uniep", kernel=KernelConfig(), transfer=None),
+                       device=dev, cache_path=user, **shape)
+  assert not r.dedup_tokens
+  # an entry from before the knob: no dedup
+  del entry["dedup_tokens"]
+  assert not T._entry_candidate(entry).dedup_tokens
+  # a fused winner and an explicit dedup_tokens=True: the user's v1 dispatch wins
+  entry["fused"] = dict(n_comm=32, recv_chunk_rows=2048)
+  T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD), entry)
+  r = T.resolve_config(dataclasses.replace(auto, dedup_tokens=True), device=dev, cache_path=user,
+                       **shape)
+  assert r.dedup_tokens and r.fused is None
 
 
 def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, no_shipped_cache):

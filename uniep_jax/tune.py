@@ -57,7 +57,8 @@ Search. "staged" (default): stage 1 times every valid KernelConfig with the
 default TransferConfig; stage 2 times every valid TransferConfig with the best
 verified KernelConfig of stage 1; stage 3 times the best verified candidate so
 far with each `SearchSpace.fused` point (the v2 kernels; pruned by the kernels'
-own static checks, `check_fused`), verified like the rest. "grid": the whole
+own static checks, `check_fused`) and, if it runs v1, with token de-duplication
+(`SearchSpace.dedup_tokens`), verified like the rest. "grid": the whole
 kernel x transfer product, no stage 3. Within a stage the
 default comes first, then candidates by the number of knobs that differ from
 the default (one-knob neighbours first). Compile failures are recorded and
@@ -235,6 +236,7 @@ class Candidate:
   kernel: KernelConfig
   transfer: TransferConfig
   fused: Optional[FusedConfig] = None   # the v2 fused kernels (stage 3); None: v1
+  dedup_tokens: bool = False            # v1 with token de-duplication (stage 3)
 
   def label(self) -> str:
     k, t = self.kernel, self.transfer
@@ -248,6 +250,8 @@ class Candidate:
                 + ("_fbwd" if f.backward else "")
                 + (f"_dr{f.down_return_ctas}" if f.down_return_ctas else "")
                 + (f"_rbw{f.wgrad_return_ctas}" if f.wgrad_return_ctas else ""))
+    if self.dedup_tokens:
+      label += "|dd"
     return label
 
   def knobs(self) -> dict:
@@ -260,6 +264,8 @@ class Candidate:
                  col_tile=self.transfer.col_tile)
     if self.fused is not None:
       knobs.update(dataclasses.asdict(self.fused))   # FUSED_KNOBS
+    if self.dedup_tokens:
+      knobs["dedup_tokens"] = True
     return knobs
 
 
@@ -299,7 +305,10 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
       fused = FusedConfig(**{k: knobs[k] for k in FUSED_KNOBS if k in knobs})
     except ValueError as e:
       raise InvalidCandidate(f"FusedConfig: {e}") from None
-  return Candidate(kernel, transfer, fused)
+  dedup = bool(knobs.get("dedup_tokens", False))
+  if dedup and fused is not None:
+    raise InvalidCandidate("dedup_tokens applies to the v1 dispatch, not to the fused kernels")
+  return Candidate(kernel, transfer, fused, dedup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +340,10 @@ class SearchSpace:
                             (16, 2048, False, True), (8, 2048, False, True),
                             (32, 2048, True, True), (16, 2048, False, False, 16),
                             (16, 2048, False, True, 16), (16, 1024, False, False, 16))
+  # Stage 3 also times the best v1 candidate with token de-duplication (the same bits,
+  # fewer dispatched rows; 4x H200 fwd+bwd: qwen3-like 12.82 -> 12.53 ms, deepseek-like
+  # 43.40 -> 42.37, moe_layer_NVIDIA_H200_ep4_run13_dedup_unrolled_partial.json). (): off.
+  dedup_tokens: Sequence[bool] = (True,)
 
   def points(self) -> Iterable[dict]:
     names = KERNEL_KNOBS + TRANSFER_KNOBS
@@ -459,7 +472,8 @@ def check_fused(cand: Candidate, problem: TuneProblem, device: DeviceFacts) -> N
 
 def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
                      device: DeviceFacts) -> tuple[list, list]:
-  """Stage 3: `base` with each fused point of `space`; (valid, rejected with reasons)."""
+  """Stage 3: `base` with each fused point of `space`, and (v1 bases) with token
+  de-duplication; (valid, rejected with reasons)."""
   valid, rejected = [], []
   for point in space.fused:
     knobs = dict(base.knobs(), **dict(zip(FUSED_KNOBS, point)))
@@ -472,6 +486,8 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
       rejected.append(dict(knobs=knobs, reason=str(e)))
       continue
     valid.append(cand)
+  if True in space.dedup_tokens and base.fused is None and not base.dedup_tokens:
+    valid.append(dataclasses.replace(base, dedup_tokens=True))
   return valid, rejected
 
 
@@ -690,12 +706,13 @@ class LayerRunner:
     return jax.jit(init, out_shardings=out)(jax.random.key(seed))
 
   def _config(self, backend: str, kernel: KernelConfig, transfer: TransferConfig,
-              fused: Optional[FusedConfig] = None) -> UniEPConfig:
+              fused: Optional[FusedConfig] = None, dedup_tokens: bool = False) -> UniEPConfig:
     if self.num_sms is not None:
       kernel = dataclasses.replace(kernel, num_sms=self.num_sms)
     transport = "padded" if backend == "pallas" else None
     return UniEPConfig(backend=backend, kernel=kernel, transfer=transfer, transport=transport,
-                       fused=fused if backend == "uniep" else None)
+                       fused=fused if backend == "uniep" else None,
+                       dedup_tokens=dedup_tokens and backend == "uniep")
 
   def _jitted(self, cfg: UniEPConfig):
     """The jitted layer for `cfg`: forward, or loss value and gradients for "bwd"."""
@@ -717,7 +734,7 @@ class LayerRunner:
                    else jax.value_and_grad(loss, argnums=(0, 1)))
 
   def _candidate_config(self, cand: Candidate) -> UniEPConfig:
-    return self._config(self.backend, cand.kernel, cand.transfer, cand.fused)
+    return self._config(self.backend, cand.kernel, cand.transfer, cand.fused, cand.dedup_tokens)
 
   def _compile(self, cfg: UniEPConfig):
     t0 = time.perf_counter()
@@ -1080,7 +1097,7 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
     if not later:
       pass
     elif "transfer" not in stages:
-      if space.fused and best is not None:
+      if (space.fused or True in space.dedup_tokens) and best is not None:
         run_fused(best.candidate)
     else:
       if best is None:
@@ -1090,7 +1107,7 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
         stage2 = [c for c in enum.candidates
                   if c.kernel == bk and c.transfer != dt]
         # stage 3 (fused kernels) gets half of what is left after stage 1
-        fused_next = bool(space.fused) and "fused" in stages
+        fused_next = bool(space.fused or True in space.dedup_tokens) and "fused" in stages
         search.run(cap(stage2), "transfer", deadline=(
             None if not fused_next else start + budget_s * (1 + stage1_fraction) / 2))
         best = best_trial(search.trials + carried(search))
@@ -1136,7 +1153,8 @@ def user_cache_path(path=None) -> Optional[str]:
 def _entry_candidate(entry: dict) -> Candidate:
   fused = entry.get("fused")
   return Candidate(KernelConfig(**entry["kernel"]), TransferConfig(**entry["transfer"]),
-                   FusedConfig(**fused) if fused else None)
+                   FusedConfig(**fused) if fused else None,
+                   bool(entry.get("dedup_tokens", False)))   # older entries: False
 
 
 def lookup(problem: TuneProblem, device_kind: str, *, cache_path=None):
@@ -1202,7 +1220,10 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
   # A tuned winner with the v2 fused kernels (verified bitwise against "pallas" by
   # the tuner) is taken only when the whole config is auto, for backend "uniep".
   fully_auto = config.kernel is None and config.transfer is None and config.fused is None
-  fused = cand.fused if fully_auto and config.backend == "uniep" else config.fused
+  take_tuned = fully_auto and config.backend == "uniep"
+  # an explicit dedup_tokens=True keeps the v1 dispatch (it excludes the fused kernels)
+  fused = cand.fused if take_tuned and not config.dedup_tokens else config.fused
+  dedup = config.dedup_tokens or (take_tuned and cand.dedup_tokens)
   if fused is not None and fused.backward and config.swiglu_grad_in_kernel is False:
     # the fused backward computes dh, du in the da epilogue: the user asked for XLA's
     fused = dataclasses.replace(fused, backward=False)
@@ -1210,7 +1231,7 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
       config,
       kernel=config.kernel if config.kernel is not None else cand.kernel,
       transfer=config.transfer if config.transfer is not None else cand.transfer,
-      fused=fused)
+      fused=fused, dedup_tokens=dedup)
 
 
 def cache_entry(result: TuneResult, git_commit: Optional[str] = None,
@@ -1229,6 +1250,7 @@ def cache_entry(result: TuneResult, git_commit: Optional[str] = None,
   fused = best.candidate.fused
   return dict(kernel=k, transfer=dataclasses.asdict(best.candidate.transfer),
               fused=dataclasses.asdict(fused) if fused is not None else None,
+              dedup_tokens=best.candidate.dedup_tokens,
               median_ms=best.median_ms, default_ms=spread["default_ms"] if spread else None,
               backend=result.backend, strategy=result.strategy, counts=result.counts(),
               device_count=result.problem.ep, git_commit=git_commit,
