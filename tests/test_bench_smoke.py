@@ -111,7 +111,7 @@ def test_train_throughput_backend_options():
 
 
 def test_train_throughput_times_a_case(tmp_path):
-  train_throughput.main(["--models", "tiny", "--layers", "0", "--meshes", "data=2,expert=4",
+  train_throughput.main(["--models", "tiny", "--layers", "1", "--meshes", "data=2,expert=4",
                          "--backends", "xla_dropless", "--batch", "8", "--seq", "32",
                          "--steps", "2", "--warmup", "1", "--det-steps", "0",
                          "--grad-reduction", "ordered", "--out", str(tmp_path)])

@@ -15,7 +15,7 @@ from train import loop
 from train.config import TrainConfig
 from uniep_jax.ordered_reduce import ordered_psum
 
-SMALL = dict(config="tiny", batch=8, seq=32, steps=12, warmup=2, lr=3e-3, eval_every=6,
+SMALL = dict(config="tiny", n_layers=2, batch=8, seq=32, steps=12, warmup=2, lr=3e-3, eval_every=6,
              eval_batches=1, progress=False, plot=False, out="unused")
 
 

@@ -453,11 +453,13 @@ def test_moe_ffn_auto_uses_the_cache(tmp_path, monkeypatch):
   T.update_cache(user, T.cache_key(jax.devices()[0].device_kind, problem),
                  _entry(tuned, TransferConfig(32, 64, 8)))
   monkeypatch.setenv(T.CACHE_ENV, os.fspath(user))
-  auto = UniEPConfig(backend="pallas", kernel=None, transfer=None)
-  uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=auto)
+  # jitted: the config is resolved while tracing (op-by-op dispatch of the layer on 8
+  # virtual devices took ~35 s of the suite)
+  layer = lambda cfg: jax.jit(lambda x, p: uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2,  # noqa: E731
+                                                             config=cfg)[0])(x, p)
+  layer(UniEPConfig(backend="pallas", kernel=None, transfer=None))
   assert seen[-1] == tuned
-  explicit = UniEPConfig(backend="pallas", kernel=KernelConfig(num_sms=4))
-  uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=explicit)
+  layer(UniEPConfig(backend="pallas", kernel=KernelConfig(num_sms=4)))
   assert seen[-1] == KernelConfig(num_sms=4)
 
 
