@@ -100,7 +100,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
-from pallas_kernels.tma import ladder_store
+from pallas_kernels.tma import ladder_store, two_stage_copy_loop
 from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
 from uniep_jax.ragged import enumerate_runs
 
@@ -153,27 +153,13 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
     plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(load_row(at), item_rows), pl.ds(col, col_tile)],
                             stage_smem.at[stage], load_barrier.at[stage])
 
-  @pl.when(steps > 0)
-  def _():
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
-    load(0, 0)
-
-  def step(s, carry):
-    stage = lax.rem(s, 2)
-    plgpu.barrier_wait(load_barrier.at[stage])
-
-    @pl.when(s + 1 < steps)
-    def _():
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
-      load(s + 1, 1 - stage)
-
+  def store(s, stage):
     at, col = item_col(s)
     ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
                  work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
                  item_rows)
-    return carry
 
-  lax.fori_loop(0, steps, step, 0)
+  two_stage_copy_loop(steps, load, store, load_barrier)
 
 
 def transfer_semaphores(num_ctas: int):

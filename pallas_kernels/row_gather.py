@@ -36,7 +36,8 @@ Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
   load_barrier[s] (num_arrivals = G): the G row loads of one tile into stage s each
       arrive once with their bytes; the CTA waits on it before storing the tile.
       Every load group is waited exactly once (phases alternate per stage).
-  stage reuse: before loading tile i + 1 into stage 1 - s the CTA waits
+  stage reuse (`tma.two_stage_copy_loop`, shared with ep_transfer.py): before loading
+      tile i + 1 into stage 1 - s the CTA waits
       `wait_smem_to_gmem(0, wait_read_only=True)`: the store of tile i - 1 (the
       only one issued from that stage) has finished reading it.
   end: `wait_smem_to_gmem(0)`: every store of the CTA has landed before the kernel
@@ -58,7 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
-from pallas_kernels.tma import ladder_store
+from pallas_kernels.tma import ladder_store, two_stage_copy_loop
 
 ROWS_PER_TILE = 16
 # Two stages per CTA must fit with room to spare (Hopper: 227 KiB per block).
@@ -103,25 +104,12 @@ def _gather_body(table_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
       plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(b0, nb)],
                               stage_smem.at[stage, pl.ds(i, 1)], load_barrier.at[stage])
 
-  @pl.when(steps > 0)
-  def _():
-    load(0, 0)
-
-  def step(s, carry):
-    stage = lax.rem(s, 2)
-    plgpu.barrier_wait(load_barrier.at[stage])
-
-    @pl.when(s + 1 < steps)
-    def _():
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
-      load(s + 1, 1 - stage)
-
+  def store(s, stage):
     p0, b0 = tile_of(s)
     ladder_store(stage_smem.at[stage], out_gmem.at[:, pl.ds(b0, nb)], 0, p0,
                  jnp.minimum(g, live - p0), g)
-    return carry
 
-  lax.fori_loop(0, steps, step, 0)
+  two_stage_copy_loop(steps, load, store, load_barrier)
   plgpu.wait_smem_to_gmem(0)
 
 

@@ -2,8 +2,40 @@
 
 from __future__ import annotations
 
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def two_stage_copy_loop(steps, load, store, load_barrier):
+  """Steps 0 .. steps-1 of a GMEM -> SMEM -> GMEM copy through two SMEM stages:
+  `load(s, stage)` issues step s's TMA loads into `stage` (arriving on
+  load_barrier[stage]); `store(s, stage)` issues its stores from that stage.
+
+  Synchronisation: step s waits for its loads (`barrier_wait`; every load group is
+  waited exactly once, phases alternating per stage), then, before loading step
+  s + 1 into the other stage, `wait_smem_to_gmem(0, wait_read_only=True)`: the store
+  of step s - 1 (the only one issued from that stage) has finished reading it. The
+  first load waits the same way for stores issued before the loop. The caller waits
+  for its stores to land (`wait_smem_to_gmem(0)`) when it needs them complete."""
+  @pl.when(steps > 0)
+  def _():
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
+    load(0, 0)
+
+  def step(s, carry):
+    stage = lax.rem(s, 2)
+    plgpu.barrier_wait(load_barrier.at[stage])
+
+    @pl.when(s + 1 < steps)
+    def _():
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
+      load(s + 1, 1 - stage)
+
+    store(s, stage)
+    return carry
+
+  lax.fori_loop(0, steps, step, 0)
 
 
 def ladder_store(src_smem, dst_gmem, smem_start, gmem_start, count, max_rows: int, *,

@@ -109,11 +109,9 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
   recv_offsets = _exclusive_cumsum(incoming)
   before_me = jnp.sum(jnp.where(jnp.arange(r)[:, None] < rank, u, 0), axis=0)  # [dst]
   # receive row p from source s, index i in s's block for me: s's sorted row
-  # (s's rows for ranks < me) + i; its unique position was gathered
-  cm = plan.count_matrix
-  el = cm.shape[1] // r
-  rows_before = jnp.sum(jnp.where(jnp.arange(cm.shape[1])[None, :] < rank * el, cm, 0), axis=1)
-  sorted_row = rows_before[plan.recv_source] + plan.recv_index_in_source
+  # (s's rows for ranks < me, = plan.return_offsets[s]) + i; its unique position
+  # was gathered
+  sorted_row = plan.return_offsets[plan.recv_source] + plan.recv_index_in_source
   expand_position = jnp.where(
       plan.recv_valid,
       unique_position[plan.recv_source, jnp.clip(sorted_row, 0, unique_position.shape[1] - 1)],
