@@ -72,6 +72,15 @@ BACKEND_CONFIGS = {
     # token de-duplication: each (token, owner) pair sent once, the owner copies it to
     # its experts' rows (uniep_jax/dedup.py); same bits as the plain dispatch
     "uniep_dd": uniep_jax.UniEPConfig(backend="uniep", dedup_tokens=True),
+    # Kernel A (its own forward dispatch) + the de-duplicated backward dy dispatch
+    "uniep_fa_rbw_dd": uniep_jax.UniEPConfig(
+        backend="uniep", dedup_tokens=True,
+        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
+                                    wgrad_return_ctas=16)),
+    "uniep_fac_rbw_dd": uniep_jax.UniEPConfig(
+        backend="uniep", dedup_tokens=True,
+        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
+                                    down_return_ctas=16, wgrad_return_ctas=16)),
     "pallas_dd": uniep_jax.UniEPConfig(backend="pallas", transport="padded", dedup_tokens=True),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),

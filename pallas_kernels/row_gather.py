@@ -12,6 +12,9 @@ Problem
   src    [Ns, H]   rows to read (the unique receive buffer)
   index  [N] int32 out row p <- src row index[p], for p < live (index[p] in [0, Ns))
   live   int32     rows to write (a device value, <= N)
+  scale  [N] f32   optional: out row p <- dtype(scale[p] * f32(src row)), one multiply
+                   and one rounding per element, the arithmetic of XLA's
+                   `(w * dy.astype(f32)).astype(dtype)` (the backward's weighted dy rows)
   out    [out_rows, H], out_rows >= N; rows >= live are left untouched (undefined)
 
 Tiling
@@ -24,6 +27,7 @@ then the widest divisor of H / ct that fits). Tiles are numbered row tile major,
 column block minor, and dealt round robin: CTA c takes tiles c, c + num_ctas, ...
 
   GMEM src row index[p] --G TMA loads of [1, nb, ct]--> SMEM stage [G, nb, ct]
+        [scale: each row through registers, f32 multiply, rounded, back in place]
         --TMA store ladder (one box per set bit of the tile's live rows)--> GMEM out
 
 Buffers
@@ -36,6 +40,10 @@ Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
   load_barrier[s] (num_arrivals = G): the G row loads of one tile into stage s each
       arrive once with their bytes; the CTA waits on it before storing the tile.
       Every load group is waited exactly once (phases alternate per stage).
+  scale: the warpgroup rewrites stage s in place after its loads landed (the
+      barrier wait) and `commit_smem()` (proxy fence + warpgroup barrier) before the
+      store reads it; the stage's previous store finished reading before those loads
+      were issued (next point), so the rewrite races with no TMA.
   stage reuse (`tma.two_stage_copy_loop`, shared with ep_transfer.py): before loading
       tile i + 1 into stage 1 - s the CTA waits
       `wait_smem_to_gmem(0, wait_read_only=True)`: the store of tile i - 1 (the
@@ -84,8 +92,10 @@ def column_blocking(hidden: int, itemsize: int, rows_per_tile: int,
                    f"not fit twice in {budget} B of shared memory; lower rows_per_tile")
 
 
-def _gather_body(table_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
-                 rows_per_tile: int, n_blocks: int, num_ctas: int):
+def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
+                 num_ctas: int, scaled: bool):
+  scale_gmem, (out_gmem, stage_smem, load_barrier) = (
+      (refs[0], refs[1:]) if scaled else (None, refs))
   g = rows_per_tile
   nb = stage_smem.shape[2]
   live = table_gmem[0]                                   # index[p] at table_gmem[1 + p]
@@ -106,6 +116,12 @@ def _gather_body(table_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
 
   def store(s, stage):
     p0, b0 = tile_of(s)
+    if scaled:
+      for i in range(g):
+        w = scale_gmem[jnp.minimum(p0 + i, live - 1)]
+        row = stage_smem[stage, i]
+        stage_smem[stage, i] = (row.astype(jnp.float32) * w).astype(row.dtype)
+      plgpu.commit_smem()
     ladder_store(stage_smem.at[stage], out_gmem.at[:, pl.ds(b0, nb)], 0, p0,
                  jnp.minimum(g, live - p0), g)
 
@@ -113,16 +129,20 @@ def _gather_body(table_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
   plgpu.wait_smem_to_gmem(0)
 
 
-def gather_live_rows(src, index, live, *, out_rows: int, rows_per_tile: int = ROWS_PER_TILE,
-                     num_ctas: int | None = None, stage_budget_bytes: int = STAGE_BUDGET_BYTES,
-                     interpret=None):
+def gather_live_rows(src, index, live, *, out_rows: int, scale=None,
+                     rows_per_tile: int = ROWS_PER_TILE, num_ctas: int | None = None,
+                     stage_budget_bytes: int = STAGE_BUDGET_BYTES, interpret=None):
   """out[p] = src[index[p]] for p < live; a new [out_rows, H] buffer whose rows
   >= live are undefined. src [Ns, H]; index [N] int32 (N <= out_rows) with
-  index[p] in [0, Ns) for p < live; live: int32 scalar (traced is fine), <= N."""
+  index[p] in [0, Ns) for p < live; live: int32 scalar (traced is fine), <= N.
+  scale [N] float32 (optional): out[p] = (scale[p] * src[index[p]].astype(f32))
+  .astype(src.dtype) instead."""
   ns, hidden = src.shape
   n = index.shape[0]
   if index.ndim != 1 or n > out_rows:
     raise ValueError(f"index must be [N] with N <= out_rows={out_rows}, got shape {index.shape}")
+  if scale is not None and (scale.shape != (n,) or scale.dtype != jnp.float32):
+    raise ValueError(f"scale must be float32 [{n}] like index, got {scale.dtype} {scale.shape}")
   if rows_per_tile < 1 or rows_per_tile > 256 or rows_per_tile & (rows_per_tile - 1):
     raise ValueError(f"rows_per_tile={rows_per_tile} must be a power of two in [1, 256] "
                      f"(the store ladder's largest box)")
@@ -136,10 +156,10 @@ def gather_live_rows(src, index, live, *, out_rows: int, rows_per_tile: int = RO
   if interpret is None:
     interpret = device_lib.default_interpret()
   body = functools.partial(_gather_body, rows_per_tile=rows_per_tile, n_blocks=boxes // nb,
-                           num_ctas=num_ctas)
+                           num_ctas=num_ctas, scaled=scale is not None)
   kernel = plgpu.kernel(
       body,
-      kernel_name="gather_live_rows",
+      kernel_name="gather_live_rows" + ("_scaled" if scale is not None else ""),
       out_type=jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype),
       scratch_types=[plgpu.SMEM((2, rows_per_tile, nb, ct), src.dtype),
                      plgpu.Barrier(num_arrivals=rows_per_tile, num_barriers=2)],
@@ -147,4 +167,5 @@ def gather_live_rows(src, index, live, *, out_rows: int, rows_per_tile: int = RO
       grid_names=("cta",),
       interpret=interpret,
   )
-  return kernel(table, src.reshape(ns, boxes, ct)).reshape(out_rows, hidden)
+  operands = (table, src.reshape(ns, boxes, ct)) + (() if scale is None else (scale,))
+  return kernel(*operands).reshape(out_rows, hidden)

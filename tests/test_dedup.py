@@ -1,7 +1,8 @@
 """Token de-duplication (`UniEPConfig.dedup_tokens`, uniep_jax/dedup.py): each
-(token, owner) pair crosses the network once, and everything after the dispatch is
-bit for bit what the plain dispatch gives: outputs, aux values and every gradient,
-under jit, with and without a receive bound."""
+(token, owner) pair crosses the network once, in the forward's x dispatch and in the
+backward's dy dispatch (the owner weights each slot's row itself), and everything
+is bit for bit what the plain dispatch gives: outputs, aux values and every
+gradient, under jit, with and without a receive bound."""
 
 import chex
 import jax
@@ -12,7 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import uniep_jax
 from uniep_jax import UniEPConfig
-from uniep_jax.dedup import local_unique_routing, make_dedup_plan, unique_send_rows
+from uniep_jax.dedup import (local_unique_routing, make_dedup_plan, sorted_weight_bits,
+                             unique_send_rows)
 from uniep_jax.layout import local_group_sizes, make_plan
 from conftest import make_mesh
 from moe_testlib import make_params, make_x
@@ -29,14 +31,18 @@ def _routing(seed, tokens, top_k, experts=E, hot=None):
 
 @pytest.mark.parametrize("ranks,top_k,hot", [(4, 2, None), (4, 3, 5), (2, 4, None), (8, 2, 0)])
 def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot):
-  """The unique send rows are the (token, owner) pairs in (owner, token) order, and
-  each receive row's expand position names the unique row of its own token."""
+  """The unique send rows are the (token, owner) pairs in (owner, token) order, each
+  receive row's expand position names the unique row of its own token, and its
+  weight is its own slot's routing weight at the source."""
   tokens, el = 24, E // ranks
   topks = [_routing(10 * s + top_k, tokens, top_k, hot=hot) for s in range(ranks)]
+  weights = [jax.random.uniform(jax.random.key(100 + s), (tokens, top_k)) for s in range(ranks)]
   counts = jnp.stack([local_group_sizes(t, E) for t in topks])
   plans = [make_plan(t, counts, s) for s, t in enumerate(topks)]
-  local = [local_unique_routing(t, p, el) for t, p in zip(topks, plans)]
-  gathered = jnp.stack([payload for _, payload in local])
+  local = [local_unique_routing(t, p.sort_order, p.sorted_experts, ranks, el)
+           for t, p in zip(topks, plans)]
+  gathered = jnp.stack([jnp.concatenate([payload, sorted_weight_bits(w, p.sort_order)])
+                        for (_, payload), w, p in zip(local, weights, plans)])
   dplans = [make_dedup_plan(present, gathered, p, s, top_k)
             for s, ((present, _), p) in enumerate(zip(local, plans))]
   owners = [np.asarray(t) // el for t in topks]
@@ -67,6 +73,9 @@ def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot):
           int(plans[s].send_offsets[me]):int(plans[s].send_offsets[me] + plans[s].send_counts[me])]
       idx = np.asarray(p.recv_index_in_source)[:n_live][sel]
       np.testing.assert_array_equal(got_tokens, sorted_rows[idx] // top_k)
+      np.testing.assert_array_equal(np.asarray(dp.recv_weights)[:n_live][sel],
+                                    np.asarray(weights[s]).reshape(-1)[sorted_rows[idx]])
+    assert not np.asarray(dp.recv_weights)[n_live:].any()   # dead rows: weight 0
 
 
 def _moe_fns(mesh, cfg, top_k):
@@ -105,11 +114,15 @@ def test_dedup_equals_plain_dispatch_bitwise(backend, data, ep, top_k, bound, dt
   chex.assert_trees_all_equal(grad(x, p), g1)
 
 
-def _simulated_gather_live_rows(src, index, live, *, out_rows, garbage=jnp.nan):
+def _simulated_gather_live_rows(src, index, live, *, out_rows, scale=None, garbage=jnp.nan):
   """`gather_live_rows`' contract in plain JAX: rows past `live` hold garbage (the
-  kernel leaves them unwritten)."""
+  kernel leaves them unwritten); with `scale`, each row times its f32 scale, rounded
+  once."""
   p = jnp.arange(out_rows)
   rows = jnp.take(src, jnp.pad(index, (0, out_rows - index.shape[0])), axis=0, mode="clip")
+  if scale is not None:
+    w = jnp.pad(scale, (0, out_rows - index.shape[0]))
+    rows = (rows.astype(jnp.float32) * w[:, None]).astype(src.dtype)
   return jnp.where((p < live)[:, None], rows, jnp.asarray(garbage, src.dtype))
 
 
@@ -119,7 +132,10 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   transfer and the gather kernel replaced by their contracts (the kernel itself:
   test_gather_live_rows_kernel): the same outputs and gradients as the padded
   transport without de-duplication. (Interpreted kernels run at EP = 1 only: on
-  several virtual devices at once the interpreter stalls.)"""
+  several virtual devices at once the interpreter stalls.) In bfloat16, the kernels'
+  dtype: with float32 activations XLA on the CPU recomputes the f32 top-k sum y inside
+  the loss's backward fusions, differently contracted in the two programs, so dy
+  itself (cos(y) here) differs by an ulp before any dispatch (seen 2026-11-27)."""
   import pallas_kernels.ep_transfer as ep
   import pallas_kernels.row_gather as rg
   from test_moe import _simulated_transfer
@@ -128,8 +144,8 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   mesh = make_mesh(1, 4)
   axes = ("data", "expert")
   kx, kp = jax.random.split(jax.random.key(73))
-  p = make_params(kp, experts=E, hidden=H, ffn=F)
-  x = make_x(kx, 64, H)
+  p = make_params(kp, experts=E, hidden=H, ffn=F, dtype=jnp.bfloat16)
+  x = make_x(kx, 64, H, jnp.bfloat16)
   specs = uniep_jax.param_specs(p)
   x = jax.device_put(x, NamedSharding(mesh, P(axes)))
   p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
@@ -163,33 +179,41 @@ def test_dedup_config_errors_name_the_field(bad, match):
     UniEPConfig(**kw)
 
 
-@pytest.mark.parametrize("live,rows_per_tile,hidden,budget,blocking", [
-    (0, 8, 512, 8192, (256, 1)), (37, 8, 512, 8192, (256, 1)),   # 2 column blocks
-    (70, 4, 96, 1 << 20, (96, 1))])
-def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking):
+@pytest.mark.parametrize("live,rows_per_tile,hidden,budget,blocking,scaled", [
+    (0, 8, 512, 8192, (256, 1), False), (37, 8, 512, 8192, (256, 1), False),  # 2 col. blocks
+    (70, 4, 96, 1 << 20, (96, 1), False), (37, 8, 512, 8192, (256, 1), True)])
+def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking, scaled):
   """The Mosaic GPU kernel in the interpret mode, with the race detector: rows below
-  `live` are src[index], bit for bit; rows past it are never written (the interpreter
-  fills unwritten output with NaN); a row is split into column blocks when two stages
-  of whole rows exceed the shared-memory budget."""
+  `live` are src[index], bit for bit (scaled: XLA's (scale * f32(row)).astype(bf16),
+  bit for bit); rows past it are never written (the interpreter fills unwritten
+  output with NaN); a row is split into column blocks when two stages of whole rows
+  exceed the shared-memory budget."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   import pallas_kernels.row_gather as rg
   rng = np.random.default_rng(live)
   src = jnp.asarray(rng.standard_normal((40, hidden)), jnp.bfloat16)
   index = jnp.asarray(rng.integers(0, 40, 70), jnp.int32)
+  scale = jnp.asarray(rng.standard_normal(70), jnp.float32) if scaled else None
   assert rg.column_blocking(hidden, 2, rows_per_tile, budget) == blocking
-  out = rg.gather_live_rows(src, index, jnp.int32(live), out_rows=80,
+  out = rg.gather_live_rows(src, index, jnp.int32(live), out_rows=80, scale=scale,
                             rows_per_tile=rows_per_tile, num_ctas=3, stage_budget_bytes=budget,
                             interpret=plgpu.InterpretGPUParams(detect_races=True))
   out = np.asarray(out.astype(jnp.float32))
-  want = np.asarray(src.astype(jnp.float32))[np.asarray(index)]
+  want = src[index] if scale is None else jax.jit(
+      lambda a, w: (a.astype(jnp.float32) * w[:, None]).astype(a.dtype))(src[index], scale)
+  want = np.asarray(want.astype(jnp.float32))
+  if scaled:   # a real multiply: rows differ from the plain copy
+    assert not np.array_equal(want[:live], np.asarray(src[index].astype(jnp.float32))[:live])
   np.testing.assert_array_equal(out[:live], want[:live])
   assert np.isnan(out[live:]).all()
 
 
 def test_uniep_layer_with_dedup_lowers_for_cuda():
   """backend "uniep" with dedup_tokens lowers for CUDA on this CPU-only machine: v1's
-  10 Mosaic GPU kernels plus the live-rows gather (the forward transfer now moves
-  unique rows; the backward is v1's)."""
+  10 Mosaic GPU kernels plus the live-rows gather in the forward and the weighted one
+  in the backward (the forward's x transfer and the backward's dy transfer move
+  unique rows)."""
   from test_moe import lower_uniep_layer_for_cuda
   text = lower_uniep_layer_for_cuda(UniEPConfig(backend="uniep", dedup_tokens=True), 128)
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == 11
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 12
+  assert text.count("gather_live_rows_scaled") >= 1

@@ -275,13 +275,18 @@ class UniEPConfig:
     sigmoid differently); "pallas" and "uniep" give the same bits as each other
     either way. `use_swiglu_grad_in_kernel` is the resolved value.
   dedup_tokens: token de-duplication for the dropless backends ("xla_dropless",
-    "pallas", "uniep" without `fused`): the forward dispatch sends each token ONCE
-    per destination rank (not once per expert there) and the owner copies it to its
-    experts' rows (`uniep_jax/dedup.py`; on "nvlink" a Pallas gather that writes the
-    live rows only). Bytes per rank drop from T*K rows to at most T*min(R, K) (K=8,
-    R=4: ~3.6 T). Same receive layout, same bits; the backward pass is unchanged
-    (slot rows returned and summed at home in slot order). Costs one int32
-    all_gather of R + T*K per rank and a unique receive buffer of R*T rows.
+    "pallas", "uniep"): a dispatch sends each token ONCE per destination rank (not
+    once per expert there) and the owner copies it to its experts' rows
+    (`uniep_jax/dedup.py`; on "nvlink" a Pallas gather that writes the live rows
+    only). Both dispatches: the forward's x, and the backward's dy (the owner forms
+    each slot's row w * dy itself, the plain combine's multiply). Bytes per rank drop
+    from T*K rows to at most T*min(R, K) (K=8, R=4: ~3.6 T). Same receive layout,
+    same bits (16-bit activations; tests/test_dedup.py). The two returns are
+    unchanged (slot rows returned and summed at home in slot order). With `fused`
+    (Kernel A moves the forward's rows itself) only the backward's dy dispatch is
+    de-duplicated, and fused.backward must be off. Costs a larger count-matrix
+    all_gather (E + R + 2*T*K int32 per rank instead of E) and a unique receive
+    buffer of R*T rows.
   """
 
   backend: str = "xla_dropless"
@@ -325,9 +330,10 @@ class UniEPConfig:
     if self.dedup_tokens and self.backend not in ("xla_dropless", "pallas", "uniep"):
       raise ValueError(f"dedup_tokens (de-duplicated dispatch) is for the dropless backends "
                        f"'xla_dropless', 'pallas', 'uniep', got backend={self.backend!r}")
-    if self.dedup_tokens and self.fused is not None:
-      raise ValueError("dedup_tokens applies to the v1 dispatch; fused (Kernel A) moves the "
-                       "receive layout's rows itself: set fused=None or dedup_tokens=False")
+    if self.dedup_tokens and self.fused is not None and self.fused.backward:
+      raise ValueError("dedup_tokens with fused de-duplicates the backward's dy dispatch, which "
+                       "fused.backward moves inside its da launch: set fused.backward=False or "
+                       "dedup_tokens=False")
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")

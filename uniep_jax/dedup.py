@@ -8,10 +8,15 @@ rank), and the owner copies it to the receive layout rows of its experts
 rows per rank. The receive layout, and so every later step, is unchanged, row for
 row: the bits are those of the plain dispatch (rows are copied, never summed).
 
-Only the forward dispatch of x is de-duplicated. Its backward pass (the return
-of each slot's dX row, then the sum over the K slots at home in slot order) is
-the plain dispatch's: a pre-sum on the owner would change the sum order that the
-determinism contract fixes.
+The backward pass's dy dispatch (the transpose of the combine) is de-duplicated
+the same way (`combine_unique`): the plain combine's backward sends, for every slot,
+the row dy_k = dtype(w[t, k] * f32(dy[t])); here each (token, owner) pair's dy[t]
+crosses the network once, and the owner forms dy_k for each of its slots itself
+with the slot's weight, which the plan's all_gather delivered: the same multiply
+and the same rounding, so the same bits. The dispatch's backward (the return of each
+slot's dX row, then the sum over the K slots at home in slot order) is the plain
+dispatch's: a pre-sum on the owner would change the sum order that the determinism
+contract fixes.
 
 Notation as in `layout.py` (this rank `me`, R ranks, T tokens, K slots, El local
 experts). Orders:
@@ -21,13 +26,15 @@ experts). Orders:
    [unique_send_offsets[d], + unique_send_counts[d]) of `unique_tokens`.
 2. U[s, d] (int32 [R, R]): rows source s sends to d, all-gathered together with
    every sorted row's position inside its (token, destination) block
-   (`unique_position`): one int32 all_gather of [R + T*K] per rank.
+   (`unique_position`) and its slot's routing weight (f32 bits), in the same int32
+   all_gather as the count matrix (`plan_with_dedup`): [E + R + 2*T*K] per rank.
 3. Unique receive buffer (owner): source-major, rows from s in token order;
    packed (block of s at sum_{s'<s} U[s', me]) for "ragged"/"nvlink", one slot of
    T rows per source for "padded".
 4. Expand: receive layout row p (local expert le, source s, token t, slot k)
    copies unique row (s, expand_position[p]). Rows of one (le, s) block are
-   distinct tokens, so the copy is one read per receive row.
+   distinct tokens, so the copy is one read per receive row. The backward's
+   weighted expand multiplies the copy by recv_weights[p] = w_s[t, k].
 
 A receive bound (`receive_capacity_factor`) still applies to the receive layout;
 the unique receive buffer is dropless (R*T rows) and rows it holds for dropped
@@ -42,9 +49,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.dispatch import (_RETURN, _replicate_bwd, _take_rows, _zero_plan_cotangent,
-                                _zeros_varying_like, as_received, sum_to_type_of)
-from uniep_jax.layout import DispatchPlan, _exclusive_cumsum
+                                _zeros_varying_like, as_received, collect, sum_to_type_of)
+from uniep_jax.layout import DispatchPlan, _exclusive_cumsum, make_plan, sort_assignments
 from uniep_jax.ragged import SEARCH_METHOD, enumerate_runs
 
 
@@ -61,6 +69,8 @@ class DedupPlan:
   unique_output_offsets: jax.Array  # [R] int32: where my rows land in d's packed buffer
   expand_position: jax.Array      # [recv_rows] int32: receive row p -> index inside its
                                   #   source's unique block (0 for dead rows)
+  recv_weights: jax.Array         # [recv_rows] f32: routing weight of receive row p's
+                                  #   slot at its source (0 for dead rows)
 
 
 def unique_send_rows(num_tokens: int, top_k: int, num_ranks: int) -> int:
@@ -68,32 +78,44 @@ def unique_send_rows(num_tokens: int, top_k: int, num_ranks: int) -> int:
   return num_tokens * min(num_ranks, top_k)
 
 
-def local_unique_routing(topk_experts: jax.Array, plan: DispatchPlan, num_local_experts: int):
+def local_unique_routing(topk_experts: jax.Array, sort_order: jax.Array,
+                         sorted_experts: jax.Array, num_ranks: int, num_local_experts: int):
   """This rank's part of the de-duplication, before the all_gather.
 
+  sort_order, sorted_experts: this rank's stable sort (`layout.sort_assignments`).
   Returns (present [T, R] bool: token t has an expert on rank d; payload [R + T*K]
   int32 for the all_gather: U[me, :] then, for every sorted row q, the position of
   its (token, destination) pair inside the destination's unique block)."""
-  t, k = topk_experts.shape
-  r = plan.send_counts.shape[0]
+  k = topk_experts.shape[1]
+  r = num_ranks
   dest = topk_experts.astype(jnp.int32) // num_local_experts                  # [T, K]
   present = jnp.any(dest[:, :, None] == jnp.arange(r, dtype=jnp.int32), axis=1)  # [T, R]
   counts = jnp.sum(present, axis=0, dtype=jnp.int32)                          # [R]
   position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present           # [T, R] exclusive
-  token_of_sorted = plan.sort_order // k
-  dest_of_sorted = plan.sorted_experts // num_local_experts
+  token_of_sorted = sort_order // k
+  dest_of_sorted = sorted_experts // num_local_experts
   unique_position = position[token_of_sorted, dest_of_sorted]                 # [T*K]
   return present, jnp.concatenate([counts, unique_position])
+
+
+def sorted_weight_bits(topk_weights: jax.Array, sort_order: jax.Array) -> jax.Array:
+  """[T*K] int32: each sorted row's routing weight (f32 bits; no gradient flows
+  through it: the weights' gradient is `combine_unique`'s, at the source)."""
+  w = jax.lax.stop_gradient(topk_weights).astype(jnp.float32).reshape(-1)[sort_order]
+  return jax.lax.bitcast_convert_type(w, jnp.int32)
 
 
 def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan, rank,
                     top_k: int) -> DedupPlan:
   """The `DedupPlan` of EP rank `rank` from `present` (`local_unique_routing`) and
-  `gathered` [R, R + T*K] (every rank's payload, all-gathered over the expert axis)."""
+  `gathered` [R, R + 2*T*K] (every rank's `local_unique_routing` payload followed by
+  its `sorted_weight_bits`, all-gathered over the expert axis)."""
   t, r = present.shape
+  n = plan.sort_order.shape[0]
   rank = jnp.asarray(rank, jnp.int32)
   u = gathered[:, :r]                                                         # [src, dst]
-  unique_position = gathered[:, r:]                                           # [src, T*K]
+  unique_position = gathered[:, r:r + n]                                      # [src, T*K]
+  weight_bits = gathered[:, r + n:]                                           # [src, T*K]
   counts = present.sum(axis=0, dtype=jnp.int32)
   send_offsets = _exclusive_cumsum(counts)
   # unique_tokens: slot i of the (d, t) order holds the u-th present token of d
@@ -111,23 +133,32 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
   # receive row p from source s, index i in s's block for me: s's sorted row
   # (s's rows for ranks < me, = plan.return_offsets[s]) + i; its unique position
   # was gathered
-  sorted_row = plan.return_offsets[plan.recv_source] + plan.recv_index_in_source
-  expand_position = jnp.where(
+  sorted_row = jnp.clip(plan.return_offsets[plan.recv_source] + plan.recv_index_in_source,
+                        0, n - 1)
+  expand_position = jnp.where(plan.recv_valid, unique_position[plan.recv_source, sorted_row],
+                              0).astype(jnp.int32)
+  recv_weights = jnp.where(
       plan.recv_valid,
-      unique_position[plan.recv_source, jnp.clip(sorted_row, 0, unique_position.shape[1] - 1)],
-      0).astype(jnp.int32)
+      jax.lax.bitcast_convert_type(weight_bits[plan.recv_source, sorted_row], jnp.float32),
+      jnp.float32(0))
   return DedupPlan(unique_tokens=unique_tokens, unique_send_counts=counts,
                    unique_send_offsets=send_offsets.astype(jnp.int32),
                    unique_counts=u.astype(jnp.int32),
                    unique_recv_offsets=recv_offsets.astype(jnp.int32),
                    unique_output_offsets=before_me.astype(jnp.int32),
-                   expand_position=expand_position)
+                   expand_position=expand_position, recv_weights=recv_weights)
 
 
 # ---------------------------------------------------------------------------
 # Transports: unique rows -> the owners' unique receive buffers -> receive layout.
 # ---------------------------------------------------------------------------
-def _dedup_padded(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
+def _scale_rows(rows, scale):
+  """The plain combine's backward, per slot: dtype(w * f32(dy)), one multiply and one
+  rounding (XLA's transpose of `weighted_topk_sum`'s product)."""
+  return (rows.astype(jnp.float32) * scale[:, None]).astype(rows.dtype)
+
+
+def _dedup_padded(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, scale=None):
   t, h = x.shape
   r = plan.send_counts.shape[0]
   q = jnp.arange(t, dtype=jnp.int32)
@@ -137,10 +168,11 @@ def _dedup_padded(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
   buf = _take_rows(x, tokens.reshape(-1), valid.reshape(-1)).reshape(r, t, h)
   got = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)                 # [R(src), T, H]
   flat = plan.recv_source * t + dplan.expand_position
-  return _take_rows(got.reshape(r * t, h), flat, plan.recv_valid)
+  rows = _take_rows(got.reshape(r * t, h), flat, plan.recv_valid)
+  return rows if scale is None else _scale_rows(rows, scale)
 
 
-def _dedup_ragged(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
+def _dedup_ragged(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, scale=None):
   t, h = x.shape
   r = plan.send_counts.shape[0]
   rows = jnp.take(x, dplan.unique_tokens, axis=0)                            # [T*min(R,K), H]
@@ -149,10 +181,11 @@ def _dedup_ragged(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
       rows, _zeros_varying_like(rows, (r * t, h)), dplan.unique_send_offsets,
       dplan.unique_send_counts, dplan.unique_output_offsets, incoming, axis_name=axis_name)
   flat = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
-  return _take_rows(packed, flat, plan.recv_valid)
+  rows = _take_rows(packed, flat, plan.recv_valid)
+  return rows if scale is None else _scale_rows(rows, scale)
 
 
-def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
+def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, scale=None):
   from pallas_kernels.ep_transfer import transfer_segments  # GPU kernels, lazy
   from pallas_kernels.row_gather import gather_live_rows
   t, h = x.shape
@@ -164,7 +197,8 @@ def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
                              column(dplan.unique_send_counts), out_rows=r * t, config=transfer,
                              axis_name=axis_name)                            # [R*T, H] packed
   index = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
-  recv = gather_live_rows(unique, index, plan.num_received, out_rows=plan.recv_valid.shape[0])
+  recv = gather_live_rows(unique, index, plan.num_received, out_rows=plan.recv_valid.shape[0],
+                          scale=scale)   # the weighted copy: the same multiply as _scale_rows
   return as_received(recv, plan)
 
 
@@ -200,9 +234,60 @@ def _dispatch_unique_bwd(top_k, axis_name, num_local_experts, transport, transfe
 dispatch_unique.defvjp(_dispatch_unique_fwd, _dispatch_unique_bwd)
 
 
-def plan_dedup(topk_experts: jax.Array, plan: DispatchPlan, *, axis_name, num_local_experts,
-               top_k: int) -> DedupPlan:
-  """The `DedupPlan` inside a shard_map over `axis_name` (one small all_gather)."""
-  present, payload = local_unique_routing(topk_experts, plan, num_local_experts)
-  gathered = jax.lax.all_gather(payload, axis_name)                           # [R, R + T*K]
-  return make_dedup_plan(present, gathered, plan, jax.lax.axis_index(axis_name), top_k)
+def plan_with_dedup(topk_experts: jax.Array, topk_weights: jax.Array, *, num_experts: int,
+                    axis_name, top_k: int, recv_rows: int | None = None):
+  """(DispatchPlan, DedupPlan) inside a shard_map over `axis_name`, from ONE int32
+  all_gather of [E + R + 2*T*K] per rank: the count matrix's row, then the
+  de-duplication payload (`local_unique_routing`, `sorted_weight_bits`)."""
+  r = jax.lax.axis_size(axis_name)
+  rank = jax.lax.axis_index(axis_name)
+  sort = sort_assignments(topk_experts, num_experts)
+  sort_order, _, sorted_experts, group_sizes = sort
+  present, payload = local_unique_routing(topk_experts, sort_order, sorted_experts, r,
+                                          num_experts // r)
+  gathered = jax.lax.all_gather(
+      jnp.concatenate([group_sizes, payload, sorted_weight_bits(topk_weights, sort_order)]),
+      axis_name)                                                             # [R, E + R + 2TK]
+  plan = make_plan(topk_experts, gathered[:, :num_experts], rank, recv_rows=recv_rows,
+                   sort=sort)
+  return plan, make_dedup_plan(present, gathered[:, num_experts:], plan, rank, top_k)
+
+
+# ---------------------------------------------------------------------------
+# The combine whose backward pass de-duplicates the dy dispatch.
+# ---------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def combine_unique(y_recv, weights, plan: DispatchPlan, dplan: DedupPlan, top_k, axis_name,
+                   num_local_experts, transport, transfer, out_dtype):
+  """Receive layout [recv_rows, H] -> y [T, H] in out_dtype: the plain combine
+  (`dispatch.collect`, then `weighted_topk_sum`), whose backward pass sends each
+  (token, owner) pair's dy row once and lets the owner form every slot's row
+  dtype(w * f32(dy)) (module docstring): the plain combine's bits, both ways."""
+  y_assign = collect(y_recv, plan, top_k=top_k, axis_name=axis_name,
+                     num_local_experts=num_local_experts, transport=transport, transfer=transfer)
+  return weighted_topk_sum(y_assign, weights, out_dtype=out_dtype)
+
+
+def _combine_unique_fwd(y_recv, weights, plan, dplan, top_k, axis_name, num_local_experts,
+                        transport, transfer, out_dtype):
+  y_assign = collect(y_recv, plan, top_k=top_k, axis_name=axis_name,
+                     num_local_experts=num_local_experts, transport=transport, transfer=transfer)
+  y = weighted_topk_sum(y_assign, weights, out_dtype=out_dtype)
+  return y, (y_assign, weights, plan, dplan, y_recv[:0])
+
+
+def _combine_unique_bwd(top_k, axis_name, num_local_experts, transport, transfer, out_dtype,
+                        res, dy):
+  y_assign, weights, plan, dplan, y_recv_like = res
+  # the weights' gradient: weighted_topk_sum's own transpose (the plain combine's ops)
+  _, weights_vjp = jax.vjp(lambda w: weighted_topk_sum(y_assign, w, out_dtype=out_dtype),
+                           weights)
+  (d_weights,) = weights_vjp(dy)
+  # each slot's row w * dy, formed on the owner from dy sent once per (token, owner)
+  d_recv = _DEDUP[transport](dy.astype(y_recv_like.dtype), plan, dplan, axis_name, transfer,
+                             scale=dplan.recv_weights)
+  return (sum_to_type_of(d_recv, y_recv_like), d_weights, _zero_plan_cotangent(plan),
+          _zero_plan_cotangent(dplan))
+
+
+combine_unique.defvjp(_combine_unique_fwd, _combine_unique_bwd)

@@ -20,6 +20,9 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
                         dswiglu epilogue, one launch--> dy_recv, [dh | du]
                                 (fused_dispatch_gemm.fused_dispatch_dswiglu)
             --grouped_gemm.swiglu_backward_from_dhu--> d_recv, dW --return--> d_rows
+            With UniEPConfig.dedup_tokens (fused_expert_ffn_combine, the combine inside):
+            dy sent once per (token, owner), each slot's row w * dy formed on the owner
+            (uniep_jax/dedup.py), then v1's launches.
             With FusedConfig.wgrad_return_ctas > 0 (v2.2): dx, dw_down, then ONE launch
             for dw_gate_up with the return of d_recv on that many of its CTAs
             (pallas_kernels/wgrad_return.py): the two ran one after the other in v1.
@@ -47,9 +50,10 @@ import functools
 
 import jax
 
+from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig
 from uniep_jax.dispatch import (_return_nvlink, _send_nvlink, _zero_plan_cotangent,
-                                as_received, zero_dropped_rows)
+                                as_received, unsort_rows, zero_dropped_rows)
 from uniep_jax.layout import (DispatchPlan, dispatch_segments, max_received_rows,
                               return_segments)
 
@@ -109,7 +113,7 @@ def _fused_ffn_fwd(rows_sorted, w_gate_up, w_down, plan, axis_name, el, kernel, 
 
 
 def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, dy_sorted):
-  from pallas_kernels.grouped_gemm import swiglu_backward_from_dhu, swiglu_dhu
+  from pallas_kernels.grouped_gemm import swiglu_dhu
 
   recv, a, h, u, w_gate_up, w_down, plan = res
   if fused.backward:
@@ -128,17 +132,24 @@ def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, 
     dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)   # the return's transpose
     dhu = swiglu_dhu(recv, w_down, plan.recv_group_sizes, h, u, dy_recv, config=kernel,
                      fuse_da_epilogue=grad_in_kernel, zero_window=kernel.block_k)
+  d_rows, dw_gate_up, dw_down = _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name,
+                                      el, kernel, transfer, fused)
+  return d_rows, dw_gate_up, dw_down, _zero_plan_cotangent(plan)
+
+
+def _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name, el, kernel, transfer,
+          fused):
+  """The backward from [dh | du]: dx, the two wgrads and the dX return."""
+  from pallas_kernels.grouped_gemm import swiglu_backward_from_dhu
   if fused.wgrad_return_ctas:
     # dx, dw_down, then dw_gate_up with the dX return on wgrad_return_ctas of its CTAs
-    d_rows, dw_gate_up, dw_down = _tail_with_return(recv, w_gate_up, w_down, a, dy_recv, dhu,
-                                                    plan, axis_name, el, kernel, transfer,
-                                                    fused)
-  else:
-    d_recv, dw_gate_up, dw_down = swiglu_backward_from_dhu(
-        recv, w_gate_up, w_down, plan.recv_group_sizes, a, dy_recv, dhu, config=kernel,
-        zero_window=kernel.block_k)
-    d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)     # the dispatch's transpose
-  return d_rows, dw_gate_up, dw_down, _zero_plan_cotangent(plan)
+    return _tail_with_return(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name, el,
+                             kernel, transfer, fused)
+  d_recv, dw_gate_up, dw_down = swiglu_backward_from_dhu(
+      recv, w_gate_up, w_down, plan.recv_group_sizes, a, dy_recv, dhu, config=kernel,
+      zero_window=kernel.block_k)
+  d_rows = _return_nvlink(d_recv, plan, axis_name, el, transfer)     # the dispatch's transpose
+  return d_rows, dw_gate_up, dw_down
 
 
 def _tail_with_return(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name, el, kernel,
@@ -163,6 +174,64 @@ def _tail_with_return(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name,
 
 
 _fused_ffn.defvjp(_fused_ffn_fwd, _fused_ffn_bwd)
+
+
+# ---------------------------------------------------------------------------
+# With token de-duplication (UniEPConfig.dedup_tokens): the combine inside, so that the
+# backward's dy dispatch sends each (token, owner) pair's dy row once (uniep_jax/dedup.py).
+# ---------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
+def _fused_ffn_combine(rows_sorted, w_gate_up, w_down, weights, plan, dplan, axis_name, el,
+                       kernel, transfer, fused, grad_in_kernel, top_k, out_dtype):
+  return _fused_ffn_combine_fwd(rows_sorted, w_gate_up, w_down, weights, plan, dplan, axis_name,
+                                el, kernel, transfer, fused, grad_in_kernel, top_k,
+                                out_dtype)[0]
+
+
+def _fused_ffn_combine_fwd(rows_sorted, w_gate_up, w_down, weights, plan, dplan, axis_name, el,
+                           kernel, transfer, fused, grad_in_kernel, top_k, out_dtype):
+  y_sorted, (recv, a, h, u) = _forward(rows_sorted, w_gate_up, w_down, plan, axis_name, el,
+                                       kernel, transfer, fused)
+  y_assign = unsort_rows(y_sorted, plan, top_k)
+  y = weighted_topk_sum(y_assign, weights, out_dtype=out_dtype)
+  return y, (recv, a, h, u, w_gate_up, w_down, weights, y_assign, plan, dplan)
+
+
+def _fused_ffn_combine_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, top_k,
+                           out_dtype, res, dy):
+  from pallas_kernels.grouped_gemm import swiglu_dhu
+  from uniep_jax.dedup import _dedup_nvlink
+  recv, a, h, u, w_gate_up, w_down, weights, y_assign, plan, dplan = res
+  _, weights_vjp = jax.vjp(lambda w: weighted_topk_sum(y_assign, w, out_dtype=out_dtype),
+                           weights)
+  (d_weights,) = weights_vjp(dy)
+  # each (token, owner) pair's dy once; the owner forms every slot's row w * dy
+  dy_recv = _dedup_nvlink(dy.astype(recv.dtype), plan, dplan, axis_name, transfer,
+                          scale=dplan.recv_weights)
+  dhu = swiglu_dhu(recv, w_down, plan.recv_group_sizes, h, u, dy_recv, config=kernel,
+                   fuse_da_epilogue=grad_in_kernel, zero_window=kernel.block_k)
+  d_rows, dw_gate_up, dw_down = _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name,
+                                      el, kernel, transfer, fused)
+  return (d_rows, dw_gate_up, dw_down, d_weights, _zero_plan_cotangent(plan),
+          _zero_plan_cotangent(dplan))
+
+
+_fused_ffn_combine.defvjp(_fused_ffn_combine_fwd, _fused_ffn_combine_bwd)
+
+
+def fused_expert_ffn_combine(rows_sorted, w_gate_up, w_down, weights, plan: DispatchPlan, dplan,
+                             *, axis_name: str, num_local_experts: int, kernel: KernelConfig,
+                             transfer: TransferConfig, fused: FusedConfig, top_k: int, out_dtype,
+                             grad_in_kernel: bool = False) -> jax.Array:
+  """`fused_expert_ffn` followed by the weighted top-k sum, y [T, H] in out_dtype, whose
+  backward pass de-duplicates the dy dispatch (`dplan`: uniep_jax/dedup.py): the same
+  bits as `fused_expert_ffn` + `weighted_topk_sum`. Needs fused.backward off."""
+  if fused.backward:
+    raise ValueError("fused.backward moves the dy dispatch inside its da launch; the "
+                     "de-duplicated dy dispatch needs fused.backward=False")
+  return _fused_ffn_combine(rows_sorted, w_gate_up, w_down, weights, plan, dplan, axis_name,
+                            num_local_experts, kernel, transfer, fused, grad_in_kernel, top_k,
+                            out_dtype)
 
 
 def fused_expert_ffn(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, *, axis_name: str,

@@ -129,13 +129,14 @@ def kept_counts(count_matrix: jax.Array, recv_rows: int | None) -> jax.Array:
 
 
 def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank,
-              recv_rows: int | None = None) -> DispatchPlan:
+              recv_rows: int | None = None, sort=None) -> DispatchPlan:
   """Builds the plan of EP rank `rank` from its routing and the gathered counts.
 
   topk_experts: [T, K] int32 of this rank; count_matrix: [R, E] int32 (row s =
   `local_group_sizes` of rank s); rank: this rank's index on the expert axis
   (a traced scalar inside shard_map is fine); recv_rows: the receive buffer's
-  rows (default R*T*K, the dropless worst case; fewer drops the overflow).
+  rows (default R*T*K, the dropless worst case; fewer drops the overflow);
+  sort: `sort_assignments(topk_experts, E)` when the caller already has it.
   """
   t, k = topk_experts.shape
   r, e = count_matrix.shape
@@ -143,8 +144,8 @@ def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank,
   rows = t * k
   if recv_rows is not None and recv_rows >= r * rows:
     recv_rows = None                                                # cannot overflow
-  sort_order, sorted_position, sorted_experts, group_sizes = sort_assignments(
-      topk_experts, e)
+  sort_order, sorted_position, sorted_experts, group_sizes = (
+      sort if sort is not None else sort_assignments(topk_experts, e))
 
   per_rank = count_matrix.reshape(r, r, el)                         # [src, dst, le]
   kept = kept_counts(count_matrix, recv_rows)                       # [src, dst, le]

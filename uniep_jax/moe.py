@@ -28,7 +28,7 @@ from uniep_jax.capacity import capacity_moe_shard
 from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
 from uniep_jax.config import TRANSPORTS
-from uniep_jax.dedup import dispatch_unique, plan_dedup
+from uniep_jax.dedup import combine_unique, dispatch_unique, plan_with_dedup
 from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, collect, default_transport, dispatch, sort_rows,
                                 unsort_rows)
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
@@ -184,29 +184,38 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
         x, out.topk_experts, params, top_k=top_k,
         capacity_factor=config.capacity_factor, axis_name=expert_axis)
     dropped = jax.lax.psum(dropped, token_axes)
+    y = weighted_topk_sum(y_assign, out.topk_weights, out_dtype=x.dtype)
   elif config.backend in ("xla_dropless", "pallas", "uniep"):
     transport = transport or config.transport or "padded"
     if config.backend == "uniep":
       transport = "nvlink"
-    rank = jax.lax.axis_index(expert_axis)
-    count_matrix = jax.lax.all_gather(
-        local_group_sizes(out.topk_experts, num_experts), expert_axis)   # [R, E]
-    plan = make_plan(out.topk_experts, count_matrix, rank,
-                     recv_rows=receive_rows(t, top_k, num_experts // el, config))
+    recv_rows = receive_rows(t, top_k, num_experts // el, config)
     kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport,
               transfer=config.transfer)
-    if config.fused is not None:   # "uniep" with the v2 fused kernels (uniep_jax/fused.py)
-      from uniep_jax.fused import fused_expert_ffn
-      y_sorted = fused_expert_ffn(sort_rows(x, plan, top_k), params.w_gate_up, params.w_down,
-                                  plan, axis_name=expert_axis, num_local_experts=el,
-                                  kernel=config.kernel, transfer=config.transfer,
-                                  fused=config.fused,
-                                  grad_in_kernel=config.use_swiglu_grad_in_kernel)
-      y_assign = unsort_rows(y_sorted, plan, top_k)                      # [T, K, H]
+    if config.dedup_tokens:   # each (token, owner) pair sent once (uniep_jax/dedup.py)
+      plan, dplan = plan_with_dedup(out.topk_experts, out.topk_weights, num_experts=num_experts,
+                                    axis_name=expert_axis, top_k=top_k, recv_rows=recv_rows)
     else:
-      if config.dedup_tokens:   # each (token, owner) pair sent once (uniep_jax/dedup.py)
-        dplan = plan_dedup(out.topk_experts, plan, axis_name=expert_axis,
-                           num_local_experts=el, top_k=top_k)
+      count_matrix = jax.lax.all_gather(
+          local_group_sizes(out.topk_experts, num_experts), expert_axis)   # [R, E]
+      plan = make_plan(out.topk_experts, count_matrix, jax.lax.axis_index(expert_axis),
+                       recv_rows=recv_rows)
+    if config.fused is not None:   # "uniep" with the v2 fused kernels (uniep_jax/fused.py)
+      from uniep_jax.fused import fused_expert_ffn, fused_expert_ffn_combine
+      fkw = dict(axis_name=expert_axis, num_local_experts=el, kernel=config.kernel,
+                 transfer=config.transfer, fused=config.fused,
+                 grad_in_kernel=config.use_swiglu_grad_in_kernel)
+      if config.dedup_tokens:   # Kernel A moves the forward's rows; the dy dispatch is unique
+        y = fused_expert_ffn_combine(sort_rows(x, plan, top_k), params.w_gate_up, params.w_down,
+                                     out.topk_weights, plan, dplan, top_k=top_k,
+                                     out_dtype=x.dtype, **fkw)
+      else:
+        y_sorted = fused_expert_ffn(sort_rows(x, plan, top_k), params.w_gate_up, params.w_down,
+                                    plan, **fkw)
+        y = weighted_topk_sum(unsort_rows(y_sorted, plan, top_k), out.topk_weights,
+                              out_dtype=x.dtype)
+    else:
+      if config.dedup_tokens:
         recv = dispatch_unique(x, plan, dplan, top_k, expert_axis, el, transport,
                                config.transfer)                          # [R*T*K, H]
       else:
@@ -221,12 +230,16 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       else:
         y_recv = swiglu_ragged_dot(recv, params.w_gate_up, params.w_down,
                                    plan.recv_group_sizes)
-      y_assign = collect(y_recv, plan, **kw)                             # [T, K, H]
+      if config.dedup_tokens:   # its backward sends each (token, owner) pair's dy once
+        y = combine_unique(y_recv, out.topk_weights, plan, dplan, top_k, expert_axis, el,
+                           transport, config.transfer, x.dtype)
+      else:
+        y = weighted_topk_sum(collect(y_recv, plan, **kw), out.topk_weights,
+                              out_dtype=x.dtype)                         # [T, K, H] -> [T, H]
     dropped = jax.lax.psum(plan.dropped, token_axes)
   else:
     raise ValueError(f"config.backend={config.backend!r} has no per-shard form")
 
-  y = weighted_topk_sum(y_assign, out.topk_weights, out_dtype=x.dtype)
   aux = dict(expert_counts=counts, load_balance_loss=lb, router_z_loss=z, dropped=dropped)
   return y, aux
 
