@@ -49,7 +49,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.combine import weighted_topk_sum
+from uniep_jax.combine import weighted_topk_sum, weighted_topk_sum_vjp
 from uniep_jax.dispatch import (_RETURN, _replicate_bwd, _take_rows, _zero_plan_cotangent,
                                 _zeros_varying_like, as_received, collect, sum_to_type_of)
 from uniep_jax.layout import DispatchPlan, _exclusive_cumsum, make_plan, sort_assignments
@@ -279,10 +279,10 @@ def _combine_unique_fwd(y_recv, weights, plan, dplan, top_k, axis_name, num_loca
 def _combine_unique_bwd(top_k, axis_name, num_local_experts, transport, transfer, out_dtype,
                         res, dy):
   y_assign, weights, plan, dplan, y_recv_like = res
-  # the weights' gradient: weighted_topk_sum's own transpose (the plain combine's ops)
-  _, weights_vjp = jax.vjp(lambda w: weighted_topk_sum(y_assign, w, out_dtype=out_dtype),
-                           weights)
-  (d_weights,) = weights_vjp(dy)
+  # the weights' gradient: the plain combine's (its slot rows are dead code here)
+  # dy rounded and materialised first, as the plain combine's backward does (combine.py)
+  dy = jax.lax.optimization_barrier(dy)
+  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)
   # each slot's row w * dy, formed on the owner from dy sent once per (token, owner)
   d_recv = _DEDUP[transport](dy.astype(y_recv_like.dtype), plan, dplan, axis_name, transfer,
                              scale=dplan.recv_weights)

@@ -50,7 +50,7 @@ import functools
 
 import jax
 
-from uniep_jax.combine import weighted_topk_sum
+from uniep_jax.combine import weighted_topk_sum, weighted_topk_sum_vjp
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig
 from uniep_jax.dispatch import (_return_nvlink, _send_nvlink, _zero_plan_cotangent,
                                 as_received, unsort_rows, zero_dropped_rows)
@@ -202,9 +202,9 @@ def _fused_ffn_combine_bwd(axis_name, el, kernel, transfer, fused, grad_in_kerne
   from pallas_kernels.grouped_gemm import swiglu_dhu
   from uniep_jax.dedup import _dedup_nvlink
   recv, a, h, u, w_gate_up, w_down, weights, y_assign, plan, dplan = res
-  _, weights_vjp = jax.vjp(lambda w: weighted_topk_sum(y_assign, w, out_dtype=out_dtype),
-                           weights)
-  (d_weights,) = weights_vjp(dy)
+  # dy rounded and materialised first, as the plain combine's backward does (combine.py)
+  dy = jax.lax.optimization_barrier(dy)
+  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)
   # each (token, owner) pair's dy once; the owner forms every slot's row w * dy
   dy_recv = _dedup_nvlink(dy.astype(recv.dtype), plan, dplan, axis_name, transfer,
                           scale=dplan.recv_weights)
