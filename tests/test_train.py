@@ -462,15 +462,18 @@ def test_fused_kernels_reach_the_moe_layers():
 
 
 def test_dedup_tokens_reaches_the_moe_layers():
+  from models.transformer import TRAIN_FUSED
   from train.config import TrainConfig, parse_args
   with pytest.raises(ValueError, match="dedup_tokens is only for the dropless backends"):
     TrainConfig(backend="xla_capacity", dedup_tokens=True)
-  with pytest.raises(ValueError, match="drop --fused or --dedup-tokens"):
-    TrainConfig(backend="uniep", fused=True, dedup_tokens=True)
   cfg = parse_args(["--dedup-tokens", "--mesh", "data=2,expert=4"])
   s = loop.make_setup(cfg)
   configs = [m.config for m in loop.build_model(cfg, s.model_cfg, s.mesh).moe_modules()]
   assert configs and all(c.dedup_tokens for c in configs)
+  # with --fused (Kernel A moves the forward's rows): the backward's dy dispatch
+  both = parse_args(["--backend", "uniep", "--fused", "--dedup-tokens", "--mesh", "data=2,expert=4"])
+  configs = [m.config for m in loop.build_model(both, s.model_cfg, s.mesh).moe_modules()]
+  assert configs and all(c.dedup_tokens and c.fused == TRAIN_FUSED for c in configs)
   assert loop.moe_options(cfg) == dict(dedup_tokens=True)
   assert not parse_args([]).dedup_tokens
 

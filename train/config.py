@@ -84,9 +84,6 @@ class TrainConfig:
     if self.dedup_tokens and self.backend not in ("xla_dropless", "pallas", "uniep"):
       raise ValueError(f"dedup_tokens is only for the dropless backends (xla_dropless, pallas, "
                        f"uniep), got backend={self.backend!r}")
-    if self.dedup_tokens and self.fused:
-      raise ValueError("dedup_tokens applies to the v1 dispatch, not to the fused kernels: "
-                       "drop --fused or --dedup-tokens")
     if self.n_layers is not None and self.n_layers < 1:
       raise ValueError(f"n_layers={self.n_layers} must be >= 1")
     if self.kernel_stages is not None:
@@ -158,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
          "launch, the backward's dX return inside the dw_gate_up wgrad's; "
          "models.transformer.TRAIN_FUSED)")
   a("--dedup-tokens", action="store_true",
-    help="dropless backends: the dispatch sends each token once per owner rank, not once per "
-         "expert there (UniEPConfig.dedup_tokens; the same bits, fewer bytes)")
+    help="dropless backends: the dispatches (x forward, dy backward) send each token once per "
+         "owner rank, not once per expert there (UniEPConfig.dedup_tokens; the same bits, fewer "
+         "bytes); with --fused, the backward's dy dispatch")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")
