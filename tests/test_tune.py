@@ -662,19 +662,28 @@ def test_stage3_fused_backward_points_only_when_the_backward_is_timed():
 
 def test_stage3_tries_token_dedup_on_the_v1_winner(tmp_path, no_shipped_cache):
   """SearchSpace.dedup_tokens: stage 3 times the best v1 candidate with token
-  de-duplication too (never a fused one); a dedup winner is labelled, cached and
-  resolved for a fully auto uniep config, and an explicit dedup_tokens=True keeps v1."""
-  space = _space(fused=((16, 2048),), dedup_tokens=(True,))
+  de-duplication too, and every fused point without a fused backward with it (its dy
+  dispatch de-duplicated); a dedup winner is labelled, cached and resolved for a fully
+  auto uniep config; an explicit dedup_tokens=True takes a cached fused winner unless
+  that one has a fused backward (which moves the dy dispatch itself): then v1."""
+  space = _space(fused=((16, 2048), (16, 2048, False, True)), dedup_tokens=(True,))
   clock = FakeClock()
-  times = lambda cand: 5.0 if cand.dedup_tokens else _fused_times(cand)  # noqa: E731
+  times = lambda cand: ((5.0 if cand.fused is None else 5.5) if cand.dedup_tokens  # noqa: E731
+                        else _fused_times(cand))
   res = T.tune(DEEPSEEK_BWD, FakeRunner(clock, times), device=HOPPER, space=space,
                budget_s=1e9, progress=False, clock=clock)
   fused = [t.candidate.label() for t in res.trials if t.stage == "fused"]
-  assert fused == ["m128_n128_k64_s3|c128_x64_t256|f16_b2048", "m128_n128_k64_s3|c128_x64_t256|dd"]
+  assert fused == ["m128_n128_k64_s3|c128_x64_t256|f16_b2048",
+                   "m128_n128_k64_s3|c128_x64_t256|f16_b2048|dd",
+                   "m128_n128_k64_s3|c128_x64_t256|f16_b2048_v1ret_fbwd",
+                   "m128_n128_k64_s3|c128_x64_t256|dd"]
   assert res.best.candidate.dedup_tokens and res.best.candidate.fused is None
   assert T.candidate_from_knobs(res.best.candidate.knobs()) == res.best.candidate
-  with pytest.raises(T.InvalidCandidate, match="dedup_tokens applies to the v1 dispatch"):
-    T.candidate_from_knobs(dict(res.best.candidate.knobs(), n_comm=16, recv_chunk_rows=2048))
+  both = T.candidate_from_knobs(dict(res.best.candidate.knobs(), n_comm=16, recv_chunk_rows=2048))
+  assert both.dedup_tokens and both.fused == uniep_jax.FusedConfig(16, 2048)
+  with pytest.raises(T.InvalidCandidate, match="fused backward"):
+    T.candidate_from_knobs(dict(res.best.candidate.knobs(), n_comm=16, recv_chunk_rows=2048,
+                                return_in_kernel=False, backward=True))
   entry = json.loads(json.dumps(T.cache_entry(res)))
   assert entry["dedup_tokens"] is True and T._entry_candidate(entry) == res.best.candidate
   dev, shape = no_shipped_cache
@@ -688,8 +697,14 @@ def test_stage3_tries_token_dedup_on_the_v1_winner(tmp_path, no_shipped_cache):
   # an entry from before the knob: no dedup
   del entry["dedup_tokens"]
   assert not T._entry_candidate(entry).dedup_tokens
-  # a fused winner and an explicit dedup_tokens=True: the user's v1 dispatch wins
+  # a fused winner and an explicit dedup_tokens=True: both (the dy dispatch de-duplicated)
   entry["fused"] = dict(n_comm=32, recv_chunk_rows=2048)
+  T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD), entry)
+  r = T.resolve_config(dataclasses.replace(auto, dedup_tokens=True), device=dev, cache_path=user,
+                       **shape)
+  assert r.dedup_tokens and r.fused == uniep_jax.FusedConfig(32, 2048)
+  # ... but a fused winner with the fused backward: the user's v1 dispatch wins
+  entry["fused"] = dict(n_comm=32, recv_chunk_rows=2048, return_in_kernel=False, backward=True)
   T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD), entry)
   r = T.resolve_config(dataclasses.replace(auto, dedup_tokens=True), device=dev, cache_path=user,
                        **shape)

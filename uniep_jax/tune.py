@@ -306,8 +306,9 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
     except ValueError as e:
       raise InvalidCandidate(f"FusedConfig: {e}") from None
   dedup = bool(knobs.get("dedup_tokens", False))
-  if dedup and fused is not None:
-    raise InvalidCandidate("dedup_tokens applies to the v1 dispatch, not to the fused kernels")
+  if dedup and fused is not None and fused.backward:
+    raise InvalidCandidate("dedup_tokens with fused de-duplicates the dy dispatch, which the "
+                           "fused backward moves inside its da launch")
   return Candidate(kernel, transfer, fused, dedup)
 
 
@@ -340,9 +341,10 @@ class SearchSpace:
                             (16, 2048, False, True), (8, 2048, False, True),
                             (32, 2048, True, True), (16, 2048, False, False, 16),
                             (16, 2048, False, True, 16), (16, 1024, False, False, 16))
-  # Stage 3 also times the best v1 candidate with token de-duplication (the same bits,
-  # fewer dispatched rows; 4x H200 fwd+bwd: qwen3-like 12.82 -> 12.53 ms, deepseek-like
-  # 43.40 -> 42.37, moe_layer_NVIDIA_H200_ep4_run13_dedup_unrolled_partial.json). (): off.
+  # Stage 3 also times the best v1 candidate with token de-duplication, and each fused
+  # point without a fused backward with its dy dispatch de-duplicated (the same bits,
+  # fewer dispatched rows; 2x H200 fwd+bwd, qwen3-like: v1 11.88 -> 10.27 ms, fa_rbw
+  # 10.75 -> 9.83, moe_layer_NVIDIA_H200_ep2_run15_dedup_bwd_barrier.json). (): off.
   dedup_tokens: Sequence[bool] = (True,)
 
   def points(self) -> Iterable[dict]:
@@ -486,6 +488,8 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
       rejected.append(dict(knobs=knobs, reason=str(e)))
       continue
     valid.append(cand)
+    if True in space.dedup_tokens and not cand.fused.backward:   # + the de-duplicated dy dispatch
+      valid.append(dataclasses.replace(cand, dedup_tokens=True))
   if True in space.dedup_tokens and base.fused is None and not base.dedup_tokens:
     valid.append(dataclasses.replace(base, dedup_tokens=True))
   return valid, rejected
@@ -942,6 +946,7 @@ class TuneResult:
   default: Candidate
   stages: tuple = STAGES   # the staged search's stages this run searched
   fused_points: tuple = ()  # the space's stage-3 points (SearchSpace.fused) this run had
+  dedup_points: tuple = ()  # the space's SearchSpace.dedup_tokens this run had
 
   @property
   def best(self) -> Optional[Trial]:
@@ -996,6 +1001,7 @@ class TuneResult:
         problem=dataclasses.asdict(self.problem), device=dataclasses.asdict(self.device),
         backend=self.backend, strategy=self.strategy, stages=list(self.stages),
         fused_points=[list(p) for p in self.fused_points],
+        dedup_tokens=list(self.dedup_points),
         budget_s=self.budget_s,
         elapsed_s=self.elapsed_s, counts=self.counts(),
         default=self.default.label(),
@@ -1073,7 +1079,8 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
   def result_now(search):
     return TuneResult(problem, device, runner.backend, strategy, budget_s, clock() - start,
                       enum, list(search.trials) + carried(search), search.references, default,
-                      tuple(stages), tuple(tuple(p) for p in space.fused))
+                      tuple(stages), tuple(tuple(p) for p in space.fused),
+                      tuple(space.dedup_tokens))
 
   search = _Search(runner, deadline, clock, progress, references, previous,
                    on_trial=None if on_trial is None else (lambda s: on_trial(result_now(s))))
@@ -1221,8 +1228,10 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
   # the tuner) is taken only when the whole config is auto, for backend "uniep".
   fully_auto = config.kernel is None and config.transfer is None and config.fused is None
   take_tuned = fully_auto and config.backend == "uniep"
-  # an explicit dedup_tokens=True keeps the v1 dispatch (it excludes the fused kernels)
-  fused = cand.fused if take_tuned and not config.dedup_tokens else config.fused
+  # an explicit dedup_tokens=True takes a fused winner only if it has no fused backward
+  # (which moves the dy dispatch itself); otherwise it keeps the v1 dispatch
+  fused = (cand.fused if take_tuned and not (config.dedup_tokens and cand.fused is not None
+                                             and cand.fused.backward) else config.fused)
   dedup = config.dedup_tokens or (take_tuned and cand.dedup_tokens)
   if fused is not None and fused.backward and config.swiglu_grad_in_kernel is False:
     # the fused backward computes dh, du in the da epilogue: the user asked for XLA's
@@ -1336,6 +1345,8 @@ def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
   report = _with_row_major_references(report)
   if "fused_points" in report and space.fused:
     space = dataclasses.replace(space, fused=tuple(tuple(p) for p in report["fused_points"]))
+  if "dedup_tokens" in report:
+    space = dataclasses.replace(space, dedup_tokens=tuple(report["dedup_tokens"]))
   clock = iter(range(10 ** 9)).__next__   # the budget is spent at once: nothing new runs
   result = tune(problem, _ReplayRunner(report["backend"]), device=device, space=space,
                 budget_s=0.0, strategy=report["strategy"], resume=report, progress=False,
