@@ -458,9 +458,12 @@ _FUSED_PLUMBING_V1 = {}   # v1's outputs and gradients on the plumbing test's in
 # dispatch, the dX return beside the dw_gate_up wgrad. (The fused backward WITH the return
 # beside the wgrad is not a separate case: `_fused_ffn_bwd` picks dhu's source and the
 # tail independently, and each branch is covered; one interpret-mode case costs 1-2 min.)
+# The third case also de-duplicates the backward's dy dispatch (dedup_tokens: the combine
+# inside the fused VJP, fused.fused_expert_ffn_combine, the weighted live-rows gather run
+# in the interpret mode); the first two keep the plain one (fused._fused_ffn_bwd).
 @pytest.mark.parametrize("variant", [
     {}, dict(return_in_kernel=False, backward=True),
-    dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1)])
+    dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1, dedup_tokens=True)])
 def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
   contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:
@@ -506,11 +509,16 @@ def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
     g, out = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(x, p)
     return out, g
 
-  # 8 CTAs in the persistent grids, not the 132 of an H100 that the interpret mode
-  # would simulate (tiles are the same; which CTA runs one does not change its bits)
-  v1 = UniEPConfig(backend="uniep", kernel=uniep_jax.KernelConfig(num_sms=8))
+  # 2 CTAs in the persistent grids, not the 132 of an H100 that the interpret mode
+  # would simulate (tiles are the same; which CTA runs one does not change its bits).
+  # Each CTA is interpreted by its own threads whether it has tiles or not: 8 took ~25
+  # CPU-s more over the four runs here (v1 + 3 variants) than 2; with 2, each CTA still
+  # walks several tiles, and n_comm (1) < num_sms as on a GPU
+  v1 = UniEPConfig(backend="uniep", kernel=uniep_jax.KernelConfig(num_sms=2))
+  variant = dict(variant)
+  dedup = variant.pop("dedup_tokens", False)
   v2 = dataclasses.replace(v1, fused=uniep_jax.FusedConfig(n_comm=1, recv_chunk_rows=128,
-                                                           **variant))
+                                                           **variant), dedup_tokens=dedup)
   if "v1" not in _FUSED_PLUMBING_V1:   # the same reference for every variant: run it once
     _FUSED_PLUMBING_V1["v1"] = run(v1)
   (y1, d1), g1 = _FUSED_PLUMBING_V1["v1"]
