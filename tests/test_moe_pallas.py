@@ -17,7 +17,10 @@ from conftest import make_mesh
 from moe_testlib import make_params, make_x, rel_err
 
 E, H, F = 4, 64, 128
-PALLAS = UniEPConfig(backend="pallas", kernel=KernelConfig(num_sms=4))
+# 2 simulated SMs (was 4): the persistent CTAs each walk several of the launches' tiles, and
+# the interpret mode runs fewer threads (~15% less CPU per program, 2026-11-27); which CTA
+# computes a tile does not change its bits
+PALLAS = UniEPConfig(backend="pallas", kernel=KernelConfig(num_sms=2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +54,19 @@ def _first_call(cfg, mesh, which: int):
   return _fns(cfg, mesh)[which](x, p)
 
 
+@functools.lru_cache(maxsize=None)
+def _second_call(cfg, mesh, which: int):
+  """A second call of the same compiled function on the same inputs, compared bit for
+  bit with `_first_call` by the determinism checks: both tests check the gradients of
+  `PALLAS` this way, and when they run in one process the interpreted kernels run that
+  second time once (alone, each test still makes its own second call)."""
+  p, x = _inputs()
+  return _fns(cfg, mesh)[which](x, p)
+
+
 def test_pallas_backend_matches_xla_dropless_and_reference():
   mesh = make_mesh(1, 1)
   p, x = _inputs()
-  _, g_pal = _fns(PALLAS, mesh)
   f_xla, g_xla = _fns(UniEPConfig(backend="xla_dropless"), mesh)
   f_ref, g_ref = _fns(UniEPConfig(backend="dense_reference"), None)
   y = _first_call(PALLAS, mesh, 0)
@@ -69,7 +81,7 @@ def test_pallas_backend_matches_xla_dropless_and_reference():
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref(x, p))):
     assert rel_err(a, b) < 2e-2
   # determinism: a second call gives the same bits
-  chex.assert_trees_all_equal(g, g_pal(x, p))
+  chex.assert_trees_all_equal(g, _second_call(PALLAS, mesh, 1))
 
 
 def test_swiglu_grad_in_kernel_same_forward_close_gradients_deterministic():
@@ -81,9 +93,8 @@ def test_swiglu_grad_in_kernel_same_forward_close_gradients_deterministic():
   p, x = _inputs()
   assert PALLAS.use_swiglu_grad_in_kernel
   f_a, g_a = _fns(dataclasses.replace(PALLAS, swiglu_grad_in_kernel=False), mesh)
-  _, g_b = _fns(PALLAS, mesh)
   chex.assert_trees_all_equal(f_a(x, p), _first_call(PALLAS, mesh, 0))
   ga, gb = g_a(x, p), _first_call(PALLAS, mesh, 1)
   for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     assert rel_err(a, b) < 1e-2
-  chex.assert_trees_all_equal(gb, g_b(x, p))
+  chex.assert_trees_all_equal(gb, _second_call(PALLAS, mesh, 1))

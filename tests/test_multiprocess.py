@@ -43,15 +43,25 @@ def _env():
   return env
 
 
-def _run(*args, timeout=240):
-  r = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
-                     timeout=timeout)
+def _run(*args, timeout=240, env=None):
+  r = subprocess.run([sys.executable, *args], cwd=REPO, env={**_env(), **(env or {})},
+                     capture_output=True, text=True, timeout=timeout)
   return r
 
 
-def _launch(processes, module, *args, timeout=240):
+def _launch(processes, module, *args, timeout=240, env=None):
   return _run("-m", "train.launch", "--processes", str(processes), "--module", module,
-              "--timeout", str(timeout - 20), "--", *args, timeout=timeout)
+              "--timeout", str(timeout - 20), "--", *args, timeout=timeout, env=env)
+
+
+def _compilation_cache_env(path):
+  """JAX's persistent compilation cache in `path`, every program however quick to compile
+  (read from the environment by each process of a run): a later run with the same env
+  loads the programs an earlier one compiled instead of compiling them again. The cache
+  key is the program (HLO, compile options, devices), so a program that differs in any
+  way is compiled."""
+  return {"JAX_COMPILATION_CACHE_DIR": str(path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def test_moe_ffn_two_processes_match_one(tmp_path):
@@ -93,13 +103,21 @@ def test_training_two_processes_match_one_with_resume(tmp_path):
   assert r.returncode == 0, r.stdout + r.stderr
   ckpt = str(tmp_path / "ckpt")
   multi = tmp_path / "multi"
+  # The resumed half loads the first half's compiled programs (the same HLO: --stop-after,
+  # --resume and the checkpoint flags stay outside them; measured: it writes no new cache
+  # entry) instead of compiling them in both processes again (~20 CPU-s, 2026-11-27): what
+  # is checked is the state a resumed run restores and the batches it continues with. Only
+  # process 0 writes the cache. The single-process run compiles its own (another device
+  # topology: no program is shared with it), so the bitwise comparisons below still hold
+  # between programs compiled separately.
+  cache = _compilation_cache_env(tmp_path / "programs")
   r = _launch(2, "train", *common, "--out", str(multi), "--ckpt-dir", ckpt, "--ckpt-every", "2",
-              "--stop-after", "2")
+              "--stop-after", "2", env=cache)
   assert r.returncode == 0, r.stdout + r.stderr
   assert "on 8 cpu devices of 2 processes" in r.stdout
   assert "[p1] param checksum" not in r.stdout and "[p0] param checksum" in r.stdout
   assert sorted(os.listdir(ckpt)) == ["2"]
-  r = _launch(2, "train", *common, "--out", str(multi), "--ckpt-dir", ckpt, "--resume")
+  r = _launch(2, "train", *common, "--out", str(multi), "--ckpt-dir", ckpt, "--resume", env=cache)
   assert r.returncode == 0, r.stdout + r.stderr
   assert "[p0] resumed from" in r.stdout and "at step 2" in r.stdout
 
@@ -150,10 +168,14 @@ def test_distributed_spec_from_flags_and_env():
 
 def test_launcher_timeout_kills_all(tmp_path):
   """Past --timeout the launcher has every process print its stacks, kills them all and exits 124."""
-  r = _run("-m", "train.launch", "--processes", "2", "--timeout", "20", "--log-dir", str(tmp_path / "logs"),
+  # 8 s (was 20: the two processes compiled the training program for all of it, CPU the
+  # other pytest worker needs): each process registers the SIGUSR1 stack dump in its first
+  # ~0.1 s (train.cli -> train.distributed.initialize, before jax is imported), so 8 s
+  # leaves it 80x that on a loaded machine; the 100000 steps outlast any timeout
+  r = _run("-m", "train.launch", "--processes", "2", "--timeout", "8", "--log-dir", str(tmp_path / "logs"),
            "--", "--steps", "100000", "--out", str(tmp_path / "out"), "--no-progress", timeout=90)
   assert r.returncode == 124, r.stdout + r.stderr
-  assert "timeout after 20.0 s; their stacks (SIGUSR1), then stopping all processes" in r.stderr
+  assert "timeout after 8.0 s; their stacks (SIGUSR1), then stopping all processes" in r.stderr
   for i in range(2):  # faulthandler's dump, from inside the training program
     assert re.search(rf"\[p{i}\] .*most recent call first", r.stderr), r.stderr[-3000:]
   assert sorted(os.listdir(tmp_path / "logs")) == ["process_0.log", "process_1.log"]
