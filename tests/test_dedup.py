@@ -171,7 +171,8 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(backend="xla_capacity"), "dedup_tokens"),
-    (dict(backend="uniep", fused=uniep_jax.FusedConfig()), "dedup_tokens"),
+    (dict(backend="uniep", fused=uniep_jax.FusedConfig(return_in_kernel=False, backward=True)),
+     "fused.backward"),
     (dict(backend="pallas", dedup_tokens=1), "dedup_tokens must be")])
 def test_dedup_config_errors_name_the_field(bad, match):
   kw = dict(dedup_tokens=True) | bad
