@@ -331,35 +331,42 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
   chex.assert_trees_all_equal(g_n, g_p)
 
 
-@pytest.mark.parametrize("bound,fused,kernel", [
-    (None, None, None), (1.5, None, None),
-    (None, None, uniep_jax.KernelConfig(raster_rows=8)),   # tiles walked in bands
-    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None),
+@pytest.mark.parametrize("bound,fused,kernel,dedup", [
+    (None, None, None, False),
+    # a receive bound (the XLA glue) with tiles walked in bands (the kernels' tile order):
+    # independent, so one lowering covers both
+    (1.5, None, uniep_jax.KernelConfig(raster_rows=8), False),
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None, False),
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 backward=True), None),
+                                 backward=True), None, False),
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 wgrad_return_ctas=16), None),
+                                 wgrad_return_ctas=16), None, False),
+    # Kernel C + the return beside the wgrad + the de-duplicated dy dispatch (fac_rbw_dd)
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 down_return_ctas=16, wgrad_return_ctas=16), None)])
-def test_uniep_layer_lowers_for_cuda(bound, fused, kernel):
+                                 down_return_ctas=16, wgrad_return_ctas=16), None, True)])
+def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
   kernel gets as far as the Mosaic GPU custom call (it runs on GPUs in
   bench/check_moe_gpu.py)."""
   hidden = 128 if fused is None else 256   # Kernel B: H a multiple of 2 * block_n
-  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused, kernel=kernel)
+  cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused, kernel=kernel,
+                    dedup_tokens=dedup)
   text = lower_uniep_layer_for_cuda(cfg, hidden)
   # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
   # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
   # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
   # (2 transfers + 4 GEMM kernels) or the fused one (dy dispatch + da in one launch, dx,
-  # 2 wgrads, the return; with wgrad_return_ctas the return rides in the dw_gate_up launch)
+  # 2 wgrads, the return; with wgrad_return_ctas the return rides in the dw_gate_up launch);
+  # dedup with fused: the dy dispatch sends unique rows, then the weighted gather (+1)
   if fused is None:
     expected = 10
   else:
     expected = ((2 if fused.return_in_kernel or fused.down_return_ctas else 3)
-                + (5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0))
+                + (5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0)
+                + (1 if dedup else 0))
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
+  assert ("gather_live_rows_scaled" in text) == dedup
 
 
 def lower_uniep_layer_for_cuda(cfg, hidden):
