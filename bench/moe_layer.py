@@ -193,6 +193,9 @@ def main(argv=None):
             continue
           cfg = BACKEND_CONFIGS[backend]
           row = dict(row_base, backend=backend)
+          if cfg.dedup_tokens:   # de-duplication's unique receive buffer, on top
+            row["unique_receive_bytes"] = uniep_jax.unique_receive_bytes(shape.tokens,
+                                                                         shape.hidden, ep)
           try:
             f_fwd, f_bwd = layer_fns(mesh, shape, cfg)
             fn = f_fwd if direction == "fwd" else f_bwd

@@ -218,3 +218,13 @@ def test_uniep_layer_with_dedup_lowers_for_cuda():
   text = lower_uniep_layer_for_cuda(UniEPConfig(backend="uniep", dedup_tokens=True), 128)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 12
   assert text.count("gather_live_rows_scaled") >= 1
+
+
+def test_unique_receive_bytes_counts_every_token_of_every_rank_once():
+  """De-duplication's extra buffer: R*T rows of H (qwen3-like at EP 4: 16384 tokens per
+  rank, H 2048, bf16: 256 MiB), reported beside the receive layout's worst case."""
+  assert uniep_jax.unique_receive_bytes(16384, 2048, 4) == 4 * 16384 * 2048 * 2 == 256 << 20
+  assert uniep_jax.unique_receive_bytes(10, 8, 2, itemsize=4) == 2 * 10 * 8 * 4
+  # an eighth of the receive layout's dropless worst case at K = 8
+  assert (uniep_jax.receive_buffer_bytes(16384, 8, 2048, 4)
+          == 8 * uniep_jax.unique_receive_bytes(16384, 2048, 4))

@@ -4,6 +4,7 @@
                                config=uniep_jax.UniEPConfig(backend="xla_dropless"))
 """
 
+from uniep_jax.dedup import unique_receive_bytes
 from uniep_jax.config import (BACKENDS, FusedConfig, KernelConfig, RoutingConfig, TransferConfig,
                               UniEPConfig)
 from uniep_jax.layout import DispatchPlan, make_plan, sort_assignments
@@ -20,5 +21,5 @@ __all__ = [
     "TransferConfig", "UniEPMoE",
     "UniEPConfig", "dense_reference_moe", "make_plan", "moe_ffn", "moe_ffn_shard",
     "param_specs", "receive_buffer_bytes", "route", "sort_assignments", "validate_inputs",
-    "TuneProblem", "resolve_config", "join_gate_up", "split_gate_up",
+    "TuneProblem", "resolve_config", "join_gate_up", "split_gate_up", "unique_receive_bytes",
 ]

@@ -78,6 +78,13 @@ def unique_send_rows(num_tokens: int, top_k: int, num_ranks: int) -> int:
   return num_tokens * min(num_ranks, top_k)
 
 
+def unique_receive_bytes(tokens_per_shard: int, hidden: int, ep: int, itemsize: int = 2) -> int:
+  """Bytes of the unique receive buffer that de-duplication adds per rank (R*T rows of
+  H: every token of every rank, once; dropless), besides the receive layout's buffer
+  (`moe.receive_buffer_bytes`)."""
+  return ep * tokens_per_shard * hidden * itemsize
+
+
 def local_unique_routing(topk_experts: jax.Array, sort_order: jax.Array,
                          sorted_experts: jax.Array, num_ranks: int, num_local_experts: int):
   """This rank's part of the de-duplication, before the all_gather.
