@@ -4,9 +4,9 @@
                                config=uniep_jax.UniEPConfig(backend="xla_dropless"))
 """
 
-from uniep_jax.dedup import unique_receive_bytes
 from uniep_jax.config import (BACKENDS, FusedConfig, KernelConfig, RoutingConfig, TransferConfig,
                               UniEPConfig)
+from uniep_jax.dedup import unique_receive_bytes
 from uniep_jax.layout import DispatchPlan, make_plan, sort_assignments
 from uniep_jax.moe import (moe_ffn, moe_ffn_shard, param_specs, receive_buffer_bytes,
                            validate_inputs)

@@ -40,17 +40,23 @@ def _fwd(y, weights, out_dtype):
   return _weighted_sum(y, weights, out_dtype), (y, weights)
 
 
+def round_cotangent(dy: jax.Array) -> jax.Array:
+  """dy rounded to its dtype and materialised (module docstring): every backward of the
+  combine forms its slot rows from this, never from dy's wider producer."""
+  return jax.lax.optimization_barrier(dy)
+
+
 def weighted_topk_sum_vjp(y: jax.Array, weights: jax.Array, dy: jax.Array, out_dtype):
   """(dy_slots [T, K, H] in y's dtype, d_weights [T, K]): the backward pass of
-  `weighted_topk_sum` at cotangent dy (rounded to its dtype and materialised first)."""
-  dy = jax.lax.optimization_barrier(dy)
+  `weighted_topk_sum` at cotangent dy, which the caller has passed through
+  `round_cotangent`."""
   _, vjp = jax.vjp(lambda a, w: _weighted_sum(a, w, out_dtype), y, weights)
   return vjp(dy)
 
 
 def _bwd(out_dtype, res, dy):
   y, weights = res
-  return weighted_topk_sum_vjp(y, weights, dy, out_dtype)
+  return weighted_topk_sum_vjp(y, weights, round_cotangent(dy), out_dtype)
 
 
 _weighted_topk_sum.defvjp(_fwd, _bwd)

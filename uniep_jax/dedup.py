@@ -49,7 +49,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.combine import weighted_topk_sum, weighted_topk_sum_vjp
+from uniep_jax.combine import round_cotangent, weighted_topk_sum, weighted_topk_sum_vjp
 from uniep_jax.dispatch import (_RETURN, _replicate_bwd, _take_rows, _zero_plan_cotangent,
                                 _zeros_varying_like, as_received, collect, sum_to_type_of)
 from uniep_jax.layout import DispatchPlan, _exclusive_cumsum, make_plan, sort_assignments
@@ -263,6 +263,19 @@ def plan_with_dedup(topk_experts: jax.Array, topk_weights: jax.Array, *, num_exp
 # ---------------------------------------------------------------------------
 # The combine whose backward pass de-duplicates the dy dispatch.
 # ---------------------------------------------------------------------------
+def unique_dy_rows(dy, y_assign, weights, plan: DispatchPlan, dplan: DedupPlan, *, axis_name,
+                   transport, transfer, out_dtype, rows_dtype):
+  """The backward of the combine (collect + `weighted_topk_sum`) with the dy dispatch
+  de-duplicated: (d_recv [recv_rows, H] in rows_dtype, each slot's row dtype(w * f32(dy))
+  on its owner; d_weights [T, K], the plain combine's). dy goes through
+  `round_cotangent` first, as in the plain combine's backward."""
+  dy = round_cotangent(dy)
+  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)   # slot rows: dead
+  d_recv = _DEDUP[transport](dy.astype(rows_dtype), plan, dplan, axis_name, transfer,
+                             scale=dplan.recv_weights)
+  return d_recv, d_weights
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def combine_unique(y_recv, weights, plan: DispatchPlan, dplan: DedupPlan, top_k, axis_name,
                    num_local_experts, transport, transfer, out_dtype):
@@ -270,9 +283,8 @@ def combine_unique(y_recv, weights, plan: DispatchPlan, dplan: DedupPlan, top_k,
   (`dispatch.collect`, then `weighted_topk_sum`), whose backward pass sends each
   (token, owner) pair's dy row once and lets the owner form every slot's row
   dtype(w * f32(dy)) (module docstring): the plain combine's bits, both ways."""
-  y_assign = collect(y_recv, plan, top_k=top_k, axis_name=axis_name,
-                     num_local_experts=num_local_experts, transport=transport, transfer=transfer)
-  return weighted_topk_sum(y_assign, weights, out_dtype=out_dtype)
+  return _combine_unique_fwd(y_recv, weights, plan, dplan, top_k, axis_name, num_local_experts,
+                             transport, transfer, out_dtype)[0]
 
 
 def _combine_unique_fwd(y_recv, weights, plan, dplan, top_k, axis_name, num_local_experts,
@@ -286,13 +298,9 @@ def _combine_unique_fwd(y_recv, weights, plan, dplan, top_k, axis_name, num_loca
 def _combine_unique_bwd(top_k, axis_name, num_local_experts, transport, transfer, out_dtype,
                         res, dy):
   y_assign, weights, plan, dplan, y_recv_like = res
-  # the weights' gradient: the plain combine's (its slot rows are dead code here)
-  # dy rounded and materialised first, as the plain combine's backward does (combine.py)
-  dy = jax.lax.optimization_barrier(dy)
-  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)
-  # each slot's row w * dy, formed on the owner from dy sent once per (token, owner)
-  d_recv = _DEDUP[transport](dy.astype(y_recv_like.dtype), plan, dplan, axis_name, transfer,
-                             scale=dplan.recv_weights)
+  d_recv, d_weights = unique_dy_rows(dy, y_assign, weights, plan, dplan, axis_name=axis_name,
+                                     transport=transport, transfer=transfer,
+                                     out_dtype=out_dtype, rows_dtype=y_recv_like.dtype)
   return (sum_to_type_of(d_recv, y_recv_like), d_weights, _zero_plan_cotangent(plan),
           _zero_plan_cotangent(dplan))
 

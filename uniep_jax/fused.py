@@ -50,7 +50,7 @@ import functools
 
 import jax
 
-from uniep_jax.combine import weighted_topk_sum, weighted_topk_sum_vjp
+from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig
 from uniep_jax.dispatch import (_return_nvlink, _send_nvlink, _zero_plan_cotangent,
                                 as_received, unsort_rows, zero_dropped_rows)
@@ -113,8 +113,6 @@ def _fused_ffn_fwd(rows_sorted, w_gate_up, w_down, plan, axis_name, el, kernel, 
 
 
 def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, dy_sorted):
-  from pallas_kernels.grouped_gemm import swiglu_dhu
-
   recv, a, h, u, w_gate_up, w_down, plan = res
   if fused.backward:
     # the dy dispatch (the return's transpose) and da with its dswiglu epilogue, one launch
@@ -128,13 +126,25 @@ def _fused_ffn_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, res, 
         live_rows=max_received_rows(plan))
     # as v1's send: the window after the live rows zeroed (the dw_down wgrad reads it)
     dy_recv = as_received(dy_recv, plan)
-  else:   # v1's: the dy dispatch, then the da launch (swiglu_backward's first half)
-    dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)   # the return's transpose
-    dhu = swiglu_dhu(recv, w_down, plan.recv_group_sizes, h, u, dy_recv, config=kernel,
-                     fuse_da_epilogue=grad_in_kernel, zero_window=kernel.block_k)
-  d_rows, dw_gate_up, dw_down = _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name,
-                                      el, kernel, transfer, fused)
+    d_rows, dw_gate_up, dw_down = _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan,
+                                        axis_name, el, kernel, transfer, fused)
+  else:   # v1's: the dy dispatch (the return's transpose), then v1's launches
+    dy_recv = _send_nvlink(dy_sorted, plan, axis_name, el, transfer)
+    d_rows, dw_gate_up, dw_down = _backward_from_dy_recv(res, dy_recv, axis_name, el, kernel,
+                                                         transfer, fused, grad_in_kernel)
   return d_rows, dw_gate_up, dw_down, _zero_plan_cotangent(plan)
+
+
+def _backward_from_dy_recv(res, dy_recv, axis_name, el, kernel, transfer, fused,
+                           grad_in_kernel):
+  """v1's backward from dy in the receive layout: the da launch (swiglu_backward's first
+  half), then `_tail`. res: `_fused_ffn_fwd`'s residuals (a prefix is enough)."""
+  from pallas_kernels.grouped_gemm import swiglu_dhu
+  recv, a, h, u, w_gate_up, w_down, plan = res[:7]
+  dhu = swiglu_dhu(recv, w_down, plan.recv_group_sizes, h, u, dy_recv, config=kernel,
+                   fuse_da_epilogue=grad_in_kernel, zero_window=kernel.block_k)
+  return _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name, el, kernel, transfer,
+               fused)
 
 
 def _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name, el, kernel, transfer,
@@ -194,24 +204,19 @@ def _fused_ffn_combine_fwd(rows_sorted, w_gate_up, w_down, weights, plan, dplan,
                                        kernel, transfer, fused)
   y_assign = unsort_rows(y_sorted, plan, top_k)
   y = weighted_topk_sum(y_assign, weights, out_dtype=out_dtype)
-  return y, (recv, a, h, u, w_gate_up, w_down, weights, y_assign, plan, dplan)
+  return y, (recv, a, h, u, w_gate_up, w_down, plan, weights, y_assign, dplan)
 
 
 def _fused_ffn_combine_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, top_k,
                            out_dtype, res, dy):
-  from pallas_kernels.grouped_gemm import swiglu_dhu
-  from uniep_jax.dedup import _dedup_nvlink
-  recv, a, h, u, w_gate_up, w_down, weights, y_assign, plan, dplan = res
-  # dy rounded and materialised first, as the plain combine's backward does (combine.py)
-  dy = jax.lax.optimization_barrier(dy)
-  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)
+  from uniep_jax.dedup import unique_dy_rows
+  recv, plan, (weights, y_assign, dplan) = res[0], res[6], res[7:]
   # each (token, owner) pair's dy once; the owner forms every slot's row w * dy
-  dy_recv = _dedup_nvlink(dy.astype(recv.dtype), plan, dplan, axis_name, transfer,
-                          scale=dplan.recv_weights)
-  dhu = swiglu_dhu(recv, w_down, plan.recv_group_sizes, h, u, dy_recv, config=kernel,
-                   fuse_da_epilogue=grad_in_kernel, zero_window=kernel.block_k)
-  d_rows, dw_gate_up, dw_down = _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name,
-                                      el, kernel, transfer, fused)
+  dy_recv, d_weights = unique_dy_rows(dy, y_assign, weights, plan, dplan, axis_name=axis_name,
+                                      transport="nvlink", transfer=transfer,
+                                      out_dtype=out_dtype, rows_dtype=recv.dtype)
+  d_rows, dw_gate_up, dw_down = _backward_from_dy_recv(res, dy_recv, axis_name, el, kernel,
+                                                       transfer, fused, grad_in_kernel)
   return (d_rows, dw_gate_up, dw_down, d_weights, _zero_plan_cotangent(plan),
           _zero_plan_cotangent(dplan))
 
