@@ -27,7 +27,8 @@
 #            deterministic mode, the training CLI's default)
 #   profile  kernel-level profile of one MoE layer call per backend (bench/profile_layer.py;
 #            $PROF_BACKENDS default uniep,uniep_fused, $PROF_SHAPE deepseek-like,
-#            $PROF_DIRECTION fwd; SECONDS is each backend's limit); with $PROF_TRAIN_MODEL
+#            $PROF_DIRECTION fwd; $PROF_ARGS extra flags, e.g. --back-to-back; SECONDS is
+#            each backend's limit); with $PROF_TRAIN_MODEL
 #            (e.g. mixtral-like) the training step of that model instead (1 layer, 64
 #            experts at most, $PROF_MESH; $PROF_BACKENDS are training backends then,
 #            e.g. xla_capacity,uniep,uniep+xla_dswiglu)
@@ -122,7 +123,7 @@ run_phase() {  # name seconds
                timeout -s USR1 -k 15 "$secs" python3 -m bench.profile_layer --backend "$b" \
                  --shape "${PROF_SHAPE:-deepseek-like}" --direction "${PROF_DIRECTION:-fwd}" \
                  ${PROF_TRAIN_MODEL:+--train-model "$PROF_TRAIN_MODEL"} \
-                 ${PROF_MESH:+--mesh "$PROF_MESH"} \
+                 ${PROF_MESH:+--mesh "$PROF_MESH"} ${PROF_ARGS:-} \
                  --out "$dir" >> "$dir/log" 2>&1 || { prc=$?; break; }
              done; (exit $prc) ;;
     tune)    local shape trc=0 shapes=(${TUNE_SHAPE:-deepseek-like}) ; shapes=(${shapes[@]//,/ })

@@ -130,6 +130,9 @@ def main(argv=None):
   ap.add_argument("--direction", default="fwd", choices=("fwd", "fwdbwd"))
   ap.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
   ap.add_argument("--reps", type=int, default=3, help="profiled calls (after a warm-up call)")
+  ap.add_argument("--back-to-back", action="store_true",
+                  help="layer calls enqueued back to back, one wait at the end (as the layer "
+                       "bench times them); default: each call waited for")
   ap.add_argument("--top", type=int, default=25)
   ap.add_argument("--out", default=None)
   ap.add_argument("--min-us", type=float, default=20.0, help="timeline: shortest kernel kept")
@@ -160,8 +163,11 @@ def main(argv=None):
   fn()  # compile and warm up outside the trace
   trace_dir = os.path.join(out, f"trace_{tag}")
   with jax.profiler.trace(trace_dir):
-    for _ in range(args.reps):
-      fn()
+    if args.back_to_back and not args.train_model:
+      common.block([fn(sync=False) for _ in range(args.reps)])
+    else:
+      for _ in range(args.reps):
+        fn()
   # the newest trace (an earlier run into the same --out leaves its own)
   path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
              key=os.path.getmtime)
@@ -193,7 +199,11 @@ def _layer_fn(args, r):
   x, p = moe_layer.make_inputs(shape, mesh, skewed=args.routing == "skewed")
   f_fwd, f_bwd = moe_layer.layer_fns(mesh, shape, moe_layer.BACKEND_CONFIGS[args.backend])
   fn = f_fwd if args.direction == "fwd" else f_bwd
-  return (lambda: common.block(fn(x, p))), f"{args.backend}_{args.shape}_{args.direction}"
+  def call(sync=True):
+    out = fn(x, p)
+    return common.block(out) if sync else out
+  b2b = "_b2b" if args.back_to_back else ""
+  return call, f"{args.backend}_{args.shape}_{args.direction}{b2b}"
 
 
 def _train_step_fn(args, r):
