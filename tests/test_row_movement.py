@@ -100,9 +100,10 @@ def test_capacity_gradients_with_drops_match_reference():
     y_sel = y_all[jnp.asarray(topk), jnp.arange(tokens)[:, None]]
     return jnp.sum(jnp.sin(jnp.einsum("tk,tkh->th", w_sel, y_sel)))
 
-  assert rel_err(jax.jit(ours)(x, p), reference(x, p)) < 1e-5
+  # the reference jitted too: one program, not an op-by-op dispatch compiling each primitive
+  assert rel_err(jax.jit(ours)(x, p), jax.jit(reference)(x, p)) < 1e-5
   g = jax.jit(jax.grad(ours, argnums=(0, 1)))(x, p)
-  g_ref = jax.grad(reference, argnums=(0, 1))(x, p)
+  g_ref = jax.jit(jax.grad(reference, argnums=(0, 1)))(x, p)
   for name, a, b in [("x", g[0], g_ref[0]), ("w_gate_up", g[1].w_gate_up, g_ref[1].w_gate_up),
                      ("w_down", g[1].w_down, g_ref[1].w_down),
                      ("router", g[1].router, g_ref[1].router)]:
