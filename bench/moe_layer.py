@@ -21,6 +21,7 @@ cases are listed in the JSON. Median ms per call; ratios are same-run ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -85,6 +86,11 @@ BACKEND_CONFIGS = {
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
 }
+# The names without "_dd" are the v1 dispatch (dedup_tokens=False), as in the runs
+# before de-duplication became "uniep"'s default (UniEPConfig.dedup_tokens=None: auto)
+BACKEND_CONFIGS = {name: (dataclasses.replace(c, dedup_tokens=False)
+                          if c.backend == "uniep" and c.dedup_tokens is None else c)
+                   for name, c in BACKEND_CONFIGS.items()}
 
 
 def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):

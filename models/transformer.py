@@ -206,7 +206,7 @@ class Transformer(nnx.Module):
                backend: str = "xla_dropless", capacity_factor: float = 1.25,
                swiglu_grad_in_kernel: Optional[bool] = None,
                kernel_stages: Optional[int] = None, fused: bool = False,
-               dedup_tokens: bool = False, rngs: nnx.Rngs):
+               dedup_tokens: Optional[bool] = None, rngs: nnx.Rngs):
     self.c, self.mesh = c, mesh
     self.dtype = jnp.dtype(c.dtype)
     kernel = (KernelConfig() if kernel_stages is None

@@ -209,13 +209,30 @@ def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking, 
   assert np.isnan(out[live:]).all()
 
 
+def test_dedup_tokens_auto_is_on_for_uniep_only():
+  """dedup_tokens=None (the default) resolves on for "uniep" (transport "nvlink"),
+  unless its fused backward moves the dy dispatch itself; off for the other backends
+  and transports; an explicit choice stays."""
+  fused_bwd = uniep_jax.FusedConfig(return_in_kernel=False, backward=True)
+  fused_fwd = uniep_jax.FusedConfig(return_in_kernel=False, wgrad_return_ctas=16)
+  assert UniEPConfig().dedup_tokens is None
+  assert UniEPConfig(backend="uniep").resolved_dedup_tokens("nvlink")
+  assert UniEPConfig(backend="uniep", fused=fused_fwd).resolved_dedup_tokens("nvlink")
+  assert not UniEPConfig(backend="uniep", fused=fused_bwd).resolved_dedup_tokens("nvlink")
+  assert not UniEPConfig(backend="uniep", dedup_tokens=False).resolved_dedup_tokens("nvlink")
+  for backend in ("pallas", "xla_dropless"):
+    assert not UniEPConfig(backend=backend).resolved_dedup_tokens("padded")
+    assert UniEPConfig(backend=backend, dedup_tokens=True).resolved_dedup_tokens("padded")
+
+
 def test_uniep_layer_with_dedup_lowers_for_cuda():
-  """backend "uniep" with dedup_tokens lowers for CUDA on this CPU-only machine: v1's
-  10 Mosaic GPU kernels plus the live-rows gather in the forward and the weighted one
-  in the backward (the forward's x transfer and the backward's dy transfer move
-  unique rows)."""
+  """backend "uniep" at its defaults (dedup_tokens auto: on) lowers for CUDA on this
+  CPU-only machine: v1's 10 Mosaic GPU kernels plus the live-rows gather in the
+  forward and the weighted one in the backward (the forward's x transfer and the
+  backward's dy transfer move unique rows). dedup_tokens=False lowers v1's 10
+  (tests/test_moe.py)."""
   from test_moe import lower_uniep_layer_for_cuda
-  text = lower_uniep_layer_for_cuda(UniEPConfig(backend="uniep", dedup_tokens=True), 128)
+  text = lower_uniep_layer_for_cuda(UniEPConfig(backend="uniep"), 128)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 12
   assert text.count("gather_live_rows_scaled") >= 1
 

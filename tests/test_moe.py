@@ -34,7 +34,10 @@ def _fwd(backend, data, ep, top_k, cfg):
   return jax.jit(lambda x, p: uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=top_k, config=cfg))
 
 
+@functools.lru_cache(maxsize=None)
 def _loss(backend, data, ep, top_k, cfg):
+  """The jitted gradient, one per (backend, mesh, top_k, cfg) in this module (as `_fwd`):
+  the dense reference's, which every gradient test compares with, compiles once."""
   f = _fwd(backend, data, ep, top_k, cfg)
 
   def loss(x, p):
@@ -332,7 +335,7 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
 
 
 @pytest.mark.parametrize("bound,fused,kernel,dedup", [
-    (None, None, None, False),
+    (None, None, None, False),   # v1's dispatch (the default de-duplicates: tests/test_dedup.py)
     # a receive bound (the XLA glue) with tiles walked in bands (the kernels' tile order):
     # independent, so one lowering covers both
     (1.5, None, uniep_jax.KernelConfig(raster_rows=8), False),

@@ -447,7 +447,7 @@ def test_kernel_stages_reach_the_moe_layers():
   assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, kernel_stages=2, fused=False,
                                        dedup_tokens=False)
   assert loop.moe_options(TrainConfig(backend="uniep")) == dict(
-      swiglu_grad_in_kernel=True, kernel_stages=3, fused=False, dedup_tokens=False)
+      swiglu_grad_in_kernel=True, kernel_stages=3, fused=False, dedup_tokens=True)   # auto: on
   assert loop.moe_options(TrainConfig(backend="xla_dropless")) == {}
 
 
@@ -480,7 +480,11 @@ def test_dedup_tokens_reaches_the_moe_layers():
   configs = [m.config for m in loop.build_model(both, s.model_cfg, s.mesh).moe_modules()]
   assert configs and all(c.dedup_tokens and c.fused == TRAIN_FUSED for c in configs)
   assert loop.moe_options(cfg) == dict(dedup_tokens=True)
-  assert not parse_args([]).dedup_tokens
+  assert parse_args([]).dedup_tokens is None   # auto: on for uniep only
+  off = parse_args(["--backend", "uniep", "--no-dedup-tokens", "--mesh", "data=2,expert=4"])
+  configs = [m.config for m in loop.build_model(off, s.model_cfg, s.mesh).moe_modules()]
+  assert configs and all(c.dedup_tokens is False for c in configs)
+  assert loop.moe_options(off)["dedup_tokens"] is False
 
 
 def test_swiglu_grad_in_kernel_needs_a_pallas_backend():

@@ -693,7 +693,10 @@ def test_stage3_tries_token_dedup_on_the_v1_winner(tmp_path, no_shipped_cache):
   assert T.resolve_config(auto, device=dev, cache_path=user, **shape).dedup_tokens
   r = T.resolve_config(UniEPConfig(backend="uniep", kernel=KernelConfig(), transfer=None),
                        device=dev, cache_path=user, **shape)
-  assert not r.dedup_tokens
+  assert r.dedup_tokens is None   # not fully auto: the tuned point is not taken, auto stays
+  r = T.resolve_config(dataclasses.replace(auto, dedup_tokens=False), device=dev,
+                       cache_path=user, **shape)
+  assert r.dedup_tokens is False   # an explicit False stays
   # an entry from before the knob: no dedup
   del entry["dedup_tokens"]
   assert not T._entry_candidate(entry).dedup_tokens

@@ -30,7 +30,7 @@ class TrainConfig:
   swiglu_grad_in_kernel: Optional[bool] = None  # UniEPConfig.swiglu_grad_in_kernel (None: on for pallas/uniep)
   kernel_stages: Optional[int] = None  # KernelConfig.max_concurrent_steps (pallas/uniep; None: its default)
   fused: bool = False  # uniep: the v2 fused kernels (models.transformer.TRAIN_FUSED; EXPERIMENTAL)
-  dedup_tokens: bool = False  # UniEPConfig.dedup_tokens: each token dispatched once per owner rank
+  dedup_tokens: Optional[bool] = None  # UniEPConfig.dedup_tokens (None: auto, on for uniep)
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -154,10 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     help="uniep, EXPERIMENTAL: the v2 fused kernels (the dispatch inside the gate/up GEMM's "
          "launch, the backward's dX return inside the dw_gate_up wgrad's; "
          "models.transformer.TRAIN_FUSED)")
-  a("--dedup-tokens", action="store_true",
+  a("--dedup-tokens", action=argparse.BooleanOptionalAction, default=None,
     help="dropless backends: the dispatches (x forward, dy backward) send each token once per "
          "owner rank, not once per expert there (UniEPConfig.dedup_tokens; the same bits, fewer "
-         "bytes); with --fused, the backward's dy dispatch")
+         "bytes); with --fused, the backward's dy dispatch. Default: on for uniep, off for the "
+         "others")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")

@@ -90,11 +90,16 @@ def moe_options(cfg: TrainConfig) -> dict:
   the log and summary.json: a resumed or compared run shows what produced its bits."""
   if cfg.backend not in ("pallas", "uniep"):
     return dict(dedup_tokens=True) if cfg.dedup_tokens else {}
+  from models.transformer import TRAIN_FUSED
   from uniep_jax.config import KernelConfig, UniEPConfig
   stages = KernelConfig().max_concurrent_steps if cfg.kernel_stages is None else cfg.kernel_stages
-  c = UniEPConfig(backend=cfg.backend, swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel)
+  c = UniEPConfig(backend=cfg.backend, swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
+                  dedup_tokens=cfg.dedup_tokens,
+                  fused=TRAIN_FUSED if cfg.fused else None)
   return dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, kernel_stages=stages,
-              fused=cfg.fused, dedup_tokens=cfg.dedup_tokens)
+              fused=cfg.fused,
+              # "uniep" moves rows over "nvlink" (auto: de-duplicated); "pallas" over XLA's
+              dedup_tokens=c.resolved_dedup_tokens("nvlink" if cfg.backend == "uniep" else "padded"))
 
 
 def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:

@@ -189,10 +189,11 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
     transport = transport or config.transport or "padded"
     if config.backend == "uniep":
       transport = "nvlink"
+    dedup = config.resolved_dedup_tokens(transport)
     recv_rows = receive_rows(t, top_k, num_experts // el, config)
     kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport,
               transfer=config.transfer)
-    if config.dedup_tokens:   # each (token, owner) pair sent once (uniep_jax/dedup.py)
+    if dedup:   # each (token, owner) pair sent once (uniep_jax/dedup.py)
       plan, dplan = plan_with_dedup(out.topk_experts, out.topk_weights, num_experts=num_experts,
                                     axis_name=expert_axis, top_k=top_k, recv_rows=recv_rows)
     else:
@@ -205,7 +206,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       fkw = dict(axis_name=expert_axis, num_local_experts=el, kernel=config.kernel,
                  transfer=config.transfer, fused=config.fused,
                  grad_in_kernel=config.use_swiglu_grad_in_kernel)
-      if config.dedup_tokens:   # Kernel A moves the forward's rows; the dy dispatch is unique
+      if dedup:   # Kernel A moves the forward's rows; the dy dispatch is unique
         y = fused_expert_ffn_combine(sort_rows(x, plan, top_k), params.w_gate_up, params.w_down,
                                      out.topk_weights, plan, dplan, top_k=top_k,
                                      out_dtype=x.dtype, **fkw)
@@ -215,7 +216,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
         y = weighted_topk_sum(unsort_rows(y_sorted, plan, top_k), out.topk_weights,
                               out_dtype=x.dtype)
     else:
-      if config.dedup_tokens:
+      if dedup:
         recv = dispatch_unique(x, plan, dplan, top_k, expert_axis, el, transport,
                                config.transfer)                          # [R*T*K, H]
       else:
@@ -230,7 +231,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       else:
         y_recv = swiglu_ragged_dot(recv, params.w_gate_up, params.w_down,
                                    plan.recv_group_sizes)
-      if config.dedup_tokens:   # its backward sends each (token, owner) pair's dy once
+      if dedup:   # its backward sends each (token, owner) pair's dy once
         y = combine_unique(y_recv, out.topk_weights, plan, dplan, top_k, expert_axis, el,
                            transport, config.transfer, x.dtype)
       else:

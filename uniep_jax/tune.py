@@ -1230,9 +1230,12 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
   take_tuned = fully_auto and config.backend == "uniep"
   # an explicit dedup_tokens=True takes a fused winner only if it has no fused backward
   # (which moves the dy dispatch itself); otherwise it keeps the v1 dispatch
-  fused = (cand.fused if take_tuned and not (config.dedup_tokens and cand.fused is not None
+  fused = (cand.fused if take_tuned and not (config.dedup_tokens is True and cand.fused is not None
                                              and cand.fused.backward) else config.fused)
-  dedup = config.dedup_tokens or (take_tuned and cand.dedup_tokens)
+  # a tuned winner with de-duplication turns it on; otherwise an explicit choice stays,
+  # and None stays auto (on for "uniep" unless its fused backward moves dy itself)
+  dedup = True if (take_tuned and cand.dedup_tokens and config.dedup_tokens is None) \
+      else config.dedup_tokens
   if fused is not None and fused.backward and config.swiglu_grad_in_kernel is False:
     # the fused backward computes dh, du in the da epilogue: the user asked for XLA's
     fused = dataclasses.replace(fused, backward=False)
