@@ -118,8 +118,9 @@ class TrainCase:
 def parse_backend(backend: str) -> dict:
   """"uniep+xla_dswiglu+s3+b4" -> the TrainConfig fields it sets: backend "uniep", then
   swiglu_grad_in_kernel ('+dswiglu' True, '+xla_dswiglu' False), kernel_stages ('+sN':
-  KernelConfig.max_concurrent_steps=N), grad_buckets ('+bN') and fused ('+fused': the
-  v2 fused kernels, models.transformer.TRAIN_FUSED);
+  KernelConfig.max_concurrent_steps=N), grad_buckets ('+bN'), fused ('+fused': the
+  v2 fused kernels, models.transformer.TRAIN_FUSED) and dedup_tokens ('+dd' on, '+nodd'
+  off: the v1 dispatch; default auto, on for uniep);
   fields not named keep their defaults."""
   base, *options = backend.split("+")
   fields = dict(backend=base)
@@ -128,13 +129,16 @@ def parse_backend(backend: str) -> dict:
       fields["swiglu_grad_in_kernel"] = option == "dswiglu"
     elif option == "fused":
       fields["fused"] = True
+    elif option in ("dd", "nodd"):
+      fields["dedup_tokens"] = option == "dd"
     elif option[:1] in "sb" and option[1:].isdigit():
       fields["kernel_stages" if option[0] == "s" else "grad_buckets"] = int(option[1:])
     else:
       raise ValueError(f"backend {backend!r}: the options are '+dswiglu' / '+xla_dswiglu' "
                        f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on), "
-                       f"'+sN' (KernelConfig.max_concurrent_steps=N), '+bN' (grad_buckets=N) "
-                       f"and '+fused' (the v2 fused kernels)")
+                       f"'+sN' (KernelConfig.max_concurrent_steps=N), '+bN' (grad_buckets=N), "
+                       f"'+fused' (the v2 fused kernels) and '+dd' / '+nodd' (dedup_tokens "
+                       f"True / False)")
   return fields
 
 

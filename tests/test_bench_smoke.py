@@ -108,6 +108,8 @@ def test_train_throughput_backend_options():
   assert train_throughput.parse_backend("pallas+dswiglu") == dict(backend="pallas",
                                                                   swiglu_grad_in_kernel=True)
   assert train_throughput.parse_backend("uniep+fused") == dict(backend="uniep", fused=True)
+  assert train_throughput.parse_backend("uniep+nodd") == dict(backend="uniep", dedup_tokens=False)
+  assert train_throughput.parse_backend("pallas+dd") == dict(backend="pallas", dedup_tokens=True)
   with pytest.raises(ValueError, match="the options are"):
     train_throughput.parse_backend("uniep+fast")
 
