@@ -268,29 +268,10 @@ def test_train_step_has_no_float_scatter_add():
   assert float_scatter_adds(jaxpr) == []
 
 
-@pytest.mark.parametrize("grad_reduction", ["ordered", "xla"])
-def test_optimizer_state_follows_the_params_and_the_step_gathers_nothing(grad_reduction):
-  """Each Adam moment is sharded as its parameter (expert weights over the expert axis),
-  and the compiled training step holds no all-gather that XLA's partitioner added: with
-  the moments replicated, every step all-gathered the expert weights' moments after
-  their sharded update (6 all-gathers, a third of a mixtral-like step on 4x H200)."""
-  cfg = TrainConfig(**{**SMALL, "mesh": "data=2,expert=4", "out": "unused",
-                       "grad_reduction": grad_reduction})
-  s = loop.make_setup(cfg)
-  params, rest, opt_state = loop.init_state(s)
-  moments = [leaf for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, dict))
-             if isinstance(leaf, dict) and set(leaf) == set(params)]
-  assert len(moments) == 2  # adam's mu and nu
-  expert_weights = [k for k, sh in s.param_sh.items() if "expert" in str(sh.spec)]
-  assert expert_weights
-  for m in moments:
-    for k, v in m.items():
-      assert v.sharding.is_equivalent_to(s.param_sh[k], v.ndim), k
-  step = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, opt_state))
-  x = jax.device_put(np.zeros((cfg.batch, cfg.seq), np.int32), s.batch_sh)
-  hlo = step.lower(params, rest, opt_state, x, x).compile().as_text()
-  added = [l for l in hlo.splitlines() if "all-gather" in l and "is_spmd_generated" in l]
-  assert added == [], added[:2]
+# The optimizer state's sharding and the train step's missing all-gathers (this config and
+# mesh, both --grad-reduction modes): test_ordered_reduce's
+# test_optimizer_state_follows_the_params_and_the_step_gathers_nothing, on the steps that
+# file compiles anyway
 
 
 @pytest.mark.parametrize("explicit,grad_dtype", [(False, None), (True, None), (False, "bfloat16")])
