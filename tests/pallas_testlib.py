@@ -39,4 +39,7 @@ def skewed_plans(rng, r, el, t, k, skew, recv_rows=None):
   p /= p.sum()
   topk = [jnp.asarray(rng.choice(e, size=(t, k), p=p), jnp.int32) for _ in range(r)]
   cm = jnp.stack([layout.local_group_sizes(x, e) for x in topk])
-  return [layout.make_plan(topk[q], cm, q, recv_rows=recv_rows) for q in range(r)]
+  # jitted with the rank traced, as inside the layer's shard_map: one program per shape
+  # instead of an op-by-op dispatch compiling each primitive (integer outputs: exact)
+  make_plan = jax.jit(layout.make_plan, static_argnames=("recv_rows",))
+  return [make_plan(topk[q], cm, jnp.int32(q), recv_rows=recv_rows) for q in range(r)]

@@ -29,6 +29,11 @@ def _routing(seed, tokens, top_k, experts=E, hot=None):
   return jax.lax.top_k(logits, top_k)[1].astype(jnp.int32)
 
 
+_make_plan = jax.jit(make_plan)
+_local_unique_routing = jax.jit(local_unique_routing, static_argnums=(3, 4))
+_make_dedup_plan = jax.jit(make_dedup_plan, static_argnums=(4,))
+
+
 @pytest.mark.parametrize("ranks,top_k,hot", [(4, 2, None), (4, 3, 5), (2, 4, None), (8, 2, 0)])
 def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot):
   """The unique send rows are the (token, owner) pairs in (owner, token) order, each
@@ -38,13 +43,17 @@ def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot):
   topks = [_routing(10 * s + top_k, tokens, top_k, hot=hot) for s in range(ranks)]
   weights = [jax.random.uniform(jax.random.key(100 + s), (tokens, top_k)) for s in range(ranks)]
   counts = jnp.stack([local_group_sizes(t, E) for t in topks])
-  plans = [make_plan(t, counts, s) for s, t in enumerate(topks)]
-  local = [local_unique_routing(t, p.sort_order, p.sorted_experts, ranks, el)
+  # the plan builders jitted, the rank traced (as inside the layer's shard_map): one
+  # program per shape instead of an op-by-op dispatch compiling each primitive; the
+  # plans are integers (and weight bits), exact either way; checked below in numpy
+  plans = [_make_plan(t, counts, jnp.int32(s)) for s, t in enumerate(topks)]
+  local = [_local_unique_routing(t, p.sort_order, p.sorted_experts, ranks, el)
            for t, p in zip(topks, plans)]
   gathered = jnp.stack([jnp.concatenate([payload, sorted_weight_bits(w, p.sort_order)])
                         for (_, payload), w, p in zip(local, weights, plans)])
-  dplans = [make_dedup_plan(present, gathered, p, s, top_k)
+  dplans = [_make_dedup_plan(present, gathered, p, jnp.int32(s), top_k)
             for s, ((present, _), p) in enumerate(zip(local, plans))]
+  plans, dplans = jax.tree.map(np.asarray, (plans, dplans))
   owners = [np.asarray(t) // el for t in topks]
   for s, dp in enumerate(dplans):
     assert dp.unique_tokens.shape == (unique_send_rows(tokens, top_k, ranks),)

@@ -28,6 +28,11 @@ from uniep_jax.config import KernelConfig, TransferConfig
 from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
 from pallas_testlib import skewed_plans
 
+# The work-list builders jitted, the rank traced (as in the kernels' wrappers, where it is
+# the axis index): one program per shape instead of an op-by-op dispatch that compiled
+# each primitive (~600 small compiles in this file's list tests); integer outputs, exact
+_chunk_work_lists = jax.jit(fdg.chunk_work_lists, static_argnames=(
+    "src_rows", "item_rows", "recv_chunk_rows", "num_chunks"))
 
 
 def _dispatch_segments(rng, r, el, t, k, skew):
@@ -89,7 +94,7 @@ def test_chunk_work_lists_cover_every_row_once(r, el, t, k, item_rows, b, skew):
     live = layout.max_received_rows(plan)
     live_chunks = min(-(-int(live) // b), num_chunks)
     for bound, want in ((None, None), (live, live_chunks)):
-      work = fdg.chunk_work_lists(seg.src_start, seg.dst_start, seg.rows, rank=rank,
+      work = _chunk_work_lists(seg.src_start, seg.dst_start, seg.rows, rank=rank,
                                   src_rows=src_rows, item_rows=item_rows, recv_chunk_rows=b,
                                   num_chunks=num_chunks, live_rows=bound)
       _check_work(work, seg.src_start, seg.dst_start, seg.rows, rank=rank, src_rows=src_rows,
@@ -111,7 +116,7 @@ def test_round_robin_deal_keeps_every_transfer_cta_busy():
   r, el, t, k, item_rows, b = 4, 8, 256, 4, 16, 64
   for rank, (seg, plan) in enumerate(_dispatch_segments(rng, r, el, t, k, 2.0)):
     num_chunks = -(-plan.recv_valid.shape[0] // b)
-    work = np.asarray(fdg.chunk_work_lists(seg.src_start, seg.dst_start, seg.rows, rank=rank,
+    work = np.asarray(_chunk_work_lists(seg.src_start, seg.dst_start, seg.rows, rank=rank,
                                            src_rows=t * k, item_rows=item_rows,
                                            recv_chunk_rows=b, num_chunks=num_chunks))
     w = fdg.num_items(t * k, el, num_chunks, item_rows)
@@ -133,7 +138,7 @@ def test_chunk_work_lists_generic_segments():
   seg_src = jnp.array([[30, 0, 10], [50, 45, 70]], jnp.int32)
   seg_dst = jnp.array([[5, 60, 40], [0, 90, 33]], jnp.int32)
   seg_len = jnp.array([[15, 0, 20], [30, 5, 40]], jnp.int32)
-  work = fdg.chunk_work_lists(seg_src, seg_dst, seg_len, rank=1, src_rows=110, item_rows=8,
+  work = _chunk_work_lists(seg_src, seg_dst, seg_len, rank=1, src_rows=110, item_rows=8,
                               recv_chunk_rows=16, num_chunks=7)
   _check_work(work, seg_src, seg_dst, seg_len, rank=1, src_rows=110, item_rows=8, b=16,
               num_chunks=7)
@@ -349,7 +354,8 @@ def test_kernel_c_source_chunked_work_lists_and_signal_counts():
     recv_rows = plan.recv_valid.shape[0]
     num_chunks = -(-recv_rows // b)
     rows = max(recv_rows, t * k)
-    work = np.asarray(dgr.source_chunk_work_lists(
+    work = np.asarray(jax.jit(dgr.source_chunk_work_lists, static_argnames=(
+        "rows", "item_rows", "chunk_rows", "num_chunks"))(
         seg.src_start, seg.dst_start, seg.rows, rank=rank, rows=rows, item_rows=item_rows,
         chunk_rows=b, num_chunks=num_chunks, live_rows=plan.num_received))
     w = fdg.num_items(rows, el, num_chunks, item_rows)

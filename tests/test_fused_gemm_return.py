@@ -58,6 +58,9 @@ def _check_plan(plan_flat, seg, *, rank, recv_rows, block_m):
   assert got == want        # also: one (peer, le) per tile, since every row matches
 
 
+_return_tile_plan = jax.jit(fgr.return_tile_plan, static_argnames=("recv_rows", "block_m"))
+
+
 @pytest.mark.parametrize("r,el,t,k,block_m,skew,bound", [
     (4, 3, 64, 2, 64, 0.0, None), (2, 4, 96, 4, 128, 5.0, None), (3, 1, 40, 3, 16, 2.0, None),
     (4, 2, 48, 2, 32, 6.0, 200)])
@@ -66,8 +69,10 @@ def test_return_tile_plan_matches_return_segments(r, el, t, k, block_m, skew, bo
   for rank, plan in enumerate(skewed_plans(rng, r, el, t, k, skew, recv_rows=bound)):
     seg = layout.return_segments(plan, rank)
     recv_rows = gg._round_up(plan.recv_valid.shape[0], block_m)
-    flat = fgr.return_tile_plan(seg.src_start, seg.dst_start, seg.rows, rank=rank,
-                                recv_rows=recv_rows, block_m=block_m)
+    # jitted, the rank traced (as in the kernel's wrapper): one program per shape, not an
+    # op-by-op dispatch; test_return_tile_plan_traced_rank checks it equals the static rank's
+    flat = _return_tile_plan(seg.src_start, seg.dst_start, seg.rows, rank=rank,
+                             recv_rows=recv_rows, block_m=block_m)
     _check_plan(flat, seg, rank=rank, recv_rows=recv_rows, block_m=block_m)
 
 
