@@ -82,6 +82,15 @@ BACKEND_CONFIGS = {
         backend="uniep", dedup_tokens=True,
         fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
                                     down_return_ctas=16, wgrad_return_ctas=16)),
+    # the same with fewer transfer CTAs in each fused launch (n_comm, the down GEMM's and
+    # the wgrad's return CTAs): where the transfer is small next to the GEMM (mixtral-like:
+    # 101 MB against a 5.9 ms gate/up GEMM at EP 4), 4 or 8 CTAs may still hide it while
+    # the GEMM keeps 128 / 124 of 132 SMs (NOTES_fused.md, "EP 4, all three big shapes")
+    **{f"uniep_fac_rbw_dd_c{n}": uniep_jax.UniEPConfig(
+        backend="uniep", dedup_tokens=True,
+        fused=uniep_jax.FusedConfig(n_comm=n, recv_chunk_rows=2048, return_in_kernel=False,
+                                    down_return_ctas=n, wgrad_return_ctas=n))
+       for n in (4, 8)},
     "pallas_dd": uniep_jax.UniEPConfig(backend="pallas", transport="padded", dedup_tokens=True),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
