@@ -7,7 +7,9 @@ forward output and the gradients of x and every parameter with:
   * backend "uniep" at every point of a sweep over the transfer knobs
     (chunk_rows, num_ctas, col_tile) for each grouped-GEMM tiling swept, and
     with the v2 fused kernels (`FUSED`: n_comm, recv_chunk_rows; swept right after
-    the default transfer),
+    the default transfer), and with the v1 dispatch (dedup_tokens=False; every other
+    point runs uniep's default, the de-duplicated dispatch, or the v1 one where a
+    fused backward moves dy itself),
   * each "uniep" point three times,
 and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`). The
 points go round-robin over the tilings (`sweep_order`), so that a run cut by
@@ -173,8 +175,11 @@ def main(argv=None):
   default_t = uniep_jax.TransferConfig()
   # the default transfer, then the v2 fused kernels (a different program, not only other
   # knobs of the same one), then the other transfers
-  transfer_points = ([(default_t, None)] + [(default_t, fc) for fc in FUSED]
-                     + [(tc, None) for tc in TRANSFERS if tc != default_t])
+  # (transfer, fused, dedup_tokens): None is uniep's default (auto: de-duplicated unless
+  # a fused backward moves dy), False the v1 dispatch
+  transfer_points = ([(default_t, None, None), (default_t, None, False)]
+                     + [(default_t, fc, None) for fc in FUSED]
+                     + [(tc, None, None) for tc in TRANSFERS if tc != default_t])
   order = sweep_order(TILINGS, transfer_points)[args.start:]
   # compiles run at most 2 x workers points ahead (a run cut by its budget then
   # waits for few compiles at exit)
@@ -184,9 +189,9 @@ def main(argv=None):
   def submit_next():
     i = len(jobs) + done[0]
     if i < len(order):
-      kc, (tc, fc) = order[i]
+      kc, (tc, fc, dd) = order[i]
       jobs.append(compile_(uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc,
-                                                 fused=fc)))
+                                                 fused=fc, dedup_tokens=dd)))
   done = [0]
   for _ in range(window):
     submit_next()
@@ -196,14 +201,15 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
       traceback.print_exc(limit=2)
       points.append(dict(kernel=tag, backend="pallas", error=repr(e)[:300]))
-  for kc, (tc, fc) in order:
+  for kc, (tc, fc, dd) in order:
     job = jobs.popleft() if jobs else None   # past the budget the queue runs dry
     done[0] += 1
     tag = tag_of(kc)
     if time.time() - t0 > args.budget_s:   # past the budget: nothing more is compiled
       if job is not None:
         job.cancel()
-      skipped.append(dict(kernel=tag, transfer=str(tc), fused=str(fc), why="time budget"))
+      skipped.append(dict(kernel=tag, transfer=str(tc), fused=str(fc), dedup_tokens=dd,
+                          why="time budget"))
       continue
     submit_next()
     if tag not in reference:   # its pallas reference failed (recorded above)
@@ -211,7 +217,9 @@ def main(argv=None):
       continue
     row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
                fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows,
-                                              fc.return_in_kernel, fc.backward])
+                                              fc.return_in_kernel, fc.backward],
+               dedup_tokens=uniep_jax.UniEPConfig(backend="uniep", fused=fc, dedup_tokens=dd)
+               .resolved_dedup_tokens("nvlink"))
     try:
       compiled = job.result()
       runs = [_checksums(compiled, x, p) for _ in range(3)]

@@ -93,7 +93,11 @@ def test_determinism_sweep_runs_every_point_and_reports_a_mismatch(tmp_path, mon
   sweep = _fake_sweep(monkeypatch, lambda cfg: ("same",))
   assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--out", str(tmp_path)]) == 0
   got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.json")).read_text())
-  assert got["swept"] == len(sweep.TILINGS) * (1 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
+  # per tiling: the default transfer de-duplicated and not, the fused points, the others
+  assert got["swept"] == len(sweep.TILINGS) * (2 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
+  dedup = [r["dedup_tokens"] for r in got["points"] if r["fused"] is None
+           and (r["chunk_rows"], r["num_ctas"], r["col_tile"]) == (128, 64, 256)]
+  assert sorted(dedup) == [False] * len(sweep.TILINGS) + [True] * len(sweep.TILINGS)
   assert not got["mismatches"] and not got["skipped"]
   # rewritten after every point (a hang later keeps what ran): the last one has them all
   partial = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.partial.json")).read_text())
