@@ -58,7 +58,8 @@ def _fns(mesh, top_k, cfg):
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=None)
-  ap.add_argument("--backends", default="xla_dropless,xla_capacity,pallas,uniep")
+  # "uniep" is the v1 dispatch here, "uniep_dd" the de-duplicated one (uniep's default)
+  ap.add_argument("--backends", default="xla_dropless,xla_capacity,pallas,uniep,uniep_dd")
   ap.add_argument("--quick", action="store_true",
                   help="float32 on the (1, n) mesh only; bfloat16 on (1, n) and (2, n/2)")
   args = ap.parse_args(argv)
