@@ -307,28 +307,8 @@ def _knob_operands():
 @functools.lru_cache(maxsize=None)
 def _knob_reference():
   """`_layer_mode_ffn` with CONFIG (one epilogue slot, row-major) on `_knob_operands`:
-  both knob tests compare with it, so its six interpreted launches run once per module."""
+  the knob test compares with it."""
   return _layer_mode_ffn(CONFIG, *_knob_operands())
-
-
-def test_two_epilogue_slots_change_no_bit():
-  """KernelConfig.epilogue_slots=2 (chunk i stored while chunk i + 1 is written to the
-  other slot): the FFN's forward and backward in the MoE layer's mode give the same
-  bits as one slot (slot indexing, chunk order, ragged ladders). Covers the gate/up
-  epilogue (3 chunks: a, h, u, so the third reuses the first's slot), the plain
-  launches (down, dx: 2 chunks) and the wgrads. The interpret mode runs TMA stores
-  synchronously and ignores bulk-async groups, so a missing wait or group commit
-  cannot show here: bench/ffn_ab.py checks the bits on the GPU."""
-  import dataclasses
-  one = _knob_reference()
-  two = _layer_mode_ffn(dataclasses.replace(CONFIG, epilogue_slots=2), *_knob_operands())
-  assert_no_races()
-  chex.assert_trees_all_equal(two, one)
-  with pytest.raises(ValueError, match="epilogue_slots=3 must be 1 or 2"):
-    KernelConfig(epilogue_slots=3)
-  # the SMEM model counts the second slot: 16 KiB more per warpgroup for a bf16 plain tile
-  assert (gg.smem_bytes(dataclasses.replace(CONFIG, epilogue_slots=2)) - gg.smem_bytes(CONFIG)
-          == 2 * 128 * 64 * 2)
 
 
 @pytest.mark.parametrize("rows,num_tiles,n_tiles", [(1, 5, 3), (2, 5, 3), (3, 7, 4), (8, 5, 2),
@@ -363,22 +343,37 @@ def test_raster_auto_bands_only_launches_whose_weight_leaves_l2():
   assert raster(2048, 768, "swiglu", KernelConfig(raster_rows=16)) == 16   # explicit
 
 
-def test_raster_order_changes_no_bit():
-  """KernelConfig.raster_rows (the order the persistent CTAs walk the tiles in): the
-  FFN's forward and backward in the MoE layer's mode and a plain forward give the
-  same bits in bands of 3 row tiles (a short last band) as row-major."""
+def test_epilogue_slots_and_raster_order_change_no_bit():
+  """Two KernelConfig knobs that must not change a bit, in one variant run (they act
+  on independent things: the chunk order of one tile's epilogue, and the order the
+  persistent CTAs walk the tiles in; a bug in either changes the variant's bits):
+  - epilogue_slots=2 (chunk i stored while chunk i + 1 is written to the other slot):
+    slot indexing, chunk order, ragged ladders, in the gate/up epilogue (3 chunks: a,
+    h, u, so the third reuses the first's slot), the plain launches (down, dx: 2
+    chunks) and the wgrads. The interpret mode runs TMA stores synchronously and
+    ignores bulk-async groups, so a missing wait or group commit cannot show here:
+    bench/ffn_ab.py checks the bits on the GPU.
+  - raster_rows=3: tiles walked in bands of 3 row tiles (a short last band) instead of
+    row-major.
+  The FFN's forward and backward in the MoE layer's mode and a plain forward give the
+  same bits as CONFIG (one slot, row-major)."""
   import dataclasses
   operands = _knob_operands()   # 2 column tiles
   x, _, w_down, _, gs = operands
   plain = lambda cfg: gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET)  # noqa: E731
 
-  row_major = _knob_reference() + (plain(CONFIG),)
-  banded_config = dataclasses.replace(CONFIG, raster_rows=3)
-  banded = _layer_mode_ffn(banded_config, *operands) + (plain(banded_config),)
+  reference = _knob_reference() + (plain(CONFIG),)
+  variant_config = dataclasses.replace(CONFIG, epilogue_slots=2, raster_rows=3)
+  variant = _layer_mode_ffn(variant_config, *operands) + (plain(variant_config),)
   assert_no_races()
-  chex.assert_trees_all_equal(banded, row_major)
+  chex.assert_trees_all_equal(variant, reference)
+  with pytest.raises(ValueError, match="epilogue_slots=3 must be 1 or 2"):
+    KernelConfig(epilogue_slots=3)
   with pytest.raises(ValueError, match="raster_rows=0 must be >= 1"):
     KernelConfig(raster_rows=0)
+  # the SMEM model counts the second slot: 16 KiB more per warpgroup for a bf16 plain tile
+  assert (gg.smem_bytes(dataclasses.replace(CONFIG, epilogue_slots=2)) - gg.smem_bytes(CONFIG)
+          == 2 * 128 * 64 * 2)
 
 
 def test_row_split_invariance_bitwise():

@@ -335,9 +335,10 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
 
 
 @pytest.mark.parametrize("bound,fused,kernel,dedup", [
-    (None, None, None, False),   # v1's dispatch (the default de-duplicates: tests/test_dedup.py)
-    # a receive bound (the XLA glue) with tiles walked in bands (the kernels' tile order):
-    # independent, so one lowering covers both
+    # v1's dispatch (dedup_tokens=False) with a receive bound (the XLA glue) and tiles
+    # walked in bands (the kernels' tile order): independent, so one lowering covers all
+    # three. The default config (de-duplicated: v1's 10 kernels, the same kernel configs,
+    # plus the 2 gathers) lowers in tests/test_dedup.py
     (1.5, None, uniep_jax.KernelConfig(raster_rows=8), False),
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None, False),
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
