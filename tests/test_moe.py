@@ -525,7 +525,9 @@ def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   # Each CTA is interpreted by its own threads whether it has tiles or not: 8 took ~25
   # CPU-s more over the four runs here (v1 + 3 variants) than 2; with 2, each CTA still
   # walks several tiles, and n_comm (1) < num_sms as on a GPU
-  v1 = UniEPConfig(backend="uniep", kernel=uniep_jax.KernelConfig(num_sms=2))
+  # v1: the plain dispatch (uniep's default de-duplicates; its nvlink plumbing is
+  # tests/test_dedup.py's)
+  v1 = UniEPConfig(backend="uniep", kernel=uniep_jax.KernelConfig(num_sms=2), dedup_tokens=False)
   variant = dict(variant)
   dedup = variant.pop("dedup_tokens", False)
   v2 = dataclasses.replace(v1, fused=uniep_jax.FusedConfig(n_comm=1, recv_chunk_rows=128,
