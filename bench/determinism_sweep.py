@@ -218,8 +218,8 @@ def main(argv=None):
     row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
                fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows,
                                               fc.return_in_kernel, fc.backward],
-               dedup_tokens=uniep_jax.UniEPConfig(backend="uniep", fused=fc, dedup_tokens=dd)
-               .resolved_dedup_tokens("nvlink"))
+               dedup_tokens=uniep_jax.UniEPConfig(backend="uniep", fused=fc,
+                                                  dedup_tokens=dd).use_dedup_tokens)
     try:
       compiled = job.result()
       runs = [_checksums(compiled, x, p) for _ in range(3)]

@@ -211,7 +211,7 @@ def main(argv=None):
             continue
           cfg = BACKEND_CONFIGS[backend]
           row = dict(row_base, backend=backend)
-          if cfg.dedup_tokens:   # de-duplication's unique receive buffer, on top
+          if cfg.use_dedup_tokens:   # de-duplication's unique receive buffer, on top
             row["unique_receive_bytes"] = uniep_jax.unique_receive_bytes(shape.tokens,
                                                                          shape.hidden, ep)
           try:

@@ -220,18 +220,18 @@ def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking, 
 
 def test_dedup_tokens_auto_is_on_for_uniep_only():
   """dedup_tokens=None (the default) resolves on for "uniep" (transport "nvlink"),
-  unless its fused backward moves the dy dispatch itself; off for the other backends
-  and transports; an explicit choice stays."""
+  unless its fused backward moves the dy dispatch itself; off for the other backends;
+  an explicit choice stays."""
   fused_bwd = uniep_jax.FusedConfig(return_in_kernel=False, backward=True)
   fused_fwd = uniep_jax.FusedConfig(return_in_kernel=False, wgrad_return_ctas=16)
   assert UniEPConfig().dedup_tokens is None
-  assert UniEPConfig(backend="uniep").resolved_dedup_tokens("nvlink")
-  assert UniEPConfig(backend="uniep", fused=fused_fwd).resolved_dedup_tokens("nvlink")
-  assert not UniEPConfig(backend="uniep", fused=fused_bwd).resolved_dedup_tokens("nvlink")
-  assert not UniEPConfig(backend="uniep", dedup_tokens=False).resolved_dedup_tokens("nvlink")
+  assert UniEPConfig(backend="uniep").use_dedup_tokens
+  assert UniEPConfig(backend="uniep", fused=fused_fwd).use_dedup_tokens
+  assert not UniEPConfig(backend="uniep", fused=fused_bwd).use_dedup_tokens
+  assert not UniEPConfig(backend="uniep", dedup_tokens=False).use_dedup_tokens
   for backend in ("pallas", "xla_dropless"):
-    assert not UniEPConfig(backend=backend).resolved_dedup_tokens("padded")
-    assert UniEPConfig(backend=backend, dedup_tokens=True).resolved_dedup_tokens("padded")
+    assert not UniEPConfig(backend=backend).use_dedup_tokens
+    assert UniEPConfig(backend=backend, dedup_tokens=True).use_dedup_tokens
 
 
 def test_uniep_layer_with_dedup_lowers_for_cuda():

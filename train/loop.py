@@ -97,9 +97,7 @@ def moe_options(cfg: TrainConfig) -> dict:
                   dedup_tokens=cfg.dedup_tokens,
                   fused=TRAIN_FUSED if cfg.fused else None)
   return dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, kernel_stages=stages,
-              fused=cfg.fused,
-              # "uniep" moves rows over "nvlink" (auto: de-duplicated); "pallas" over XLA's
-              dedup_tokens=c.resolved_dedup_tokens("nvlink" if cfg.backend == "uniep" else "padded"))
+              fused=cfg.fused, dedup_tokens=c.use_dedup_tokens)
 
 
 def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:

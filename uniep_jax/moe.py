@@ -189,7 +189,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
     transport = transport or config.transport or "padded"
     if config.backend == "uniep":
       transport = "nvlink"
-    dedup = config.resolved_dedup_tokens(transport)
+    dedup = config.use_dedup_tokens
     recv_rows = receive_rows(t, top_k, num_experts // el, config)
     kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport,
               transfer=config.transfer)
