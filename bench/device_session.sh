@@ -73,7 +73,8 @@ run_phase() {  # name seconds
                --out "$dir" > "$dir/log" 2>&1 ;;
     fused_b) timeout "$secs" python3 -m bench.check_fused_return_gpu --cases small,small-skew \
                --no-time --out "$dir" > "$dir/log" 2>&1 ;;
-    layer)   OUT="$dir" CHECK_S=0 BENCH_S="$secs" FORCE_UNIEP=1 \
+    layer)   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+               OUT="$dir" CHECK_S=0 BENCH_S="$secs" FORCE_UNIEP=1 \
                BACKENDS="${BACKENDS:-xla_capacity,pallas}" \
                bash bench/gpu_suite.sh "${SHAPES:-mixtral-like,deepseek-like,qwen3-like,small-experts}" \
                "${ROUTINGS:-balanced}" "${DIRECTIONS:-fwdbwd}" 0 > "$dir/log" 2>&1 ;;

@@ -12,15 +12,23 @@ from bench import moe_layer, train_step_diff, train_throughput
 
 def test_moe_layer_records_times_and_checksums(tmp_path):
   moe_layer.main(["--shapes", "tiny", "--backends", "xla_capacity,xla_dropless_padded",
-                  "--directions", "fwd", "--routings", "balanced", "--out", str(tmp_path),
+                  "--directions", "fwd", "--routings", "balanced,skewed", "--out", str(tmp_path),
                   "--min-batch-s", "0.01", "--max-reps", "2"])
   (path,) = [p for p in tmp_path.glob("moe_layer_*_ep*.json") if ".partial" not in p.name]
-  rows = json.loads(path.read_text())["results"]
-  assert {r["backend"] for r in rows} == {"xla_capacity", "xla_dropless_padded"}
-  for r in rows:
+  all_rows = json.loads(path.read_text())["results"]
+  rows = [r for r in all_rows if r["routing"] == "balanced"]
+  skewed = {r["backend"]: r for r in all_rows if r["routing"] == "skewed"}
+  assert {r["backend"] for r in rows} == {"xla_capacity", "xla_dropless_padded"} == set(skewed)
+  for r in all_rows:
     assert r["median_ms"] > 0 and len(r["checksum"]) == 2 and "error" not in r
     assert r["short_batch_median_ms"] > 0 and r["reps"] <= 2
+    # the skewed routing runs the executable the balanced one compiled, on other data
+    assert r["executable_reused"] == (r["routing"] == "skewed")
+  for r in rows:
+    assert skewed[r["backend"]]["checksum"] != r["checksum"]
+  # expert 0 takes every token: the capacity backend drops more than when balanced
   cap, free = sorted(rows, key=lambda r: r["backend"] != "xla_capacity")
+  assert skewed["xla_capacity"]["dropped"] > cap["dropped"] and skewed["xla_dropless_padded"]["dropped"] == 0
   assert free["dropped"] == 0 and cap["dropped"] > 0     # 8 ranks of 256 tokens overflow
   assert cap["checksum"] != free["checksum"] and cap["bitwise_equal_to"] == []
 
