@@ -6,7 +6,8 @@
 # Phases:
 #   fused_a  v2 Kernel A bring-up (bench/check_fused_gpu.py, small cases, no timing)
 #   fused_b  v2 Kernel B bring-up (bench/check_fused_return_gpu.py, same)
-#   layer    MoE layer bench, fwd+bwd, balanced (bench/gpu_suite.sh; $SHAPES, $BACKENDS,
+#   layer    MoE layer bench, fwd+bwd, balanced (bench/gpu_suite.sh; $SHAPES, $BACKENDS (plus v1
+#            "uniep" unless FORCE_UNIEP=0),
 #            $ROUTINGS, $DIRECTIONS override)
 #   check    correctness and determinism of every backend on small shapes, all EP meshes
 #            (bench/check_moe_gpu.py --quick; $CHECK_BACKENDS a comma list, default all)
@@ -74,7 +75,7 @@ run_phase() {  # name seconds
     fused_b) timeout "$secs" python3 -m bench.check_fused_return_gpu --cases small,small-skew \
                --no-time --out "$dir" > "$dir/log" 2>&1 ;;
     layer)   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-               OUT="$dir" CHECK_S=0 BENCH_S="$secs" FORCE_UNIEP=1 \
+               OUT="$dir" CHECK_S=0 BENCH_S="$secs" FORCE_UNIEP="${FORCE_UNIEP:-1}" \
                BACKENDS="${BACKENDS:-xla_capacity,pallas}" \
                bash bench/gpu_suite.sh "${SHAPES:-mixtral-like,deepseek-like,qwen3-like,small-experts}" \
                "${ROUTINGS:-balanced}" "${DIRECTIONS:-fwdbwd}" 0 > "$dir/log" 2>&1 ;;

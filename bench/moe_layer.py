@@ -7,7 +7,11 @@ every token's top-k), it times each backend and, in the same run:
   * the compute floor: forward FLOPs per rank (x3 for fwd+bwd) over the dense
     bf16 matmul rate measured here (cuBLAS, 8192^3);
   * the communication floor: dispatch + combine bytes per rank (x2 for fwd+bwd)
-    over the all_to_all bandwidth measured here (NCCL, dispatch-sized buffer).
+    over the all_to_all bandwidth measured here (NCCL, dispatch-sized buffer);
+  * both floors again for the hottest rank of the case's routing (its expert rows, its
+    off-rank rows sent or received; rank_rows has the whole [src][dst] matrix): a
+    dropless layer waits for that rank, so under the skewed routing these are its
+    bound (x_over_hot_rank_floor), while x_over_floor keeps the balanced work split.
 Backends: "xla_capacity" (cf 1.25; dropped assignments reported), "xla_dropless"
 (ragged_all_to_all), "xla_dropless_padded" (all_to_all of worst-case buffers),
 "pallas" (XLA collectives + our grouped GEMM), and "uniep" once it exists.
@@ -128,6 +132,32 @@ def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):
   return jax.jit(init, out_shardings=out_sh)(jax.random.key(seed))
 
 
+def rank_loads(mesh, x, p, shape: common.MoEShape, ranks: int) -> dict:
+  """Rows each rank sends to each rank under this routing (no de-duplication).
+
+  A dropless layer is as slow as its hottest rank: under the skewed routing, the rank
+  owning expert 0 receives every token once more, so the floors of the balanced
+  routing (every rank doing 1/R of the work) do not bound it. Returns the [R, R] matrix
+  rows[src][dst], the hottest rank's expert rows (GEMM work) and its largest send or
+  receive volume off the rank (NVLink traffic).
+  """
+  cfg = uniep_jax.UniEPConfig()
+
+  def count(x, router, bias):
+    out = uniep_jax.route(x, router, shape.top_k, cfg.routing, bias)
+    topk = jax.sharding.reshard(out.topk_experts, NamedSharding(mesh, P()))   # replicated: a plain reshape
+    dst = topk.reshape(ranks, -1) // (shape.experts // ranks)                   # [R, T*K]
+    return jnp.sum(dst[:, :, None] == jnp.arange(ranks)[None, None, :], axis=1)
+
+  m = jax.device_get(jax.jit(count)(x, p.router, p.expert_bias)).tolist()
+  off = [[m[s][d] if s != d else 0 for d in range(ranks)] for s in range(ranks)]
+  send = [sum(row) for row in off]
+  recv = [sum(off[s][d] for s in range(ranks)) for d in range(ranks)]
+  return dict(rows=m, hot_rank_expert_rows=max(sum(m[s][d] for s in range(ranks))
+                                               for d in range(ranks)),
+              hot_rank_offrank_rows=max(send + recv))
+
+
 def layer_fns(mesh, shape, cfg):
   def fwd(x, p):
     y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=shape.top_k, config=cfg)
@@ -196,6 +226,7 @@ def main(argv=None):
     for routing in args.routings.split(","):
       try:
         x, p = make_inputs(shape, mesh, skewed=routing == "skewed")
+        loads = rank_loads(mesh, x, p, shape, ep)
       except Exception as e:  # noqa: BLE001
         skipped.append(dict(shape=name, routing=routing, why=repr(e)[:300]))
         continue
@@ -204,8 +235,16 @@ def main(argv=None):
         compute_floor = shape.fwd_flops_per_rank() * mult / (dense * 1e12) * 1e3
         comm_floor = (2 * shape.dispatch_bytes_per_rank(ep) * (1 if direction == "fwd" else 2)
                       / (a2a["gbps"] * 1e9) * 1e3) if "gbps" in a2a else None
+        # the same floors for the hottest rank of this routing (rows per rank: T*K when
+        # balanced): what a dropless backend can reach without moving experts
+        balanced_rows = shape.tokens * shape.top_k
+        hot_compute = compute_floor * loads["hot_rank_expert_rows"] / balanced_rows
+        hot_comm = (None if comm_floor is None else comm_floor * loads["hot_rank_offrank_rows"]
+                    / (balanced_rows * (ep - 1) / ep)) if ep > 1 else comm_floor
         row_base = dict(shape=name, routing=routing, direction=direction, ep=ep,
                         compute_floor_ms=compute_floor, comm_floor_ms=comm_floor,
+                        hot_rank_compute_floor_ms=hot_compute, hot_rank_comm_floor_ms=hot_comm,
+                        rank_rows=loads["rows"],
                         receive_buffer_bytes=uniep_jax.receive_buffer_bytes(
                             shape.tokens, shape.top_k, shape.hidden, ep))
         for backend in backends:
@@ -236,6 +275,8 @@ def main(argv=None):
             out = fn(x, p)
             if direction == "fwd":
               row["dropped"] = int(out[1])
+            elif cfg.backend == "xla_capacity":   # what it skips: one forward call
+              row["dropped"] = int(layer_fns(mesh, shape, cfg)[0](x, p)[1])
             row["checksum"] = tree_checksum(out)   # bits of the output (and gradients)
             del out
           except Exception as e:  # noqa: BLE001
@@ -252,6 +293,8 @@ def main(argv=None):
       continue
     floor = max(row["compute_floor_ms"], row["comm_floor_ms"] or 0.0)
     row["x_over_floor"] = row["median_ms"] / floor
+    hot = max(row["hot_rank_compute_floor_ms"], row["hot_rank_comm_floor_ms"] or 0.0)
+    row["x_over_hot_rank_floor"] = row["median_ms"] / hot
     cap = [r for r in results if r.get("backend") == "xla_capacity" and "median_ms" in r
            and (r["shape"], r["routing"], r["direction"]) == (row["shape"], row["routing"], row["direction"])]
     if cap:
@@ -289,13 +332,16 @@ def _checkpoint(args, meta, dense, results, skipped, ep):
 
 def print_table(results):
   print(f"{'shape':14s} {'routing':9s} {'dir':7s} {'backend':20s} {'ms':>9s} {'floor':>8s} "
-        f"{'xfloor':>7s} {'vs_cap':>7s} {'dropped':>8s}")
+        f"{'xfloor':>7s} {'hot':>8s} {'xhot':>6s} {'vs_cap':>7s} {'dropped':>8s}")
   for r in results:
     ms = r.get("median_ms")
     floor = max(r["compute_floor_ms"], r["comm_floor_ms"] or 0.0)
+    hot = max(r["hot_rank_compute_floor_ms"], r["hot_rank_comm_floor_ms"] or 0.0)
     print(f"{r['shape']:14s} {r['routing']:9s} {r['direction']:7s} {r['backend']:20s} "
           f"{(f'{ms:9.2f}' if ms else '    ERROR'):>9s} {floor:8.2f} "
-          f"{r.get('x_over_floor', float('nan')):7.2f} {r.get('speedup_vs_xla_capacity', float('nan')):7.2f} "
+          f"{r.get('x_over_floor', float('nan')):7.2f} {hot:8.2f} "
+          f"{r.get('x_over_hot_rank_floor', float('nan')):6.2f} "
+          f"{r.get('speedup_vs_xla_capacity', float('nan')):7.2f} "
           f"{str(r.get('dropped', '')):>8s}")
 
 

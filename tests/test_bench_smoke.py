@@ -24,8 +24,16 @@ def test_moe_layer_records_times_and_checksums(tmp_path):
     assert r["short_batch_median_ms"] > 0 and r["reps"] <= 2
     # the skewed routing runs the executable the balanced one compiled, on other data
     assert r["executable_reused"] == (r["routing"] == "skewed")
+  for r in all_rows:   # every assignment counted once in the [src][dst] rows
+    assert sum(map(sum, r["rank_rows"])) == 8 * 256 * 2 and len(r["rank_rows"]) == 8
+    assert r["hot_rank_compute_floor_ms"] >= r["compute_floor_ms"]   # max >= mean
   for r in rows:
     assert skewed[r["backend"]]["checksum"] != r["checksum"]
+    # expert 0 (rank 0) is in every token's top 2: rank 0 gets 8*256 + its share of the rest
+    hot = skewed[r["backend"]]
+    assert 8 * 256 <= max(sum(hot["rank_rows"][s][d] for s in range(8)) for d in range(8))
+    assert hot["hot_rank_compute_floor_ms"] > 1.5 * hot["compute_floor_ms"]
+    assert hot["x_over_hot_rank_floor"] < hot["x_over_floor"]
   # expert 0 takes every token: the capacity backend drops more than when balanced
   cap, free = sorted(rows, key=lambda r: r["backend"] != "xla_capacity")
   assert skewed["xla_capacity"]["dropped"] > cap["dropped"] and skewed["xla_dropless_padded"]["dropped"] == 0
