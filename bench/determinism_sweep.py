@@ -134,7 +134,13 @@ def main(argv=None):
   ap.add_argument("--start", type=int, default=0,
                   help="skip the first START points of the sweep order (a run cut by its "
                        "budget covered them; the pallas references are computed again)")
+  ap.add_argument("--tilings", type=int, default=len(TILINGS),
+                  help="sweep the first TILINGS tilings only (1: every transfer and fused "
+                       "point at the default tiling, the other tilings left to another run)")
   args = ap.parse_args(argv)
+  if not 1 <= args.tilings <= len(TILINGS):
+    raise ValueError(f"--tilings={args.tilings} must be in [1, {len(TILINGS)}]")
+  tilings = TILINGS[:args.tilings]
   t0 = time.time()
   shape = {**common.SHAPES, **SWEEP_SHAPES}[args.shape]
   ep = args.ep or len(jax.devices())
@@ -150,7 +156,7 @@ def main(argv=None):
 
   def write(partial=False):
     payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,
-                   start=args.start, pallas_reference=reference, points=points,
+                   start=args.start, tilings=len(tilings), pallas_reference=reference, points=points,
                    mismatches=mismatches, skipped=skipped,
                    all_tilings_agree=len(set(reference.values())) == 1,
                    swept=sum("checksums" in r for r in points), partial=partial)
@@ -158,6 +164,7 @@ def main(argv=None):
     common.write_json(os.path.join(common.out_dir(args.out),
                                    f"determinism_sweep_{kind}_ep{ep}"
                                    + (f"_from{args.start}" if args.start else "")
+                                   + (f"_tilings{len(tilings)}" if tilings != TILINGS else "")
                                    + (".partial" if partial else "") + ".json"), payload)
     return payload
 
@@ -171,7 +178,7 @@ def main(argv=None):
   # order (raster_rows) must not change a bit either
   ref_jobs = {tag_of(kc): compile_(uniep_jax.UniEPConfig(backend="pallas",
                                                          kernel=reference_kernel(kc)))
-              for kc in TILINGS}
+              for kc in tilings}
   default_t = uniep_jax.TransferConfig()
   # the default transfer, then the v2 fused kernels (a different program, not only other
   # knobs of the same one), then the other transfers
@@ -180,7 +187,7 @@ def main(argv=None):
   transfer_points = ([(default_t, None, None), (default_t, None, False)]
                      + [(default_t, fc, None) for fc in FUSED]
                      + [(tc, None, None) for tc in TRANSFERS if tc != default_t])
-  order = sweep_order(TILINGS, transfer_points)[args.start:]
+  order = sweep_order(tilings, transfer_points)[args.start:]
   # compiles run at most 2 x workers points ahead (a run cut by its budget then
   # waits for few compiles at exit)
   window = 2 * args.compile_workers

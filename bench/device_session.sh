@@ -12,7 +12,8 @@
 #   check    correctness and determinism of every backend on small shapes, all EP meshes
 #            (bench/check_moe_gpu.py --quick; $CHECK_BACKENDS a comma list, default all)
 #   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py;
-#            $SWEEP_START skips that many points of its order, covered by an earlier run)
+#            $SWEEP_START skips that many points of its order, covered by an earlier run;
+#            $SWEEP_TILINGS=1: every point at the default tiling only)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
 #            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE"; $GRAD_REDUCTION: ordered (default) or xla)
@@ -82,7 +83,7 @@ run_phase() {  # name seconds
     check)   timeout "$secs" python3 -m bench.check_moe_gpu --quick --out "$dir" \
                ${CHECK_BACKENDS:+--backends "$CHECK_BACKENDS"} > "$dir/log" 2>&1 ;;
     sweep)   XLA_FLAGS="$DET" timeout "$secs" python3 -m bench.determinism_sweep --budget-s $((secs - 50)) \
-               --start "${SWEEP_START:-0}" \
+               --start "${SWEEP_START:-0}" ${SWEEP_TILINGS:+--tilings "$SWEEP_TILINGS"} \
                --out "$dir" > "$dir/log" 2>&1 ;;
     train)   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
                timeout -s USR1 -k 15 "$secs" python3 -m bench.train_throughput \
