@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import os
 import sys
@@ -223,8 +224,7 @@ def main(argv=None):
       job.cancel()
       continue
     row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
-               fused=None if fc is None else [fc.n_comm, fc.recv_chunk_rows,
-                                              fc.return_in_kernel, fc.backward],
+               fused=None if fc is None else dataclasses.asdict(fc),   # every field
                dedup_tokens=uniep_jax.UniEPConfig(backend="uniep", fused=fc,
                                                   dedup_tokens=dd).use_dedup_tokens)
     try:
