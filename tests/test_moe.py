@@ -334,21 +334,25 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
   chex.assert_trees_all_equal(g_n, g_p)
 
 
-@pytest.mark.parametrize("bound,fused,kernel,dedup", [
+@pytest.mark.parametrize("bound,fused,kernel,dedup,grad", [
     # v1's dispatch (dedup_tokens=False) with a receive bound (the XLA glue) and tiles
     # walked in bands (the kernels' tile order): independent, so one lowering covers all
     # three. The default config (de-duplicated: v1's 10 kernels, the same kernel configs,
     # plus the 2 gathers) lowers in tests/test_dedup.py
-    (1.5, None, uniep_jax.KernelConfig(raster_rows=8), False),
-    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None, False),
+    (1.5, None, uniep_jax.KernelConfig(raster_rows=8), False, True),
+    # Kernels A and B; the forward only: its backward is v1's (the default's lowering
+    # has those kernels), and each Mosaic GPU kernel costs ~1.7 CPU-s to lower
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None, False, False),
+    # Kernel A, v1's down GEMM and return; the fused backward (dy dispatch + da in one launch)
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 backward=True), None, False),
+                                 backward=True), None, False, True),
+    # Kernel C + the dX return beside the wgrad + the de-duplicated dy dispatch (fac_rbw_dd).
+    # The return beside the wgrad without Kernel C and without de-duplication is not a
+    # case of its own: its kernels are this case's wgrad launch and, forward, the case
+    # above's (the plain dy dispatch is v1's transfer kernel)
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 wgrad_return_ctas=16), None, False),
-    # Kernel C + the return beside the wgrad + the de-duplicated dy dispatch (fac_rbw_dd)
-    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 down_return_ctas=16, wgrad_return_ctas=16), None, True)])
-def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup):
+                                 down_return_ctas=16, wgrad_return_ctas=16), None, True, True)])
+def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
   kernel gets as far as the Mosaic GPU custom call (it runs on GPUs in
@@ -356,7 +360,7 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup):
   hidden = 128 if fused is None else 256   # Kernel B: H a multiple of 2 * block_n
   cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused, kernel=kernel,
                     dedup_tokens=dedup)
-  text = lower_uniep_layer_for_cuda(cfg, hidden)
+  text = lower_uniep_layer_for_cuda(cfg, hidden, grad=grad)
   # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
   # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
   # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
@@ -367,15 +371,16 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup):
     expected = 10
   else:
     expected = ((2 if fused.return_in_kernel or fused.down_return_ctas else 3)
-                + (5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0)
-                + (1 if dedup else 0))
+                + ((5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0)
+                   + (1 if dedup else 0) if grad else 0))
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
   assert ("gather_live_rows_scaled" in text) == dedup
 
 
-def lower_uniep_layer_for_cuda(cfg, hidden):
-  """The StableHLO text of the uniep layer's gradient (mesh data=2, expert=4, bf16,
-  256 tokens, E=8, F=192, top-2) lowered for CUDA on this CPU-only machine."""
+def lower_uniep_layer_for_cuda(cfg, hidden, grad=True):
+  """The StableHLO text of the uniep layer's gradient (or with grad=False its forward;
+  mesh data=2, expert=4, bf16, 256 tokens, E=8, F=192, top-2) lowered for CUDA on this
+  CPU-only machine."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   from pallas_kernels import device as device_lib
   mesh = make_mesh(2, 4)
@@ -394,7 +399,7 @@ def lower_uniep_layer_for_cuda(cfg, hidden):
   x = jax.ShapeDtypeStruct((256, hidden), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes)))
   ps = jax.tree.map(sds, p, specs)
   with device_lib.lowering_for_gpu():
-    return jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, ps).lower(
+    return jax.jit(jax.grad(loss, argnums=(0, 1)) if grad else fn).trace(x, ps).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
