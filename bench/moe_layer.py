@@ -222,7 +222,7 @@ def main(argv=None):
     # one pair of jitted functions per backend for all routings of this shape: the
     # routings differ only in the data (the expert bias), so the second one runs the
     # executable the first compiled
-    fns = {}
+    fns, ran = {}, set()   # ran: (backend, direction) compiled and run
     for routing in args.routings.split(","):
       try:
         x, p = make_inputs(shape, mesh, skewed=routing == "skewed")
@@ -258,13 +258,15 @@ def main(argv=None):
             row["unique_receive_bytes"] = uniep_jax.unique_receive_bytes(shape.tokens,
                                                                          shape.hidden, ep)
           try:
-            row["executable_reused"] = backend in fns   # compile_s is then a plain call
+            # compile_s is a plain call when an earlier routing ran this executable
+            row["executable_reused"] = (backend, direction) in ran
             if backend not in fns:
               fns[backend] = layer_fns(mesh, shape, cfg)
             fn = fns[backend][0 if direction == "fwd" else 1]
             t0 = time.time()
             common.block(fn(x, p))
             row["compile_s"] = time.time() - t0
+            ran.add((backend, direction))
             row.update(common.time_ms(fn, x, p, trials=5, min_batch_s=args.min_batch_s,
                                       max_reps=args.max_reps))
             # the short batches of runs <= 18 (2-3 calls of the big shapes per batch), kept
@@ -286,7 +288,7 @@ def main(argv=None):
           _checkpoint(args, meta, dense, results, skipped, ep)
           print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
       del x, p
-    del fns
+    del fns, ran
   # same-run ratios
   for row in results:
     if "median_ms" not in row:
