@@ -145,7 +145,8 @@ def rank_loads(mesh, x, p, shape: common.MoEShape, ranks: int) -> dict:
 
   def count(x, router, bias):
     out = uniep_jax.route(x, router, shape.top_k, cfg.routing, bias)
-    topk = jax.sharding.reshard(out.topk_experts, NamedSharding(mesh, P()))   # replicated: a plain reshape
+    # replicated, so that the reshape by source rank is a plain one
+    topk = jax.sharding.reshard(out.topk_experts, NamedSharding(mesh, P()))
     dst = topk.reshape(ranks, -1) // (shape.experts // ranks)                   # [R, T*K]
     return jnp.sum(dst[:, :, None] == jnp.arange(ranks)[None, None, :], axis=1)
 
@@ -278,7 +279,7 @@ def main(argv=None):
             if direction == "fwd":
               row["dropped"] = int(out[1])
             elif cfg.backend == "xla_capacity":   # what it skips: one forward call
-              row["dropped"] = int(layer_fns(mesh, shape, cfg)[0](x, p)[1])
+              row["dropped"] = int(fns[backend][0](x, p)[1])
             row["checksum"] = tree_checksum(out)   # bits of the output (and gradients)
             del out
           except Exception as e:  # noqa: BLE001
