@@ -165,7 +165,7 @@ def main(argv=None):
     common.write_json(os.path.join(common.out_dir(args.out),
                                    f"determinism_sweep_{kind}_ep{ep}"
                                    + (f"_from{args.start}" if args.start else "")
-                                   + (f"_tilings{len(tilings)}" if tilings != TILINGS else "")
+                                   + (f"_tilings{args.tilings}" if args.tilings < len(TILINGS) else "")
                                    + (".partial" if partial else "") + ".json"), payload)
     return payload
 

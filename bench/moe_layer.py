@@ -240,8 +240,8 @@ def main(argv=None):
         # balanced): what a dropless backend can reach without moving experts
         balanced_rows = shape.tokens * shape.top_k
         hot_compute = compute_floor * loads["hot_rank_expert_rows"] / balanced_rows
-        hot_comm = (None if comm_floor is None else comm_floor * loads["hot_rank_offrank_rows"]
-                    / (balanced_rows * (ep - 1) / ep)) if ep > 1 else comm_floor
+        hot_comm = (comm_floor if comm_floor is None or ep == 1 else
+                    comm_floor * loads["hot_rank_offrank_rows"] / (balanced_rows * (ep - 1) / ep))
         row_base = dict(shape=name, routing=routing, direction=direction, ep=ep,
                         compute_floor_ms=compute_floor, comm_floor_ms=comm_floor,
                         hot_rank_compute_floor_ms=hot_compute, hot_rank_comm_floor_ms=hot_comm,
@@ -294,10 +294,8 @@ def main(argv=None):
   for row in results:
     if "median_ms" not in row:
       continue
-    floor = max(row["compute_floor_ms"], row["comm_floor_ms"] or 0.0)
-    row["x_over_floor"] = row["median_ms"] / floor
-    hot = max(row["hot_rank_compute_floor_ms"], row["hot_rank_comm_floor_ms"] or 0.0)
-    row["x_over_hot_rank_floor"] = row["median_ms"] / hot
+    row["x_over_floor"] = row["median_ms"] / floor_ms(row)
+    row["x_over_hot_rank_floor"] = row["median_ms"] / floor_ms(row, "hot_rank_")
     cap = [r for r in results if r.get("backend") == "xla_capacity" and "median_ms" in r
            and (r["shape"], r["routing"], r["direction"]) == (row["shape"], row["routing"], row["direction"])]
     if cap:
@@ -333,13 +331,18 @@ def _checkpoint(args, meta, dense, results, skipped, ep):
                    skipped=skipped, partial=True), f)
 
 
+def floor_ms(row: dict, which: str = "") -> float:
+  """max(compute floor, communication floor) of a row; which="hot_rank_": its hottest
+  rank's."""
+  return max(row[f"{which}compute_floor_ms"], row[f"{which}comm_floor_ms"] or 0.0)
+
+
 def print_table(results):
   print(f"{'shape':14s} {'routing':9s} {'dir':7s} {'backend':20s} {'ms':>9s} {'floor':>8s} "
         f"{'xfloor':>7s} {'hot':>8s} {'xhot':>6s} {'vs_cap':>7s} {'dropped':>8s}")
   for r in results:
     ms = r.get("median_ms")
-    floor = max(r["compute_floor_ms"], r["comm_floor_ms"] or 0.0)
-    hot = max(r["hot_rank_compute_floor_ms"], r["hot_rank_comm_floor_ms"] or 0.0)
+    floor, hot = floor_ms(r), floor_ms(r, "hot_rank_")
     print(f"{r['shape']:14s} {r['routing']:9s} {r['direction']:7s} {r['backend']:20s} "
           f"{(f'{ms:9.2f}' if ms else '    ERROR'):>9s} {floor:8.2f} "
           f"{r.get('x_over_floor', float('nan')):7.2f} {hot:8.2f} "
