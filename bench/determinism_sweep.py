@@ -72,7 +72,11 @@ FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
          uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
                                wgrad_return_ctas=16),
          uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
-                               down_return_ctas=8, wgrad_return_ctas=8)]
+                               down_return_ctas=8, wgrad_return_ctas=8),
+         # no Kernel A: the forward's dispatch de-duplicated (the point needs dedup_tokens)
+         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
+                               down_return_ctas=8, wgrad_return_ctas=8,
+                               dispatch_in_kernel=False)]
 
 
 def _inputs(shape, mesh):

@@ -95,6 +95,19 @@ BACKEND_CONFIGS = {
         fused=uniep_jax.FusedConfig(n_comm=n, recv_chunk_rows=2048, return_in_kernel=False,
                                     down_return_ctas=n, wgrad_return_ctas=n))
        for n in (4, 8)},
+    # no Kernel A: the forward's dispatch de-duplicated too (v1's transfer of one row per
+    # (token, owner), the live-rows copy, v1's gate/up launch on every SM), then v1's down
+    # GEMM and return (d_rbw) or Kernel C (dc_rbw), the dX return beside the wgrad
+    "uniep_d_rbw_dd": uniep_jax.UniEPConfig(
+        backend="uniep", dedup_tokens=True,
+        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
+                                    wgrad_return_ctas=16, dispatch_in_kernel=False)),
+    **{f"uniep_dc_rbw_dd{tag}": uniep_jax.UniEPConfig(
+        backend="uniep", dedup_tokens=True,
+        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
+                                    down_return_ctas=n, wgrad_return_ctas=n,
+                                    dispatch_in_kernel=False))
+       for tag, n in (("", 16), ("_c4", 4))},
     "pallas_dd": uniep_jax.UniEPConfig(backend="pallas", transport="padded", dedup_tokens=True),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),

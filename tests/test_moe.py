@@ -346,12 +346,15 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     # Kernel A, v1's down GEMM and return; the fused backward (dy dispatch + da in one launch)
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  backward=True), None, False, True),
-    # Kernel C + the dX return beside the wgrad + the de-duplicated dy dispatch (fac_rbw_dd).
-    # The return beside the wgrad without Kernel C and without de-duplication is not a
-    # case of its own: its kernels are this case's wgrad launch and, forward, the case
-    # above's (the plain dy dispatch is v1's transfer kernel)
+    # the forward's dispatch de-duplicated (v1's transfer, the live-rows copy, v1's gate/up
+    # launch instead of Kernel A) + Kernel C + the dX return beside the wgrad + the
+    # de-duplicated dy dispatch. Kernel A with de-duplication (fac_rbw_dd) is not a case of
+    # its own: its forward kernels are the two cases above's, its backward this one's. Nor
+    # the return beside the wgrad without Kernel C and de-duplication: its kernels are this
+    # case's wgrad launch and, forward, the case above's
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 down_return_ctas=16, wgrad_return_ctas=16), None, True, True)])
+                                 down_return_ctas=16, wgrad_return_ctas=16,
+                                 dispatch_in_kernel=False), None, True, True)])
 def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
@@ -366,11 +369,14 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
   # (2 transfers + 4 GEMM kernels) or the fused one (dy dispatch + da in one launch, dx,
   # 2 wgrads, the return; with wgrad_return_ctas the return rides in the dw_gate_up launch);
-  # dedup with fused: the dy dispatch sends unique rows, then the weighted gather (+1)
+  # dedup with fused: the dy dispatch sends unique rows, then the weighted gather (+1);
+  # without Kernel A (dispatch_in_kernel=False): the unique transfer, the live-rows copy
+  # and v1's gate/up launch in its place (+2)
   if fused is None:
     expected = 10
   else:
-    forward = 2 if fused.return_in_kernel or fused.down_return_ctas else 3
+    forward = ((1 if fused.dispatch_in_kernel else 3)
+               + (1 if fused.return_in_kernel or fused.down_return_ctas else 2))
     backward = ((5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0)
                 + (1 if dedup else 0))
     expected = forward + (backward if grad else 0)
@@ -470,17 +476,19 @@ def _simulated_down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_le
 _FUSED_PLUMBING_V1 = {}   # v1's outputs and gradients on the plumbing test's inputs
 
 
-# Kernels A and B with v1's backward; Kernel A, v1's down GEMM and return, the fused
-# backward; Kernel A, Kernel C (the down GEMM with the chunked return beside it), v1's dy
+# Kernels A and B with v1's backward and the de-duplicated dy dispatch (dedup_tokens: the
+# combine inside the fused VJP, fused.fused_expert_ffn_combine, the weighted live-rows
+# gather run in the interpret mode); Kernel A, v1's down GEMM and return, the fused
+# backward (the plain dy dispatch: fused._fused_ffn_bwd); without Kernel A (the forward's
+# dispatch de-duplicated: the unique transfer, the live-rows copy, v1's gate/up launch),
+# Kernel C (the down GEMM with the chunked return beside it), the de-duplicated dy
 # dispatch, the dX return beside the dw_gate_up wgrad. (The fused backward WITH the return
 # beside the wgrad is not a separate case: `_fused_ffn_bwd` picks dhu's source and the
 # tail independently, and each branch is covered; one interpret-mode case costs 1-2 min.)
-# The third case also de-duplicates the backward's dy dispatch (dedup_tokens: the combine
-# inside the fused VJP, fused.fused_expert_ffn_combine, the weighted live-rows gather run
-# in the interpret mode); the first two keep the plain one (fused._fused_ffn_bwd).
 @pytest.mark.parametrize("variant", [
-    {}, dict(return_in_kernel=False, backward=True),
-    dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1, dedup_tokens=True)])
+    dict(dedup_tokens=True), dict(return_in_kernel=False, backward=True),
+    dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1, dedup_tokens=True,
+         dispatch_in_kernel=False)])
 def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
   contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:

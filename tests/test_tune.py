@@ -511,7 +511,8 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
   assert res.best.candidate.fused == uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=1024)
   entry = T.cache_entry(res)
   assert entry["fused"] == dict(n_comm=32, recv_chunk_rows=1024, return_in_kernel=True,
-                                backward=False, wgrad_return_ctas=0, down_return_ctas=0)
+                                backward=False, wgrad_return_ctas=0, down_return_ctas=0,
+                                dispatch_in_kernel=True)
   assert T._entry_candidate(json.loads(json.dumps(entry))) == res.best.candidate
   # a fused candidate that does not give pallas's bits is never picked
   clock = FakeClock()
@@ -658,6 +659,24 @@ def test_stage3_fused_backward_points_only_when_the_backward_is_timed():
   # a report from before the two knobs replays with FusedConfig's defaults
   old = dict(T.DEFAULT_CANDIDATE.knobs(), n_comm=32, recv_chunk_rows=2048)
   assert T.candidate_from_knobs(old).fused == uniep_jax.FusedConfig(32, 2048)
+
+
+def test_stage3_point_without_kernel_a_is_timed_deduplicated_only():
+  """A fused point with dispatch_in_kernel=False (the forward's dispatch de-duplicated
+  instead of Kernel A) is one candidate, with dedup_tokens, whatever the space's
+  dedup_tokens; its label and knobs round-trip; without dedup it is no candidate."""
+  point = (16, 2048, False, False, 16, 16, False)
+  for dedup in ((True,), ()):
+    valid, rejected = T.fused_candidates(_space(fused=(point,), dedup_tokens=dedup),
+                                         T.DEFAULT_CANDIDATE, DEEPSEEK_BWD, HOPPER)
+    assert not rejected
+    fused = [c for c in valid if c.fused is not None]   # (+ the v1 base with dedup)
+    assert [c.label() for c in fused] == [
+        "m128_n128_k64_s3|c128_x64_t256|f16_b2048_v1ret_dr16_rbw16_noA|dd"]
+    assert T.candidate_from_knobs(fused[0].knobs()) == fused[0]
+  knobs = dict(T.DEFAULT_CANDIDATE.knobs(), **dict(zip(T.FUSED_KNOBS, point)))
+  with pytest.raises(T.InvalidCandidate, match="dispatch_in_kernel=False .* needs dedup_tokens"):
+    T.candidate_from_knobs(knobs)
 
 
 def test_stage3_tries_token_dedup_on_the_v1_winner(tmp_path, no_shipped_cache):

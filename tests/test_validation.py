@@ -177,3 +177,13 @@ def test_fused_config_only_for_uniep():
   assert UniEPConfig(backend="uniep", fused=bwd).use_swiglu_grad_in_kernel
   with pytest.raises(ValueError, match="fused.backward .* needs swiglu_grad_in_kernel"):
     UniEPConfig(backend="uniep", fused=bwd, swiglu_grad_in_kernel=False)
+  # the forward's dispatch de-duplicated outside the fused launches needs the unique plan
+  unique = uniep_jax.FusedConfig(dispatch_in_kernel=False, return_in_kernel=False,
+                                 down_return_ctas=16)
+  assert UniEPConfig(backend="uniep", fused=unique).use_dedup_tokens
+  with pytest.raises(ValueError, match="dispatch_in_kernel=False .* needs dedup_tokens"):
+    UniEPConfig(backend="uniep", fused=unique, dedup_tokens=False)
+  with pytest.raises(ValueError, match="dispatch_in_kernel=False .* set backward=False"):
+    uniep_jax.FusedConfig(dispatch_in_kernel=False, backward=True)
+  with pytest.raises(ValueError, match="dispatch_in_kernel must be True or False"):
+    uniep_jax.FusedConfig(dispatch_in_kernel=0)

@@ -189,6 +189,12 @@ class FusedConfig:
     (pallas_kernels/down_gemm_return.py): this many CTAs push each recv_chunk_rows
     chunk of the GEMM's output back to the sources as soon as its tiles are stored,
     while the other CTAs compute later chunks. 0: v1's down GEMM, then v1's return.
+  dispatch_in_kernel: True: Kernel A moves the forward's rows (one per slot) inside its
+    gate/up launch. False (EXPERIMENTAL, needs `UniEPConfig.dedup_tokens` resolved on):
+    the forward's dispatch is the de-duplicated v1 transfer (one row per (token, owner)
+    rank, `uniep_jax/dedup.py`) with the owner's live-rows copy, then v1's gate/up
+    launch on every SM; the other fields apply as with Kernel A (n_comm then unused).
+    Trades Kernel A's overlap for fewer bytes and no sort gather of x (T*K rows).
   The bits never depend on these fields.
   """
 
@@ -198,6 +204,7 @@ class FusedConfig:
   backward: bool = False
   wgrad_return_ctas: int = 0
   down_return_ctas: int = 0
+  dispatch_in_kernel: bool = True
 
   def __post_init__(self):
     if self.down_return_ctas < 0:
@@ -212,6 +219,12 @@ class FusedConfig:
       raise ValueError(f"wgrad_return_ctas={self.wgrad_return_ctas} must be >= 0 (0: off)")
     if self.recv_chunk_rows < 1:
       raise ValueError(f"recv_chunk_rows={self.recv_chunk_rows} must be >= 1")
+    if not isinstance(self.dispatch_in_kernel, bool):
+      raise ValueError(f"dispatch_in_kernel must be True or False, got {self.dispatch_in_kernel!r}")
+    if not self.dispatch_in_kernel and self.backward:
+      raise ValueError("dispatch_in_kernel=False de-duplicates both dispatches outside the "
+                       "fused launches; backward=True moves the dy dispatch inside its da "
+                       "launch: set backward=False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +352,11 @@ class UniEPConfig:
       raise ValueError("dedup_tokens with fused de-duplicates the backward's dy dispatch, which "
                        "fused.backward moves inside its da launch: set fused.backward=False or "
                        "dedup_tokens=False")
+    if (self.fused is not None and not self.fused.dispatch_in_kernel
+        and self.dedup_tokens is False):
+      raise ValueError("fused.dispatch_in_kernel=False sends the forward's rows de-duplicated "
+                       "(uniep_jax/dedup.py): it needs dedup_tokens None (auto) or True, "
+                       "got False")
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")

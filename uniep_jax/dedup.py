@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 
 from uniep_jax.combine import round_cotangent, weighted_topk_sum, weighted_topk_sum_vjp
-from uniep_jax.dispatch import (_RETURN, _replicate_bwd, _take_rows, _zero_plan_cotangent,
-                                _zeros_varying_like, as_received, collect, sum_to_type_of)
+from uniep_jax.dispatch import (_RETURN, _take_rows, _zero_plan_cotangent, _zeros_varying_like,
+                                as_received, collect, sort_rows_transpose, sum_to_type_of)
 from uniep_jax.layout import DispatchPlan, _exclusive_cumsum, make_plan, sort_assignments
 from uniep_jax.ragged import SEARCH_METHOD, enumerate_runs
 
@@ -232,9 +232,7 @@ def _dispatch_unique_bwd(top_k, axis_name, num_local_experts, transport, transfe
   # then the K slots of a token summed in slot order (`replicate_slots`).
   plan, dplan, x_like = res
   rows_sorted = _RETURN[transport](ct, plan, axis_name, num_local_experts, transfer)
-  every = jnp.ones(plan.sorted_position.shape, bool)
-  slots = sum_to_type_of(_take_rows(rows_sorted, plan.sorted_position, every), x_like)
-  (dx,) = _replicate_bwd(top_k, None, slots)
+  dx = sort_rows_transpose(rows_sorted, plan, top_k, x_like)
   return (dx, _zero_plan_cotangent(plan), _zero_plan_cotangent(dplan))
 
 

@@ -327,6 +327,16 @@ def sort_rows(x, plan: DispatchPlan, top_k: int) -> jax.Array:
   return permute_rows(replicate_slots(x, top_k), plan.sort_order, plan.sorted_position)
 
 
+def sort_rows_transpose(rows_sorted, plan: DispatchPlan, top_k: int, x_like) -> jax.Array:
+  """`sort_rows`' backward pass at cotangent rows_sorted [T*K, H], op for op: the gather
+  by the inverse permutation (`permute_rows`), then each token's K slots summed in slot
+  order (`replicate_slots`). x_like: an empty slice of x (its type)."""
+  every = jnp.ones(plan.sorted_position.shape, bool)
+  slots = sum_to_type_of(_take_rows(rows_sorted, plan.sorted_position, every), x_like)
+  (dx,) = _replicate_bwd(top_k, None, slots)
+  return dx
+
+
 def unsort_rows(rows_sorted, plan: DispatchPlan, top_k: int) -> jax.Array:
   """Sorted rows [T*K, H] -> [T, K, H] (assignment order)."""
   rows = permute_rows(rows_sorted, plan.sorted_position, plan.sort_order)

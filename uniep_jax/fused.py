@@ -8,7 +8,10 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
             a --Kernel B: down GEMM whose epilogue stores each tile straight
                           into the source rank's sorted rows--> y_sorted
                                 (pallas_kernels/fused_gemm_return.py)
-            (FusedConfig.return_in_kernel=False: v1's down GEMM, then v1's return;
+            (FusedConfig.dispatch_in_kernel=False, with de-duplication: x sent once per
+             (token, owner) by v1's transfer, the owner's live-rows copy, then v1's
+             gate/up launch on every SM instead of Kernel A;
+             FusedConfig.return_in_kernel=False: v1's down GEMM, then v1's return;
              with down_return_ctas > 0, Kernel C: the down GEMM with each finished chunk
              sent back beside it, pallas_kernels/down_gemm_return.py)
   backward  v1's, kernel for kernel:
@@ -53,32 +56,45 @@ import jax
 from uniep_jax.combine import weighted_topk_sum
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig
 from uniep_jax.dispatch import (_return_nvlink, _send_nvlink, _zero_plan_cotangent,
-                                as_received, unsort_rows, zero_dropped_rows)
+                                as_received, sort_rows_transpose, unsort_rows,
+                                zero_dropped_rows)
 from uniep_jax.layout import (DispatchPlan, dispatch_segments, max_received_rows,
                               return_segments)
 
 
-def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, kernel,
-             transfer, fused):
+def _forward(rows_in, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, kernel,
+             transfer, fused, dplan=None):
+  """rows_in: the sorted rows [T*K, H] (Kernel A's input), or with
+  fused.dispatch_in_kernel=False the tokens x [T, H] and `dplan` (the de-duplicated
+  dispatch's plan)."""
   from pallas_kernels import fused_dispatch_gemm, fused_gemm_return  # GPU kernels, lazy
-  from pallas_kernels.grouped_gemm import down_projection
+  from pallas_kernels import grouped_gemm as gg
 
   rank = jax.lax.axis_index(axis_name)
   recv_rows = plan.recv_valid.shape[0]
-  seg = dispatch_segments(plan, rank)
-  # dead rows: v1's window (moe.py's zero_dead_rows=False): zero up to round_up(live,
-  # block_k), the rest skipped; every later launch reads no further
-  recv, a, h, u = fused_dispatch_gemm.fused_dispatch_gate_up(
-      rows_sorted, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate_up,
-      out_rows=recv_rows, axis_name=axis_name, kernel=kernel, transfer=transfer, fused=fused,
-      zero_window=kernel.block_k, live_rows=max_received_rows(plan))
-  # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
-  # window after the live rows zeroed (the wgrad reads up to block_k rows past a group)
-  recv = as_received(recv, plan)
+  sorted_rows = plan.sort_order.shape[0]
+  if fused.dispatch_in_kernel:
+    seg = dispatch_segments(plan, rank)
+    # dead rows: v1's window (moe.py's zero_dead_rows=False): zero up to round_up(live,
+    # block_k), the rest skipped; every later launch reads no further
+    recv, a, h, u = fused_dispatch_gemm.fused_dispatch_gate_up(
+        rows_in, seg.src_start, seg.dst_start, seg.rows, plan.recv_group_sizes, w_gate_up,
+        out_rows=recv_rows, axis_name=axis_name, kernel=kernel, transfer=transfer,
+        fused=fused, zero_window=kernel.block_k, live_rows=max_received_rows(plan))
+    # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
+    # window after the live rows zeroed (the wgrad reads up to block_k rows past a group)
+    recv = as_received(recv, plan)
+  else:   # each (token, owner) pair's row sent once, copied to its experts' rows; v1's
+    # gate/up launch on every SM (moe.py's uniep_dd forward, kernel for kernel)
+    from uniep_jax.dedup import _dedup_nvlink
+    recv = _dedup_nvlink(rows_in, plan, dplan, axis_name, transfer)
+    a, h, u = gg.gate_up_projection(gg._pad_axis(recv, 0, gg._padded_rows(recv_rows, kernel)),
+                                    w_gate_up, plan.recv_group_sizes, config=kernel,
+                                    save_hu=True, zero_window=kernel.block_k)
   if fused.return_in_kernel:
     seg = return_segments(plan, rank)
     y_sorted = fused_gemm_return.fused_gemm_return(
-        a, w_down, seg.src_start, seg.dst_start, seg.rows, out_rows=rows_sorted.shape[0],
+        a, w_down, seg.src_start, seg.dst_start, seg.rows, out_rows=sorted_rows,
         axis_name=axis_name, kernel=kernel)
     y_sorted = zero_dropped_rows(y_sorted, plan, el)
   elif fused.down_return_ctas:   # Kernel C: the down GEMM, each finished chunk sent back
@@ -86,13 +102,13 @@ def _forward(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, 
     seg = return_segments(plan, rank)
     _, y_sorted = down_gemm_return(
         a, w_down, plan.recv_group_sizes, seg.src_start, seg.dst_start, seg.rows,
-        out_rows=rows_sorted.shape[0], live_rows=plan.num_received, axis_name=axis_name,
+        out_rows=sorted_rows, live_rows=plan.num_received, axis_name=axis_name,
         kernel=kernel, transfer=transfer, chunk_rows=fused.recv_chunk_rows,
         n_comm=fused.down_return_ctas, zero_window=kernel.block_k)
     y_sorted = zero_dropped_rows(y_sorted, plan, el)
   else:   # v1's down GEMM (its dead-row window, moe.py's zero_dead_rows=False), v1's return
-    y_recv = down_projection(a, w_down, plan.recv_group_sizes, config=kernel,
-                             zero_window=kernel.block_k)
+    y_recv = gg.down_projection(a, w_down, plan.recv_group_sizes, config=kernel,
+                                zero_window=kernel.block_k)
     y_sorted = _return_nvlink(y_recv[:recv_rows, :w_down.shape[2]], plan, axis_name, el,
                               transfer)
   return y_sorted, (recv, a, h, u)
@@ -191,32 +207,34 @@ _fused_ffn.defvjp(_fused_ffn_fwd, _fused_ffn_bwd)
 # backward's dy dispatch sends each (token, owner) pair's dy row once (uniep_jax/dedup.py).
 # ---------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
-def _fused_ffn_combine(rows_sorted, w_gate_up, w_down, weights, plan, dplan, axis_name, el,
+def _fused_ffn_combine(rows_in, w_gate_up, w_down, weights, plan, dplan, axis_name, el,
                        kernel, transfer, fused, grad_in_kernel, top_k, out_dtype):
-  return _fused_ffn_combine_fwd(rows_sorted, w_gate_up, w_down, weights, plan, dplan, axis_name,
+  return _fused_ffn_combine_fwd(rows_in, w_gate_up, w_down, weights, plan, dplan, axis_name,
                                 el, kernel, transfer, fused, grad_in_kernel, top_k,
                                 out_dtype)[0]
 
 
-def _fused_ffn_combine_fwd(rows_sorted, w_gate_up, w_down, weights, plan, dplan, axis_name, el,
+def _fused_ffn_combine_fwd(rows_in, w_gate_up, w_down, weights, plan, dplan, axis_name, el,
                            kernel, transfer, fused, grad_in_kernel, top_k, out_dtype):
-  y_sorted, (recv, a, h, u) = _forward(rows_sorted, w_gate_up, w_down, plan, axis_name, el,
-                                       kernel, transfer, fused)
+  y_sorted, (recv, a, h, u) = _forward(rows_in, w_gate_up, w_down, plan, axis_name, el,
+                                       kernel, transfer, fused, dplan)
   y_assign = unsort_rows(y_sorted, plan, top_k)
   y = weighted_topk_sum(y_assign, weights, out_dtype=out_dtype)
-  return y, (recv, a, h, u, w_gate_up, w_down, plan, weights, y_assign, dplan)
+  return y, (recv, a, h, u, w_gate_up, w_down, plan, weights, y_assign, dplan, rows_in[:0])
 
 
 def _fused_ffn_combine_bwd(axis_name, el, kernel, transfer, fused, grad_in_kernel, top_k,
                            out_dtype, res, dy):
   from uniep_jax.dedup import unique_dy_rows
-  recv, plan, (weights, y_assign, dplan) = res[0], res[6], res[7:]
+  recv, plan, (weights, y_assign, dplan, rows_in_like) = res[0], res[6], res[7:]
   # each (token, owner) pair's dy once; the owner forms every slot's row w * dy
   dy_recv, d_weights = unique_dy_rows(dy, y_assign, weights, plan, dplan, axis_name=axis_name,
                                       transport="nvlink", transfer=transfer,
                                       out_dtype=out_dtype, rows_dtype=recv.dtype)
   d_rows, dw_gate_up, dw_down = _backward_from_dy_recv(res, dy_recv, axis_name, el, kernel,
                                                        transfer, fused, grad_in_kernel)
+  if not fused.dispatch_in_kernel:   # rows_in was x: sort_rows' transpose (dedup.py's)
+    d_rows = sort_rows_transpose(d_rows, plan, top_k, rows_in_like)
   return (d_rows, dw_gate_up, dw_down, d_weights, _zero_plan_cotangent(plan),
           _zero_plan_cotangent(dplan))
 
@@ -224,17 +242,24 @@ def _fused_ffn_combine_bwd(axis_name, el, kernel, transfer, fused, grad_in_kerne
 _fused_ffn_combine.defvjp(_fused_ffn_combine_fwd, _fused_ffn_combine_bwd)
 
 
-def fused_expert_ffn_combine(rows_sorted, w_gate_up, w_down, weights, plan: DispatchPlan, dplan,
+def fused_expert_ffn_combine(rows_in, w_gate_up, w_down, weights, plan: DispatchPlan, dplan,
                              *, axis_name: str, num_local_experts: int, kernel: KernelConfig,
                              transfer: TransferConfig, fused: FusedConfig, top_k: int, out_dtype,
                              grad_in_kernel: bool = False) -> jax.Array:
   """`fused_expert_ffn` followed by the weighted top-k sum, y [T, H] in out_dtype, whose
   backward pass de-duplicates the dy dispatch (`dplan`: uniep_jax/dedup.py): the same
-  bits as `fused_expert_ffn` + `weighted_topk_sum`. Needs fused.backward off."""
+  bits as `fused_expert_ffn` + `weighted_topk_sum`. Needs fused.backward off.
+  rows_in: the sorted rows [T*K, H] (`sort_rows`), or the tokens x [T, H] when
+  fused.dispatch_in_kernel is False (the forward's dispatch de-duplicated too)."""
   if fused.backward:
     raise ValueError("fused.backward moves the dy dispatch inside its da launch; the "
                      "de-duplicated dy dispatch needs fused.backward=False")
-  return _fused_ffn_combine(rows_sorted, w_gate_up, w_down, weights, plan, dplan, axis_name,
+  want = plan.sort_order.shape[0] if fused.dispatch_in_kernel else plan.sort_order.shape[0] // top_k
+  if rows_in.shape[0] != want:
+    raise ValueError(f"rows_in has {rows_in.shape[0]} rows; fused.dispatch_in_kernel="
+                     f"{fused.dispatch_in_kernel} takes {want} (the sorted rows if True, the "
+                     f"tokens if False)")
+  return _fused_ffn_combine(rows_in, w_gate_up, w_down, weights, plan, dplan, axis_name,
                             num_local_experts, kernel, transfer, fused, grad_in_kernel, top_k,
                             out_dtype)
 
@@ -244,5 +269,8 @@ def fused_expert_ffn(rows_sorted, w_gate_up, w_down, plan: DispatchPlan, *, axis
                      fused: FusedConfig, grad_in_kernel: bool = False) -> jax.Array:
   """Sorted rows [T*K, H] of this rank -> their expert outputs [T*K, H], sorted order
   (rows a receive bound dropped are zero). Differentiable; GPU only."""
+  if not fused.dispatch_in_kernel:
+    raise ValueError("fused.dispatch_in_kernel=False de-duplicates the forward's dispatch: "
+                     "use fused_expert_ffn_combine with a DedupPlan")
   return _fused_ffn(rows_sorted, w_gate_up, w_down, plan, axis_name, num_local_experts,
                     kernel, transfer, fused, grad_in_kernel)

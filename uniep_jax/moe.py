@@ -206,8 +206,10 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       fkw = dict(axis_name=expert_axis, num_local_experts=el, kernel=config.kernel,
                  transfer=config.transfer, fused=config.fused,
                  grad_in_kernel=config.use_swiglu_grad_in_kernel)
-      if dedup:   # Kernel A moves the forward's rows; the dy dispatch is unique
-        y = fused_expert_ffn_combine(sort_rows(x, plan, top_k), params.w_gate_up, params.w_down,
+      if dedup:   # the dy dispatch is unique; the forward's rows move in Kernel A, or
+        # unique too (dispatch_in_kernel=False: x itself goes in)
+        rows_in = sort_rows(x, plan, top_k) if config.fused.dispatch_in_kernel else x
+        y = fused_expert_ffn_combine(rows_in, params.w_gate_up, params.w_down,
                                      out.topk_weights, plan, dplan, top_k=top_k,
                                      out_dtype=x.dtype, **fkw)
       else:

@@ -249,7 +249,8 @@ class Candidate:
       label += (f"|f{f.n_comm}_b{f.recv_chunk_rows}" + ("" if f.return_in_kernel else "_v1ret")
                 + ("_fbwd" if f.backward else "")
                 + (f"_dr{f.down_return_ctas}" if f.down_return_ctas else "")
-                + (f"_rbw{f.wgrad_return_ctas}" if f.wgrad_return_ctas else ""))
+                + (f"_rbw{f.wgrad_return_ctas}" if f.wgrad_return_ctas else "")
+                + ("" if f.dispatch_in_kernel else "_noA"))
     if self.dedup_tokens:
       label += "|dd"
     return label
@@ -273,7 +274,7 @@ KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilog
                 "raster_rows")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
 FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward",
-               "wgrad_return_ctas", "down_return_ctas")
+               "wgrad_return_ctas", "down_return_ctas", "dispatch_in_kernel")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
 
 
@@ -309,6 +310,9 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
   if dedup and fused is not None and fused.backward:
     raise InvalidCandidate("dedup_tokens with fused de-duplicates the dy dispatch, which the "
                            "fused backward moves inside its da launch")
+  if fused is not None and not fused.dispatch_in_kernel and not dedup:
+    raise InvalidCandidate("fused.dispatch_in_kernel=False sends the forward's rows "
+                           "de-duplicated: it needs dedup_tokens")
   return Candidate(kernel, transfer, fused, dedup)
 
 
@@ -340,11 +344,14 @@ class SearchSpace:
                             (32, 2048, False, False), (32, 2048, False, True),
                             (16, 2048, False, True), (8, 2048, False, True),
                             (32, 2048, True, True), (16, 2048, False, False, 16),
-                            (16, 2048, False, True, 16), (16, 1024, False, False, 16))
+                            (16, 2048, False, True, 16), (16, 1024, False, False, 16),
+                            (16, 2048, False, False, 16, 16, False))
   # Stage 3 also times the best v1 candidate with token de-duplication, and each fused
   # point without a fused backward with its dy dispatch de-duplicated (the same bits,
   # fewer dispatched rows; 2x H200 fwd+bwd, qwen3-like: v1 11.88 -> 10.27 ms, fa_rbw
   # 10.75 -> 9.83, moe_layer_NVIDIA_H200_ep2_run15_dedup_bwd_barrier.json). (): off.
+  # A point with dispatch_in_kernel=False (7th field; no Kernel A: the forward's dispatch
+  # de-duplicated too) is timed with de-duplication only.
   dedup_tokens: Sequence[bool] = (True,)
 
   def points(self) -> Iterable[dict]:
@@ -479,6 +486,8 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
   valid, rejected = [], []
   for point in space.fused:
     knobs = dict(base.knobs(), **dict(zip(FUSED_KNOBS, point)))
+    if knobs.get("dispatch_in_kernel") is False:
+      knobs["dedup_tokens"] = True   # the point's forward dispatch is the unique one
     if knobs.get("backward") and problem.direction == "fwd":
       continue   # the fused backward: the same forward as its point without it
     try:
@@ -488,7 +497,8 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
       rejected.append(dict(knobs=knobs, reason=str(e)))
       continue
     valid.append(cand)
-    if True in space.dedup_tokens and not cand.fused.backward:   # + the de-duplicated dy dispatch
+    if True in space.dedup_tokens and not cand.fused.backward and not cand.dedup_tokens:
+      # + the de-duplicated dy dispatch
       valid.append(dataclasses.replace(cand, dedup_tokens=True))
   if True in space.dedup_tokens and base.fused is None and not base.dedup_tokens:
     valid.append(dataclasses.replace(base, dedup_tokens=True))
