@@ -54,6 +54,23 @@ Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
   CTA, with the value of its index; the result does not depend on timing.
 Rows of a partial last tile past `live` are loaded (from row index[live - 1]) but
 never stored. Runs in the CPU interpret mode.
+
+The fold: `fold_live_rows` (EXPERIMENTAL; built for the owner-side pre-reduction of the
+returns, pallas_kernels/NOTES_fused.md, "The next lever"; not yet run on a GPU)
+------------------------------------------------------------------------------
+  out[n] = dtype(acc_n), acc_n = t_0, then acc_n = acc_n + t_j for j = 1 .. count[n] - 1,
+  t_j = f32(scale[n, j]) * f32(src[index[n, j]])  (t_j = f32(src[index[n, j]]) unscaled),
+  for n < live: up to J (`fold`) rows per output row, summed in float32 in j order,
+  rounded once. The same arithmetic, op for op, as `fold_rows_reference` (XLA).
+Tiling: as the gather, with up to J loads per output row: a tile is G output rows x
+one column block; its count[n] row loads per row n arrive on one barrier
+(num_arrivals = G * J) and each unused slot j >= count[n] arrives without a load
+(`barrier_arrive`), so the loads follow the live terms, not J.
+SMEM: 2 stages of [J, G, nb, ct]; slot j of output row i at [j, i], so that the G
+folded rows, written over slot 0, are consecutive for the store ladder.
+Synchronisation: the gather's (`load_barrier` per stage, `two_stage_copy_loop`'s stage
+reuse, `commit_smem()` after the in-place rewrite, `wait_smem_to_gmem(0)` at the end).
+No atomics; each output row is one CTA's fold in a fixed order.
 """
 
 from __future__ import annotations
@@ -127,6 +144,117 @@ def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
 
   two_stage_copy_loop(steps, load, store, load_barrier)
   plgpu.wait_smem_to_gmem(0)
+
+
+def _fold_body(table_gmem, count_gmem, src_gmem, *refs, rows_per_tile: int, fold: int,
+               n_blocks: int, num_ctas: int, scaled: bool):
+  scale_gmem, (out_gmem, stage_smem, load_barrier) = (
+      (refs[0], refs[1:]) if scaled else (None, refs))
+  g, j_max = rows_per_tile, fold
+  nb = stage_smem.shape[3]                               # stage [2, J, G, nb, ct]
+  live = table_gmem[0]                                   # index[n, j] at 1 + n * J + j
+  c = lax.axis_index("cta")
+  tiles = pl.cdiv(live, g) * n_blocks
+  steps = jnp.maximum(tiles - c + num_ctas - 1, 0) // num_ctas
+
+  def tile_of(s):
+    tile = c + s * num_ctas
+    return (tile // n_blocks) * g, (tile % n_blocks) * nb   # first row, first box
+
+  def load(s, stage):
+    p0, b0 = tile_of(s)
+    for i in range(g):
+      n = jnp.minimum(p0 + i, live - 1)
+      cnt = count_gmem[n]
+      for j in range(j_max):
+        @pl.when(j < cnt)
+        def _(n=n, i=i, j=j):
+          row = table_gmem[1 + n * j_max + j]
+          plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(b0, nb)],
+                                  stage_smem.at[stage, j, pl.ds(i, 1)], load_barrier.at[stage])
+        if j:   # slot j unused: a plain arrival keeps the barrier's count at G * J
+          plgpu.barrier_arrive(load_barrier.at[stage], predicate=j >= cnt)
+
+  def store(s, stage):
+    p0, b0 = tile_of(s)
+    for i in range(g):
+      n = jnp.minimum(p0 + i, live - 1)
+
+      def term(j, n=n, i=i):
+        t = stage_smem[stage, j, i].astype(jnp.float32)
+        return t * scale_gmem[n * j_max + j] if scaled else t
+
+      acc = lax.fori_loop(1, count_gmem[n], lambda j, a, term=term: a + term(j), term(0))
+      stage_smem[stage, 0, i] = acc.astype(stage_smem.dtype)
+    plgpu.commit_smem()
+    ladder_store(stage_smem.at[stage, 0], out_gmem.at[:, pl.ds(b0, nb)], 0, p0,
+                 jnp.minimum(g, live - p0), g)
+
+  two_stage_copy_loop(steps, load, store, load_barrier)
+  plgpu.wait_smem_to_gmem(0)
+
+
+FOLD_ROWS_PER_TILE = 2
+
+
+def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
+                   rows_per_tile: int = FOLD_ROWS_PER_TILE, num_ctas: int | None = None,
+                   stage_budget_bytes: int = STAGE_BUDGET_BYTES, interpret=None):
+  """out[n] = dtype(sum over j < count[n], in j order, in float32, of
+  f32(scale[n, j]) * f32(src[index[n, j]])) for n < live (module docstring, "The
+  fold"); a new [out_rows, H] buffer whose rows >= live are undefined.
+  src [Ns, H]; index [N, J] int32 (N <= out_rows), index[n, j] in [0, Ns) for
+  j < count[n] (later entries are not read); count [N] int32 in [1, J] for n < live;
+  live: int32 scalar (traced is fine), <= N; scale [N, J] float32 or None (no multiply)."""
+  ns, hidden = src.shape
+  if index.ndim != 2 or index.shape[0] > out_rows:
+    raise ValueError(f"index must be [N, J] with N <= out_rows={out_rows}, got shape "
+                     f"{index.shape}")
+  n, fold = index.shape
+  if count.shape != (n,):
+    raise ValueError(f"count must be [{n}] like index's rows, got shape {count.shape}")
+  if scale is not None and (scale.shape != (n, fold) or scale.dtype != jnp.float32):
+    raise ValueError(f"scale must be float32 [{n}, {fold}] like index, got {scale.dtype} "
+                     f"{scale.shape}")
+  if rows_per_tile < 1 or rows_per_tile > 256 or rows_per_tile & (rows_per_tile - 1):
+    raise ValueError(f"rows_per_tile={rows_per_tile} must be a power of two in [1, 256] "
+                     f"(the store ladder's largest box)")
+  itemsize = jnp.dtype(src.dtype).itemsize
+  ct, nb = column_blocking(hidden, itemsize, rows_per_tile * fold,
+                           min(stage_budget_bytes, device_lib.smem_capacity()))
+  boxes = hidden // ct
+  num_ctas = device_lib.num_sms(num_ctas)
+  table = jnp.concatenate([jnp.minimum(jnp.asarray(live, jnp.int32), n).reshape(1),
+                           index.astype(jnp.int32).reshape(-1)])
+  if interpret is None:
+    interpret = device_lib.default_interpret()
+  body = functools.partial(_fold_body, rows_per_tile=rows_per_tile, fold=fold,
+                           n_blocks=boxes // nb, num_ctas=num_ctas, scaled=scale is not None)
+  kernel = plgpu.kernel(
+      body,
+      kernel_name="fold_live_rows" + ("_scaled" if scale is not None else ""),
+      out_type=jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype),
+      scratch_types=[plgpu.SMEM((2, fold, rows_per_tile, nb, ct), src.dtype),
+                     plgpu.Barrier(num_arrivals=rows_per_tile * fold, num_barriers=2)],
+      grid=(num_ctas,),
+      grid_names=("cta",),
+      interpret=interpret,
+  )
+  operands = ((table, count.astype(jnp.int32), src.reshape(ns, boxes, ct))
+              + (() if scale is None else (scale.reshape(-1),)))
+  return kernel(*operands).reshape(out_rows, hidden)
+
+
+def fold_rows_reference(src, index, count, scale=None):
+  """`fold_live_rows`' arithmetic in XLA, for every row (no `live`): the test oracle and
+  the form the XLA backends would use."""
+  def term(j):
+    t = jnp.take(src, index[:, j], axis=0, mode="clip").astype(jnp.float32)
+    return t if scale is None else t * scale[:, j, None]
+  acc = term(0)
+  for j in range(1, index.shape[1]):
+    acc = jnp.where((j < count)[:, None], acc + term(j), acc)
+  return acc.astype(src.dtype)
 
 
 def gather_live_rows(src, index, live, *, out_rows: int, scale=None,

@@ -218,6 +218,58 @@ def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking, 
   assert np.isnan(out[live:]).all()
 
 
+@pytest.mark.parametrize("live,hidden,budget,blocking,scaled", [
+    (13, 512, 1 << 20, (256, 2), True),   # a whole row per column block, a partial last tile
+    (9, 512, 8192, (256, 1), False)])     # 2 column blocks (2 x 8 rows of 256 columns fit)
+def test_fold_live_rows_kernel(live, hidden, budget, blocking, scaled):
+  """The fold kernel in the interpret mode, with the race detector: rows below `live`
+  are `fold_rows_reference`'s bit for bit (count[n] in [1, J]: every fold length,
+  including 1, and repeated source rows), rows past it are never written."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  import pallas_kernels.row_gather as rg
+  rng = np.random.default_rng(live)
+  n, fold = 16, 4
+  src = jnp.asarray(rng.standard_normal((30, hidden)), jnp.bfloat16)
+  index = jnp.asarray(rng.integers(0, 30, (n, fold)), jnp.int32)
+  count = jnp.asarray(np.arange(n) % fold + 1, jnp.int32)
+  scale = jnp.asarray(rng.standard_normal((n, fold)), jnp.float32) if scaled else None
+  assert rg.column_blocking(hidden, 2, 2 * fold, budget) == blocking
+  out = rg.fold_live_rows(src, index, count, jnp.int32(live), out_rows=20, scale=scale,
+                          num_ctas=3, stage_budget_bytes=budget,
+                          interpret=plgpu.InterpretGPUParams(detect_races=True))
+  out = np.asarray(out.astype(jnp.float32))
+  want = np.asarray(jax.jit(rg.fold_rows_reference)(src, index, count, scale)
+                    .astype(jnp.float32))
+  # a real fold: rows with count > 1 differ from their first term
+  first = np.asarray(rg.fold_rows_reference(src, index[:, :1], count * 0 + 1,
+                                            None if scale is None else scale[:, :1])
+                     .astype(jnp.float32))
+  assert not np.array_equal(want[1:live], first[1:live])
+  np.testing.assert_array_equal(out[:live], want[:live])
+  assert np.isnan(out[live:]).all()
+  with pytest.raises(ValueError, match="count must be"):
+    rg.fold_live_rows(src, index, count[:3], live, out_rows=20)
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_fold_live_rows_lowers_for_cuda(scaled):
+  """The fold kernel (its J loads per row on one barrier, the float32 fold over a
+  device-valued count in registers) lowers to one Mosaic GPU custom call for CUDA on this
+  CPU-only machine; bf16 rows of H 2048 at J 8, the owner-side fold's qwen3-like shape."""
+  from pallas_kernels import device as device_lib
+  import pallas_kernels.row_gather as rg
+  sds = jax.ShapeDtypeStruct
+  args = (sds((512, 2048), jnp.bfloat16), sds((256, 8), jnp.int32), sds((256,), jnp.int32),
+          sds((), jnp.int32)) + ((sds((256, 8), jnp.float32),) if scaled else ())
+
+  def fold(src, index, count, live, *scale):
+    return rg.fold_live_rows(src, index, count, live, out_rows=256,
+                             scale=scale[0] if scaled else None, num_ctas=132)
+  with device_lib.lowering_for_gpu():
+    text = jax.jit(fold).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
 def test_dedup_tokens_auto_is_on_for_uniep_only():
   """dedup_tokens=None (the default) resolves on for "uniep" (transport "nvlink"),
   unless its fused backward moves the dy dispatch itself; off for the other backends;
