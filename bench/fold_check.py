@@ -1,0 +1,82 @@
+"""The owner-side fold kernel (`pallas_kernels/row_gather.fold_live_rows`) on one GPU:
+bits against XLA's form of the same arithmetic (`fold_rows_reference`), and time against
+its HBM floor, at the owner fold's qwen3-like size (EP 4, balanced).
+
+    python -m bench.fold_check [--out DIR] [--slots 131072] [--fold 8]
+
+Inputs (seeded): `slots` slot rows of H (the live receive rows), grouped into unique
+rows of 1..fold slots (lengths drawn like a token's slots on one owner: mean ~2.2 at
+K 8 over 4 ranks), each group's slots at random distinct rows; f32 weights. Reports
+the kernel's median ms, the floor (slot rows read + unique rows written over the
+datasheet HBM rate) and whether the kernel's rows equal XLA's bit for bit (on a GPU the
+two compilers may contract multiply-add differently; NOTES_row_gather.md v3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from pallas_kernels import row_gather as rg
+
+HBM_TBPS = {"NVIDIA H100 80GB HBM3": 3.35, "NVIDIA H200": 4.8}
+
+
+def make_inputs(slots: int, hidden: int, fold: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  # group sizes: slots of a token on one owner, K=8 experts over 4 ranks, given >= 1
+  sizes = []
+  while sum(sizes) < slots:
+    sizes.append(int(min(fold, max(1, rng.binomial(8, 0.25)))))
+  sizes[-1] -= sum(sizes) - slots
+  if sizes[-1] == 0:
+    sizes.pop()
+  perm = rng.permutation(slots).astype(np.int32)
+  index = np.zeros((len(sizes), fold), np.int32)
+  start = 0
+  for n, c in enumerate(sizes):
+    index[n, :c] = perm[start:start + c]
+    start += c
+  count = np.asarray(sizes, np.int32)
+  src = jnp.asarray(rng.standard_normal((slots, hidden), np.float32), jnp.bfloat16)
+  scale = jnp.asarray(rng.random((len(sizes), fold), np.float32))
+  return src, jnp.asarray(index), jnp.asarray(count), scale
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--slots", type=int, default=131072)
+  ap.add_argument("--hidden", type=int, default=2048)
+  ap.add_argument("--fold", type=int, default=8)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  src, index, count, scale = make_inputs(args.slots, args.hidden, args.fold)
+  n = int(count.shape[0])
+  live = jnp.int32(n)
+  kernel = jax.jit(lambda s, i, c, w: rg.fold_live_rows(s, i, c, live, out_rows=n, scale=w))
+  xla = jax.jit(rg.fold_rows_reference)
+  got, want = kernel(src, index, count, scale), xla(src, index, count, scale)
+  same = bool(common.same_bits(got, want))
+  diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+  t_kernel = common.time_ms(kernel, src, index, count, scale)
+  t_xla = common.time_ms(xla, src, index, count, scale)
+  meta = common.run_metadata()
+  bytes_moved = (args.slots + n) * args.hidden * 2
+  tbps = HBM_TBPS.get(meta.get("device_kind", ""), None)
+  floor_ms = None if tbps is None else bytes_moved / (tbps * 1e12) * 1e3
+  row = dict(slots=args.slots, unique_rows=n, hidden=args.hidden, fold=args.fold,
+             mean_fold=args.slots / n, bitwise_equal_xla=same, max_abs_diff=diff,
+             kernel=t_kernel, xla=t_xla, bytes=bytes_moved, hbm_floor_ms=floor_ms)
+  print(row)
+  out = common.out_dir(args.out)
+  name = f"fold_check_{meta.get('device_kind', 'cpu').replace(' ', '_')}.json"
+  common.write_json(os.path.join(out, name), dict(meta, benchmark="fold_check", rows=[row]))
+
+
+if __name__ == "__main__":
+  main()
