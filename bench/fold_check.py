@@ -5,8 +5,8 @@ its HBM floor, at the owner fold's qwen3-like size (EP 4, balanced).
     python -m bench.fold_check [--out DIR] [--slots 131072] [--fold 8]
 
 Inputs (seeded): `slots` slot rows of H (the live receive rows), grouped into unique
-rows of 1..fold slots (lengths drawn like a token's slots on one owner: mean ~2.2 at
-K 8 over 4 ranks), each group's slots at random distinct rows; f32 weights. Reports
+rows of 1..fold slots (lengths Binomial(8, 1/4) raised to at least 1, about a token's
+slots on one owner at K 8 over 4 ranks: mean ~2.1), each group's slots at random distinct rows; f32 weights. Reports
 the kernel's median ms, the floor (slot rows read + unique rows written over the
 datasheet HBM rate) and whether the kernel's rows equal XLA's bit for bit (on a GPU the
 two compilers may contract multiply-add differently; NOTES_row_gather.md v3).

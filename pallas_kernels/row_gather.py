@@ -61,7 +61,9 @@ returns, pallas_kernels/NOTES_fused.md, "The next lever"; not yet run on a GPU)
   out[n] = dtype(acc_n), acc_n = t_0, then acc_n = acc_n + t_j for j = 1 .. count[n] - 1,
   t_j = f32(scale[n, j]) * f32(src[index[n, j]])  (t_j = f32(src[index[n, j]]) unscaled),
   for n < live: up to J (`fold`) rows per output row, summed in float32 in j order,
-  rounded once. The same arithmetic, op for op, as `fold_rows_reference` (XLA).
+  rounded once. The same ops in the same order as `fold_rows_reference` (XLA): equal bit
+  for bit in the CPU interpret mode; on a GPU only if neither compiler contracts the
+  multiply and the add into an FMA differently (unchecked).
 Tiling: as the gather, with up to J loads per output row: a tile is G output rows x
 one column block; its count[n] row loads per row n arrive on one barrier
 (num_arrivals = G * J) and each unused slot j >= count[n] arrives without a load
@@ -204,8 +206,10 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
   f32(scale[n, j]) * f32(src[index[n, j]])) for n < live (module docstring, "The
   fold"); a new [out_rows, H] buffer whose rows >= live are undefined.
   src [Ns, H]; index [N, J] int32 (N <= out_rows), index[n, j] in [0, Ns) for
-  j < count[n] (later entries are not read); count [N] int32 in [1, J] for n < live;
-  live: int32 scalar (traced is fine), <= N; scale [N, J] float32 or None (no multiply)."""
+  j < count[n] (later entries are not read); count [N] int32, clipped to [1, J];
+  live: int32 scalar (traced is fine), <= N; scale [N, J] float32 or None (no multiply).
+  Bits: `fold_rows_reference`'s in the CPU interpret mode; on a GPU not yet checked (the
+  two compilers may contract a multiply and an add into an FMA differently)."""
   ns, hidden = src.shape
   if index.ndim != 2 or index.shape[0] > out_rows:
     raise ValueError(f"index must be [N, J] with N <= out_rows={out_rows}, got shape "
@@ -226,6 +230,9 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
   num_ctas = device_lib.num_sms(num_ctas)
   table = jnp.concatenate([jnp.minimum(jnp.asarray(live, jnp.int32), n).reshape(1),
                            index.astype(jnp.int32).reshape(-1)])
+  # a count outside [1, J] would leave the tile's barrier short (0: a hang) or read past
+  # the row's J slots: clipped, as `fold_rows_reference` clips it
+  count = jnp.clip(count.astype(jnp.int32), 1, fold)
   if interpret is None:
     interpret = device_lib.default_interpret()
   body = functools.partial(_fold_body, rows_per_tile=rows_per_tile, fold=fold,
@@ -240,14 +247,16 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
       grid_names=("cta",),
       interpret=interpret,
   )
-  operands = ((table, count.astype(jnp.int32), src.reshape(ns, boxes, ct))
+  operands = ((table, count, src.reshape(ns, boxes, ct))
               + (() if scale is None else (scale.reshape(-1),)))
   return kernel(*operands).reshape(out_rows, hidden)
 
 
 def fold_rows_reference(src, index, count, scale=None):
-  """`fold_live_rows`' arithmetic in XLA, for every row (no `live`): the test oracle and
-  the form the XLA backends would use."""
+  """`fold_live_rows`' arithmetic in XLA, for every row (no `live`; count clipped to
+  [1, J] likewise): the test oracle and the form the XLA backends would use."""
+  count = jnp.clip(count, 1, index.shape[1])
+
   def term(j):
     t = jnp.take(src, index[:, j], axis=0, mode="clip").astype(jnp.float32)
     return t if scale is None else t * scale[:, j, None]

@@ -223,15 +223,15 @@ def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking, 
     (9, 512, 8192, (256, 1), False)])     # 2 column blocks (2 x 8 rows of 256 columns fit)
 def test_fold_live_rows_kernel(live, hidden, budget, blocking, scaled):
   """The fold kernel in the interpret mode, with the race detector: rows below `live`
-  are `fold_rows_reference`'s bit for bit (count[n] in [1, J]: every fold length,
-  including 1, and repeated source rows), rows past it are never written."""
+  are `fold_rows_reference`'s bit for bit (every fold length 1..J, counts outside it
+  clipped, repeated source rows), rows past it are never written."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   import pallas_kernels.row_gather as rg
   rng = np.random.default_rng(live)
   n, fold = 16, 4
   src = jnp.asarray(rng.standard_normal((30, hidden)), jnp.bfloat16)
   index = jnp.asarray(rng.integers(0, 30, (n, fold)), jnp.int32)
-  count = jnp.asarray(np.arange(n) % fold + 1, jnp.int32)
+  count = jnp.asarray(np.arange(n) % (fold + 2), jnp.int32)   # 0 and J + 1: clipped
   scale = jnp.asarray(rng.standard_normal((n, fold)), jnp.float32) if scaled else None
   assert rg.column_blocking(hidden, 2, 2 * fold, budget) == blocking
   out = rg.fold_live_rows(src, index, count, jnp.int32(live), out_rows=20, scale=scale,

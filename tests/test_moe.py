@@ -349,9 +349,9 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     # the forward's dispatch de-duplicated (v1's transfer, the live-rows copy, v1's gate/up
     # launch instead of Kernel A) + Kernel C + the dX return beside the wgrad + the
     # de-duplicated dy dispatch. Kernel A with de-duplication (fac_rbw_dd) is not a case of
-    # its own: its forward kernels are the two cases above's, its backward this one's. Nor
-    # the return beside the wgrad without Kernel C and de-duplication: its kernels are this
-    # case's wgrad launch and, forward, the case above's
+    # its own: its forward kernels are Kernel A (the cases above) and this case's Kernel C,
+    # its backward this case's. Nor the return beside the wgrad without Kernel C and
+    # de-duplication: its kernels are this case's wgrad launch and, forward, the case above's
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  down_return_ctas=16, wgrad_return_ctas=16,
                                  dispatch_in_kernel=False), None, True, True)])
@@ -476,17 +476,19 @@ def _simulated_down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_le
 _FUSED_PLUMBING_V1 = {}   # v1's outputs and gradients on the plumbing test's inputs
 
 
-# Kernels A and B with v1's backward and the de-duplicated dy dispatch (dedup_tokens: the
+# Kernels A and B with v1's backward (fused._fused_ffn_bwd's plain dy dispatch); Kernel A,
+# v1's down GEMM and return, the fused backward; without Kernel A (the forward's dispatch
+# de-duplicated: the unique transfer, the live-rows copy, v1's gate/up launch), Kernel C
+# (the down GEMM with the chunked return beside it), the de-duplicated dy dispatch (the
 # combine inside the fused VJP, fused.fused_expert_ffn_combine, the weighted live-rows
-# gather run in the interpret mode); Kernel A, v1's down GEMM and return, the fused
-# backward (the plain dy dispatch: fused._fused_ffn_bwd); without Kernel A (the forward's
-# dispatch de-duplicated: the unique transfer, the live-rows copy, v1's gate/up launch),
-# Kernel C (the down GEMM with the chunked return beside it), the de-duplicated dy
-# dispatch, the dX return beside the dw_gate_up wgrad. (The fused backward WITH the return
-# beside the wgrad is not a separate case: `_fused_ffn_bwd` picks dhu's source and the
-# tail independently, and each branch is covered; one interpret-mode case costs 1-2 min.)
+# gather run in the interpret mode), the dX return beside the dw_gate_up wgrad. Kernel A
+# with the de-duplicated dy dispatch is not a case of its own: it differs from the third
+# only in the forward's first launch (the first case's) and in taking the sorted rows.
+# (The fused backward WITH the return beside the wgrad is not a separate case either:
+# `_fused_ffn_bwd` picks dhu's source and the tail independently, and each branch is
+# covered; one interpret-mode case costs 1-2 min.)
 @pytest.mark.parametrize("variant", [
-    dict(dedup_tokens=True), dict(return_in_kernel=False, backward=True),
+    {}, dict(return_in_kernel=False, backward=True),
     dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1, dedup_tokens=True,
          dispatch_in_kernel=False)])
 def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):

@@ -637,7 +637,9 @@ def test_reports_from_before_raster_rows_are_not_resumed(tmp_path, monkeypatch, 
 
 def test_parse_fused_points():
   assert T.parse_fused_points("32,2048; 16,2048,0,1;") == ((32, 2048), (16, 2048, False, True))
-  for bad in ("32", "32,2048,1", "32,2048,2,0", "a,2048"):
+  # every field of FusedConfig: the point without Kernel A
+  assert T.parse_fused_points("16,2048,0,0,16,16,0") == ((16, 2048, False, False, 16, 16, False),)
+  for bad in ("32", "32,2048,2,0", "a,2048", "16,2048,0,0,16,16,2", "16,2048,0,0,16,16,0,1"):
     with pytest.raises(ValueError, match="--fused-points"):
       T.parse_fused_points(bad)
 
@@ -756,6 +758,19 @@ def test_resolve_config_takes_a_fused_winner_only_when_fully_auto(tmp_path, no_s
   r = T.resolve_config(dataclasses.replace(auto, swiglu_grad_in_kernel=False), device=dev,
                        cache_path=user, **shape)
   assert r.fused == uniep_jax.FusedConfig(32, 2048, False, False)
+  # a winner without Kernel A (de-duplicated by construction) serves auto and an explicit
+  # dedup_tokens=True; an explicit False keeps v1's kernels instead of failing
+  no_a = dict(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False, down_return_ctas=16,
+              wgrad_return_ctas=16, dispatch_in_kernel=False)
+  T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD),
+                 dict(entry, fused=no_a, dedup_tokens=True))
+  for dedup in (None, True):
+    r = T.resolve_config(dataclasses.replace(auto, dedup_tokens=dedup), device=dev,
+                         cache_path=user, **shape)
+    assert r.fused == uniep_jax.FusedConfig(**no_a) and r.use_dedup_tokens
+  r = T.resolve_config(dataclasses.replace(auto, dedup_tokens=False), device=dev,
+                       cache_path=user, **shape)
+  assert r.fused is None and not r.use_dedup_tokens
 
 
 def test_replay_of_a_saved_report_records_what_that_run_measured(tmp_path):

@@ -1239,9 +1239,12 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
   fully_auto = config.kernel is None and config.transfer is None and config.fused is None
   take_tuned = fully_auto and config.backend == "uniep"
   # an explicit dedup_tokens=True takes a fused winner only if it has no fused backward
-  # (which moves the dy dispatch itself); otherwise it keeps the v1 dispatch
-  fused = (cand.fused if take_tuned and not (config.dedup_tokens is True and cand.fused is not None
-                                             and cand.fused.backward) else config.fused)
+  # (which moves the dy dispatch itself), an explicit False only one with Kernel A (the
+  # point without it de-duplicates its forward dispatch); otherwise v1's kernels
+  f = cand.fused
+  allowed = f is None or not ((config.dedup_tokens is True and f.backward)
+                              or (config.dedup_tokens is False and not f.dispatch_in_kernel))
+  fused = f if take_tuned and allowed else config.fused
   # a tuned winner with de-duplication turns it on; otherwise an explicit choice stays,
   # and None stays auto (on for "uniep" unless its fused backward moves dy itself)
   dedup = True if (take_tuned and cand.dedup_tokens and config.dedup_tokens is None) \
@@ -1479,17 +1482,24 @@ def _problem_shape(args):
   return s.name, (s.tokens, s.hidden, s.ffn, s.experts, s.top_k)
 
 
+_FUSED_BOOL_FIELDS = (2, 3, 6)   # return_in_kernel, backward, dispatch_in_kernel (FUSED_KNOBS)
+
+
 def parse_fused_points(text: str) -> tuple:
-  """'32,2048;16,2048,0,1' -> ((32, 2048), (16, 2048, False, True)): SearchSpace.fused."""
+  """'32,2048;16,2048,0,1' -> ((32, 2048), (16, 2048, False, True)): SearchSpace.fused.
+  A point is 2 to 7 of FUSED_KNOBS in order, the flags as 0|1
+  (e.g. '16,2048,0,0,16,16,0': no Kernel A, Kernel C and the return beside the wgrad)."""
   points = []
   for item in (t.strip() for t in text.split(";")):
     if not item:
       continue
     fields = [f.strip() for f in item.split(",")]
-    if len(fields) not in (2, 4) or not all(f.isdigit() for f in fields) or any(
-        f not in ("0", "1") for f in fields[2:]):
-      raise ValueError(f"--fused-points: {item!r} must be n_comm,recv_chunk_rows[,0|1,0|1]")
-    points.append(tuple(int(f) for f in fields[:2]) + tuple(f == "1" for f in fields[2:]))
+    if not 2 <= len(fields) <= len(FUSED_KNOBS) or not all(f.isdigit() for f in fields) or any(
+        fields[i] not in ("0", "1") for i in _FUSED_BOOL_FIELDS if i < len(fields)):
+      raise ValueError(f"--fused-points: {item!r} must be n_comm,recv_chunk_rows[,0|1,0|1"
+                       f"[,wgrad_return_ctas[,down_return_ctas[,0|1]]]]")
+    points.append(tuple((f == "1") if i in _FUSED_BOOL_FIELDS else int(f)
+                        for i, f in enumerate(fields)))
   return tuple(points)
 
 
@@ -1529,10 +1539,11 @@ def main(argv=None) -> int:
   ap.add_argument("--compile-workers", type=int, default=1,
                   help="compile the next candidates in this many threads while one is timed "
                        "(see LayerRunner; use with XLA_FLAGS=--xla_gpu_deterministic_ops=true)")
-  ap.add_argument("--fused-points", default=None, metavar="N,B[,RET,BWD];...",
+  ap.add_argument("--fused-points", default=None, metavar="N,B[,RET,BWD[,RBW[,DR[,A]]]];...",
                   help="stage 3's points instead of SearchSpace().fused: FusedConfig fields "
-                       "n_comm, recv_chunk_rows[, return_in_kernel, backward] (0/1), ';' between "
-                       "points, e.g. '8,2048,0,1;16,2048,0,1'")
+                       "n_comm, recv_chunk_rows[, return_in_kernel, backward (0/1)[, "
+                       "wgrad_return_ctas[, down_return_ctas[, dispatch_in_kernel (0/1)]]]], "
+                       "';' between points, e.g. '8,2048,0,1;16,2048,0,0,16,16,0'")
   args = ap.parse_args(argv)
   space = SearchSpace(fused=()) if args.no_fused else SearchSpace()
   if args.fused_points and not args.no_fused:
