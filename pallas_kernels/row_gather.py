@@ -111,20 +111,28 @@ def column_blocking(hidden: int, itemsize: int, rows_per_tile: int,
                    f"not fit twice in {budget} B of shared memory; lower rows_per_tile")
 
 
-def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
-                 num_ctas: int, scaled: bool):
-  scale_gmem, (out_gmem, stage_smem, load_barrier) = (
-      (refs[0], refs[1:]) if scaled else (None, refs))
-  g = rows_per_tile
-  nb = stage_smem.shape[2]
-  live = table_gmem[0]                                   # index[p] at table_gmem[1 + p]
+def _tile_walk(table_gmem, rows_per_tile: int, n_blocks: int, nb: int, num_ctas: int):
+  """(live, steps, tile_of): this CTA's share of the tiles over rows [0, live) (live =
+  table_gmem[0]), dealt round robin, and tile_of(s) -> (first output row, first box)
+  of its step s."""
+  live = table_gmem[0]
   c = lax.axis_index("cta")
-  tiles = pl.cdiv(live, g) * n_blocks
+  tiles = pl.cdiv(live, rows_per_tile) * n_blocks
   steps = jnp.maximum(tiles - c + num_ctas - 1, 0) // num_ctas
 
   def tile_of(s):
     tile = c + s * num_ctas
-    return (tile // n_blocks) * g, (tile % n_blocks) * nb   # first row, first box
+    return (tile // n_blocks) * rows_per_tile, (tile % n_blocks) * nb
+
+  return live, steps, tile_of
+
+
+def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
+                 num_ctas: int, scaled: bool):
+  scale_gmem, (out_gmem, stage_smem, load_barrier) = (
+      (refs[0], refs[1:]) if scaled else (None, refs))
+  g, nb = rows_per_tile, stage_smem.shape[2]            # index[p] at table_gmem[1 + p]
+  live, steps, tile_of = _tile_walk(table_gmem, g, n_blocks, nb, num_ctas)
 
   def load(s, stage):
     p0, b0 = tile_of(s)
@@ -153,15 +161,8 @@ def _fold_body(table_gmem, count_gmem, src_gmem, *refs, rows_per_tile: int, fold
   scale_gmem, (out_gmem, stage_smem, load_barrier) = (
       (refs[0], refs[1:]) if scaled else (None, refs))
   g, j_max = rows_per_tile, fold
-  nb = stage_smem.shape[3]                               # stage [2, J, G, nb, ct]
-  live = table_gmem[0]                                   # index[n, j] at 1 + n * J + j
-  c = lax.axis_index("cta")
-  tiles = pl.cdiv(live, g) * n_blocks
-  steps = jnp.maximum(tiles - c + num_ctas - 1, 0) // num_ctas
-
-  def tile_of(s):
-    tile = c + s * num_ctas
-    return (tile // n_blocks) * g, (tile % n_blocks) * nb   # first row, first box
+  nb = stage_smem.shape[3]          # stage [2, J, G, nb, ct]; index[n, j] at 1 + n * J + j
+  live, steps, tile_of = _tile_walk(table_gmem, g, n_blocks, nb, num_ctas)
 
   def load(s, stage):
     p0, b0 = tile_of(s)
