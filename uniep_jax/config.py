@@ -274,9 +274,14 @@ class UniEPConfig:
     v1's down GEMM and return with `return_in_kernel=False`, or Kernel C) and, with
     `backward`, the backward's dy dispatch + da GEMM in one launch, with
     `wgrad_return_ctas` the dX return beside the dw_gate_up wgrad. EXPERIMENTAL,
-    opt-in: bitwise equal to v1 on GPUs; the fastest point so far (4x H200, qwen3-like
-    and deepseek-like) is FusedConfig(16, 2048, return_in_kernel=False,
-    wgrad_return_ctas=16). `uniep_jax/fused.py`.
+    opt-in: bitwise equal to v1 on GPUs; the fastest points so far (4x H200, EP 4, runs
+    21-23 of pallas_kernels/NOTES_fused.md), level within the trials' spread: Kernel C and
+    the dX return beside the wgrad, with Kernel A (FusedConfig(16, 2048,
+    return_in_kernel=False, wgrad_return_ctas=16, down_return_ctas=16)) or without it
+    (the same with dispatch_in_kernel=False): qwen3-like 1.67-1.68x and deepseek-like
+    1.44x the capacity path, against 1.52x / 1.36x for the unfused default; on
+    mixtral-like only the point without Kernel A with 4 CTAs is level with the default.
+    `uniep_jax/fused.py`.
   swiglu_grad_in_kernel: only for "pallas" / "uniep": compute the backward's
     SwiGLU derivative (dh, du) in the epilogue of the da = dy @ w_down^T GEMM
     (grouped GEMM mode "dswiglu") instead of storing da in float32 and running an
