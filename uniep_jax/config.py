@@ -279,7 +279,7 @@ class UniEPConfig:
     the dX return beside the wgrad, with Kernel A (FusedConfig(16, 2048,
     return_in_kernel=False, wgrad_return_ctas=16, down_return_ctas=16)) or without it
     (the same with dispatch_in_kernel=False): qwen3-like 1.67-1.68x and deepseek-like
-    1.44x the capacity path, against 1.52x / 1.36x for the unfused default; on
+    1.41-1.44x the capacity path, against 1.52x / 1.36x for the unfused default; on
     mixtral-like only the point without Kernel A with 4 CTAs is level with the default.
     `uniep_jax/fused.py`.
   swiglu_grad_in_kernel: only for "pallas" / "uniep": compute the backward's
