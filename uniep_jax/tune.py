@@ -1482,7 +1482,9 @@ def _problem_shape(args):
   return s.name, (s.tokens, s.hidden, s.ffn, s.experts, s.top_k)
 
 
-_FUSED_BOOL_FIELDS = (2, 3, 6)   # return_in_kernel, backward, dispatch_in_kernel (FUSED_KNOBS)
+# positions of FusedConfig's flags in FUSED_KNOBS (return_in_kernel, backward, dispatch_in_kernel)
+_FUSED_BOOL_FIELDS = tuple(i for i, k in enumerate(FUSED_KNOBS)
+                           if isinstance(getattr(FusedConfig(), k), bool))
 
 
 def parse_fused_points(text: str) -> tuple:
