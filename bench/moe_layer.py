@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import os
 import sys
 import time
@@ -117,6 +118,22 @@ BACKEND_CONFIGS = {
 BACKEND_CONFIGS = {name: (dataclasses.replace(c, dedup_tokens=False)
                           if c.backend == "uniep" and c.dedup_tokens is None else c)
                    for name, c in BACKEND_CONFIGS.items()}
+
+
+def backend_config(name: str) -> uniep_jax.UniEPConfig:
+  """`BACKEND_CONFIGS[name]`; a suffix `@sm<N>` runs every persistent kernel on N SMs
+  (`KernelConfig.num_sms`), e.g. "uniep_dc_rbw_dd@sm131": one SM left to whatever runs
+  beside the layer's kernels (an NCCL collective on XLA's async stream)."""
+  base, _, suffix = name.partition("@")
+  if base not in BACKEND_CONFIGS:
+    raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
+  cfg = BACKEND_CONFIGS[base]
+  if not suffix:
+    return cfg
+  m = re.fullmatch(r"sm(\d+)", suffix)
+  if m is None:
+    raise ValueError(f"backend {name!r}: the only suffix known is @sm<N>")
+  return dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, num_sms=int(m.group(1))))
 
 
 def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):
@@ -266,7 +283,7 @@ def main(argv=None):
             skipped.append(dict(shape=name, routing=routing, direction=direction,
                                 backend=backend, why="time budget"))
             continue
-          cfg = BACKEND_CONFIGS[backend]
+          cfg = backend_config(backend)
           row = dict(row_base, backend=backend)
           if cfg.use_dedup_tokens:   # de-duplication's unique receive buffer, on top
             row["unique_receive_bytes"] = uniep_jax.unique_receive_bytes(shape.tokens,

@@ -197,7 +197,7 @@ def _layer_fn(args, r):
   shape = {**common.SHAPES, **common.SMOKE_SHAPES}[args.shape]
   mesh = jax.make_mesh((1, r), ("data", "expert"))
   x, p = moe_layer.make_inputs(shape, mesh, skewed=args.routing == "skewed")
-  f_fwd, f_bwd = moe_layer.layer_fns(mesh, shape, moe_layer.BACKEND_CONFIGS[args.backend])
+  f_fwd, f_bwd = moe_layer.layer_fns(mesh, shape, moe_layer.backend_config(args.backend))
   fn = f_fwd if args.direction == "fwd" else f_bwd
   def call(sync=True):
     out = fn(x, p)
