@@ -121,19 +121,24 @@ BACKEND_CONFIGS = {name: (dataclasses.replace(c, dedup_tokens=False)
 
 
 def backend_config(name: str) -> uniep_jax.UniEPConfig:
-  """`BACKEND_CONFIGS[name]`; a suffix `@sm<N>` runs every persistent kernel on N SMs
-  (`KernelConfig.num_sms`), e.g. "uniep_dc_rbw_dd@sm131": one SM left to whatever runs
-  beside the layer's kernels (an NCCL collective on XLA's async stream)."""
-  base, _, suffix = name.partition("@")
+  """`BACKEND_CONFIGS[base]` for a name "base[@suffix...]"; suffixes:
+  `@sm<N>` every persistent kernel on N SMs (`KernelConfig.num_sms`), e.g.
+  "uniep_dc_rbw_dd@sm131": one SM left to whatever runs beside the layer's kernels;
+  `@f32router` the router's logits as one float32 GEMM (`RoutingConfig.logits_matmul`,
+  the routing until 2026-11-27) instead of bf16 pieces."""
+  base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
   cfg = BACKEND_CONFIGS[base]
-  if not suffix:
-    return cfg
-  m = re.fullmatch(r"sm(\d+)", suffix)
-  if m is None:
-    raise ValueError(f"backend {name!r}: the only suffix known is @sm<N>")
-  return dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, num_sms=int(m.group(1))))
+  for suffix in suffixes:
+    m = re.fullmatch(r"sm(\d+)", suffix)
+    if m is not None:
+      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, num_sms=int(m.group(1))))
+    elif suffix == "f32router":
+      cfg = dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, logits_matmul="float32"))
+    else:
+      raise ValueError(f"backend {name!r}: unknown suffix @{suffix} (known: @sm<N>, @f32router)")
+  return cfg
 
 
 def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):

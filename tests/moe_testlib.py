@@ -47,20 +47,25 @@ def capacity_keep_mask(topk, shards: int, cap: int, experts: int):
   return keep
 
 
+def all_eqns(jaxpr):
+  """Every equation of a closed jaxpr, sub-jaxprs (jit, custom_vjp, scan...) included."""
+  def walk(jp):
+    for eqn in jp.eqns:
+      yield eqn
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from walk(sub)
+
+  return list(walk(jaxpr.jaxpr))
+
+
 def float_scatter_adds(jaxpr, width: int | None = None) -> list[str]:
   """Float scatter-adds (of [..., width] rows, or of any shape when width is None)
   anywhere in a closed jaxpr, sub-jaxprs included: XLA runs them with atomics on
   the GPU, whose order changes from run to run when indices collide."""
   found = []
-
-  def walk(jp):
-    for eqn in jp.eqns:
-      aval = eqn.outvars[0].aval if eqn.outvars else None
-      if (eqn.primitive.name == "scatter-add" and jnp.issubdtype(aval.dtype, jnp.floating)
-          and (width is None or (aval.shape and aval.shape[-1] == width))):
-        found.append(str(eqn.outvars[0].aval))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jaxpr.jaxpr)
+  for eqn in all_eqns(jaxpr):
+    aval = eqn.outvars[0].aval if eqn.outvars else None
+    if (eqn.primitive.name == "scatter-add" and jnp.issubdtype(aval.dtype, jnp.floating)
+        and (width is None or (aval.shape and aval.shape[-1] == width))):
+      found.append(str(eqn.outvars[0].aval))
   return found

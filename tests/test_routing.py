@@ -8,6 +8,8 @@ import pytest
 
 from uniep_jax import RoutingConfig, route
 
+from moe_testlib import all_eqns
+
 
 def _np_topk_lowest_index(values, k):
   # stable argsort of -values: equal values keep index order (lowest first)
@@ -79,3 +81,68 @@ def test_routing_config_errors():
     RoutingConfig(score_fn="relu")
   with pytest.raises(ValueError, match="topk_groups"):
     RoutingConfig(n_groups=2, topk_groups=3)
+
+
+def _router_case(t=96, h=256, e=24, seed=11):
+  kx, kr, kg = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (t, h), jnp.float32).astype(jnp.bfloat16)
+  router = jax.random.normal(kr, (h, e), jnp.float32) * h ** -0.5
+  g = jax.random.normal(kg, (t, e), jnp.float32)
+  return x, router, g
+
+
+def test_bf16x3_logits_and_gradients_are_float32_accurate():
+  """`logits_matmul="bf16x3"` against float64: forward and d_router within float32
+  accuracy (no worse than a few ulps of the largest value), d_x within its bfloat16
+  rounding; "float32" is still the one HIGHEST GEMM."""
+  from uniep_jax.router_matmul import router_logits_bf16x3
+  x, router, g = _router_case()
+  x64, r64, g64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, router, g))
+  logits, vjp = jax.vjp(router_logits_bf16x3, x, router)
+  dx, dr = jax.jit(vjp)(g)
+  assert logits.dtype == dr.dtype == jnp.float32 and dx.dtype == jnp.bfloat16
+
+  def rel(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+  assert rel(logits, x64 @ r64) < 2e-6
+  assert rel(dr, x64.T @ g64) < 2e-6
+  assert rel(dx.astype(jnp.float32), g64 @ r64.T) < 8e-3   # bf16: 2^-8 of the largest
+  # a bf16 product (one piece each) is far worse: the test can tell the two apart
+  assert rel(jnp.dot(x, router.astype(jnp.bfloat16), preferred_element_type=jnp.float32),
+             x64 @ r64) > 1e-4
+  out = route(x, router, 4, RoutingConfig(logits_matmul="float32"))
+  chex.assert_trees_all_equal(out.logits, jnp.dot(x.astype(jnp.float32), router,
+                                                  precision=jax.lax.Precision.HIGHEST))
+  with pytest.raises(ValueError, match="logits_matmul"):
+    RoutingConfig(logits_matmul="tf32")
+
+
+def test_bf16x3_same_bits_for_bf16_and_float32_x():
+  """The oracle routes x.astype(float32), the layer routes bf16 x: the same logits and
+  router gradient bit for bit (the float32 x's extra pieces are zeros), under jit."""
+  from uniep_jax.router_matmul import router_logits_bf16x3
+  x, router, g = _router_case(seed=12)
+
+  @jax.jit
+  def both(x, router):
+    logits, vjp = jax.vjp(router_logits_bf16x3, x, router)
+    return logits, vjp(g)[1]
+
+  chex.assert_trees_all_equal(both(x, router), both(x.astype(jnp.float32), router))
+
+
+def test_bf16x3_router_runs_only_bf16_gemms():
+  """Forward and backward of the routing hold no float32 dot (which XLA:GPU runs on CUDA
+  cores): every dot_general multiplies bfloat16 operands."""
+  x, router, _ = _router_case(seed=13)
+
+  def loss(x, router):
+    out = route(x, router, 4, RoutingConfig())
+    return jnp.sum(out.topk_weights * jnp.arange(4.0)) + jnp.sum(out.logits ** 2) * 1e-3
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, router)
+  dots = [tuple(v.aval.dtype for v in eqn.invars[:2]) for eqn in all_eqns(jaxpr)
+          if eqn.primitive.name == "dot_general"]
+  assert len(dots) >= 4, dots    # forward, d_router, d_x's two pieces
+  assert all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots

@@ -13,6 +13,7 @@ from typing import Optional
 
 BACKENDS = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOGITS_MATMULS = ("bf16x3", "float32")
 TRANSPORTS = ("ragged", "padded", "nvlink")
 
 
@@ -27,6 +28,15 @@ class RoutingConfig:
     into `n_groups` contiguous groups; a group's score is the sum of its best two
     expert scores (the best one if a group has one expert); only the `topk_groups`
     best groups are eligible. `n_groups=1` disables it.
+  logits_matmul: how the float32 logits x @ router are computed (forward and both
+    gradients; uniep_jax/router_matmul.py). "bf16x3" (default): each float32 operand
+    split exactly into bfloat16 pieces, the products of the three leading significance
+    levels on bf16 tensor cores with float32 accumulation, summed smallest level first:
+    float32-level accuracy at bf16 GEMM speed (4x H200, deepseek-like at EP 4: the
+    "float32" GEMMs ran on CUDA cores, 1.95 ms per layer fwd+bwd). "float32": one
+    float32 GEMM at `Precision.HIGHEST` (the routing until 2026-11-27). Routing is
+    discrete: the two may choose differently where two scores are within float32
+    rounding of each other; every backend uses the same one.
   """
 
   score_fn: str = "softmax"
@@ -34,10 +44,14 @@ class RoutingConfig:
   scale: float = 1.0
   n_groups: int = 1
   topk_groups: int = 1
+  logits_matmul: str = "bf16x3"
 
   def __post_init__(self):
     if self.score_fn not in SCORE_FUNCTIONS:
       raise ValueError(f"score_fn={self.score_fn!r} is unknown; expected one of {SCORE_FUNCTIONS}")
+    if self.logits_matmul not in LOGITS_MATMULS:
+      raise ValueError(f"logits_matmul={self.logits_matmul!r} is unknown; expected one of "
+                       f"{LOGITS_MATMULS}")
     if self.n_groups < 1:
       raise ValueError(f"n_groups={self.n_groups} must be >= 1")
     if not 1 <= self.topk_groups <= self.n_groups:

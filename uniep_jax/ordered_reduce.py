@@ -243,8 +243,16 @@ def _stack_replicas_bwd(mesh, specs, _, cts):
   stacked_specs = tuple(stacked_spec(mesh, s) for s in specs)
 
   def sum_copies(*copies):
+    # after=copies: the first collective starts once every input's cotangent exists,
+    # i.e. after the layer's last backward kernel, never beside one. An NCCL kernel
+    # beside a persistent Mosaic GPU kernel (grid = every SM) holds SMs that kernel's
+    # CTAs wait for while it waits for its peers, whose SMs their own persistent kernel
+    # holds: 4x H200, deepseek-like at EP 4, the router gradient's all_to_all ran beside
+    # the da GEMM in every second call and doubled it (3.2 -> 6.2 ms; NOTES_fused.md,
+    # "Collectives beside persistent kernels"); where the waiting kernel's CTAs signal
+    # each other (Kernels A and C, the return beside the wgrad) it could hang.
     return tuple(ordered_psum_many([(c[0], replica_axes(mesh, s))
-                                    for c, s in zip(copies, specs)]))
+                                    for c, s in zip(copies, specs)], after=copies))
 
   cts = [place(c, NamedSharding(mesh, sp)) for c, sp in zip(cts, stacked_specs)]
   summed = jax.shard_map(sum_copies, mesh=mesh, in_specs=stacked_specs,
