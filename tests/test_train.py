@@ -445,6 +445,10 @@ def test_fused_kernels_reach_the_moe_layers():
   assert configs and all(c.fused == TRAIN_FUSED for c in configs)
   assert TRAIN_FUSED.wgrad_return_ctas and not TRAIN_FUSED.return_in_kernel
   assert loop.moe_options(cfg)["fused"] is True
+  # the gradient sums wait for the whole backward pass (no collective beside a fused
+  # launch) unless buckets are asked for
+  assert cfg.num_grad_buckets == 1 and TrainConfig(backend="uniep").num_grad_buckets == 3
+  assert TrainConfig(backend="uniep", fused=True, grad_buckets=2).num_grad_buckets == 2
 
 
 def test_dedup_tokens_reaches_the_moe_layers():

@@ -60,7 +60,11 @@ class TrainConfig:
   grad_reduction: str = "ordered"  # GRAD_REDUCTIONS
   # "ordered": the gradients summed in this many chained buckets (backward order); None:
   # DEFAULT_GRAD_BUCKETS with "ordered" (0.3-7% more tokens/s than 1 bucket on 4x H100,
-  # every backend, both meshes: README), 1 with "xla". The same bits for any count.
+  # every backend, both meshes: README), 1 with "xla" and with --fused (its launches keep
+  # every CTA resident and wait on their peers: an NCCL kernel beside them holds an SM one
+  # of their CTAs needs while it waits for peers whose SMs their own launch holds, a
+  # circular wait; pallas_kernels/NOTES_fused.md, "Collectives beside persistent
+  # kernels"). The same bits for any count.
   grad_buckets: Optional[int] = None
   # multi-process runs (train/distributed.py); None: from the environment, else single-process
   coordinator: Optional[str] = None  # HOST:PORT of process 0's jax.distributed coordinator
@@ -120,10 +124,11 @@ class TrainConfig:
   @property
   def num_grad_buckets(self) -> int:
     """The buckets the gradients are summed in: grad_buckets, or by default
-    DEFAULT_GRAD_BUCKETS with the ordered sums and 1 with XLA's."""
+    DEFAULT_GRAD_BUCKETS with the ordered sums and 1 with XLA's or with the fused
+    kernels (one bucket: every gradient collective after the whole backward pass)."""
     if self.grad_buckets is not None:
       return self.grad_buckets
-    return DEFAULT_GRAD_BUCKETS if self.grad_reduction == "ordered" else 1
+    return DEFAULT_GRAD_BUCKETS if self.grad_reduction == "ordered" and not self.fused else 1
 
   @property
   def last_step(self) -> int:

@@ -197,7 +197,11 @@ def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
   from pallas_kernels.row_gather import gather_live_rows
   t, h = x.shape
   r = plan.send_counts.shape[0]
-  rows = jnp.take(x, dplan.unique_tokens, axis=0)                            # [T*min(R,K), H]
+  # the unique send rows, packed by destination: only the live ones written (a take
+  # wrote all T*min(R,K): 4x H200, qwen3-like EP 4, 0.28 ms for 2.72 live rows per token
+  # of 4; the transfer reads only the live segments)
+  rows = gather_live_rows(x, dplan.unique_tokens, jnp.sum(dplan.unique_send_counts),
+                          out_rows=dplan.unique_tokens.shape[0])             # [T*min(R,K), H]
   column = lambda a: a[:, None]  # noqa: E731  one segment per destination
   unique = transfer_segments(rows, column(dplan.unique_send_offsets),
                              column(dplan.unique_output_offsets),
