@@ -24,9 +24,11 @@ Forward: logits = x @ router (levels <= 2). Backward (custom VJP), d = d_logits 
 float32 in three pieces:
   d_router = x^T @ d             levels <= 2 (a float32 parameter's gradient)
   d_x      = d @ router^T        levels <= 1 when x is bfloat16 (d_x is rounded to
-                                 bfloat16: the dropped level is ~2^-16 of it), else <= 2
-One GEMM per piece of the left operand (its right pieces side by side), so bf16 x with
-a float32 router costs 1 + 1 + 2 GEMM launches of 3x, 3x and 2x + 1x the bf16 FLOPs.
+                                 bfloat16: the dropped level is ~2^-16 of it), as one
+                                 GEMM over the three pairs side by side along E; else
+                                 levels <= 2 as the others
+Elsewhere one GEMM per piece of the left operand (its right pieces side by side along
+the output), so bf16 x with a float32 router costs 3 GEMM launches of 3x the bf16 FLOPs.
 Deterministic: fixed pieces, fixed GEMMs, fixed order of the level sums.
 """
 
@@ -102,8 +104,17 @@ def _logits_bwd(x_dtype, router_dtype, res, g):
   xs, rs = res
   gs = split_bf16(g, 3)
   d_router = leveled_dot(xs, gs, 0, 0, MAX_LEVEL)                    # [H, E]
-  dx_level = 1 if num_pieces(x_dtype) == 1 else MAX_LEVEL
-  d_x = leveled_dot(gs, rs, 1, 1, dx_level)                          # [T, H]
+  if num_pieces(x_dtype) == 1:
+    # rounded to bfloat16: levels <= 1 as ONE GEMM over the pairs side by side along the
+    # contracted dim, [g0 | g0 | g1] @ [r0 | r1 | r0]^T, accumulated in float32 inside
+    # it (no [T, 2H] float32 partial products to write and add)
+    pairs = [(i, j) for i in range(len(gs)) for j in range(len(rs)) if i + j <= 1]
+    lhs = jnp.concatenate([gs[i] for i, _ in pairs], axis=1)         # [T, n*E]
+    rhs = jnp.concatenate([rs[j] for _, j in pairs], axis=1)         # [H, n*E]
+    d_x = jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32)    # [T, H]
+  else:
+    d_x = leveled_dot(gs, rs, 1, 1, MAX_LEVEL)                       # [T, H]
   return d_x.astype(x_dtype), d_router.astype(router_dtype)
 
 
