@@ -144,5 +144,18 @@ def test_bf16x3_router_runs_only_bf16_gemms():
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, router)
   dots = [tuple(v.aval.dtype for v in eqn.invars[:2]) for eqn in all_eqns(jaxpr)
           if eqn.primitive.name == "dot_general"]
-  assert len(dots) >= 4, dots    # forward, d_router, d_x's two pieces
+  assert len(dots) >= 3, dots    # forward, d_router, d_x
   assert all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots
+  # no float32 -> bfloat16 -> float32 round trip: XLA:GPU drops those (excess precision
+  # allowed), which zeroed every piece after the first on the GPU (split_bf16's docstring)
+  made_by = {}
+  round_trips = []
+  for eqn in all_eqns(jaxpr):
+    for v in eqn.outvars:
+      made_by[v] = eqn
+    if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.float32:
+      src = made_by.get(eqn.invars[0]) if not hasattr(eqn.invars[0], "val") else None
+      if (src is not None and src.primitive.name == "convert_element_type"
+          and src.params["new_dtype"] == jnp.bfloat16 and src.invars[0].aval.dtype == jnp.float32):
+        round_trips.append(str(eqn))
+  assert not round_trips, round_trips

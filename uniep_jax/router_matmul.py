@@ -7,9 +7,10 @@ gradients took 1.95 ms of a 39.7 ms layer fwd+bwd, where the same FLOPs in bfloa
 take ~0.05 ms each (bench/results/profiles/profile_uniep_dc_rbw_dd_deepseek-like_*).
 
 How: a float32 value a is the exact sum of three bfloat16 pieces a = a0 + a1 + a2
-(a0 = bf16(a), a1 = bf16(a - a0), a2 = bf16(a - a0 - a1): each difference is exact in
-float32, three 8-bit significands cover float32's 24, and bfloat16 has float32's
-exponent range, so only values near the subnormal range lose bits). A bfloat16
+(a0 = a truncated to bfloat16's 8 significant bits, a1 = (a - a0) truncated the same
+way, a2 = a - a0 - a1: each difference is exact in float32, three 8-bit significands
+cover float32's 24, and bfloat16 has float32's exponent range, so only values near the
+subnormal range lose bits). A bfloat16
 operand is one piece. A product of two pieces is exact in float32, so a GEMM of pieces
 with float32 accumulation adds exact products, as the float32 GEMM does, in the GEMM's
 own fixed order. With level s = sum over i + j = s of a_i @ b_j (terms in increasing i):
@@ -46,13 +47,20 @@ MAX_LEVEL = 2
 
 
 def split_bf16(a: jax.Array, pieces: int) -> list[jax.Array]:
-  """[a0, a1, ...] bfloat16 with a == a0 + a1 + ... (exact for float32 and 3 pieces)."""
+  """[a0, a1, ...] bfloat16 with a == a0 + a1 + ... (exact for float32 and 3 pieces).
+
+  Each piece is the float32 rest with its low 16 bits cleared (truncation, an integer
+  mask), which a bfloat16 holds exactly. Not `rest.astype(bf16)` and back: XLA:GPU may
+  drop a float32 -> bfloat16 -> float32 round trip (`xla_allow_excess_precision`, on by
+  default), which made every rest after the first piece zero (4x H100, 2026-11-27:
+  logits 1.7e-3 off float64, a bfloat16 product's error; the CPU kept the rounding)."""
   out, rest = [], a.astype(jnp.float32)
   for i in range(pieces):
-    piece = rest.astype(jnp.bfloat16)
-    out.append(piece)
+    bits = jax.lax.bitcast_convert_type(rest, jnp.uint32)
+    head = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+    out.append(head.astype(jnp.bfloat16))   # exact: head has 8 significant bits
     if i + 1 < pieces:
-      rest = rest - piece.astype(jnp.float32)
+      rest = rest - head                    # exact: the bits head left out
   return out
 
 
