@@ -9,11 +9,12 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 # Two workers (pytest-xdist; UNIEP_TEST_WORKERS overrides, 0: none), one test file each at a
 # time (a file's compiled programs and module fixtures stay in one process): 2-core CI
-# machine, 2026-11-26: 853 s in one process, 603 s in two. Files go out longest first
-# (tests/conftest.py FILE_SECONDS; --no-loadscope-reorder keeps that order).
+# machine, 2026-11-26: 853 s in one process, 603 s in two. (Longest files first was
+# tried, 2026-11-27: 935 and 987 s against 874-964 s in xdist's order, most files with the
+# most tests first: the two workers then ran the interpreted-kernel files side by side.)
 WORKERS="${UNIEP_TEST_WORKERS:-2}"
 XDIST=()
-[[ "$WORKERS" != 0 ]] && XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+[[ "$WORKERS" != 0 ]] && XDIST=(-n "$WORKERS" --dist loadfile)
 # JAX's persistent compilation cache, empty at the start of every run and removed at its
 # end: a program compiled again within the run (the Pallas interpret mode compiles each
 # kernel launch's body ahead of time, even for a launch it ran before; the same programs in

@@ -73,23 +73,3 @@ def pytest_collection_modifyitems(config, items):
     if "gpu" in item.keywords:
       item.add_marker(skip_gpu)
 
-
-# Seconds each file took on the 2-core CI machine (2026-11-27, the sum of its tests'
-# durations; files not named took < 10 s). With two pytest-xdist workers and one file per
-# worker at a time (scripts/test.sh: --dist loadfile), the files go out in collection
-# order; longest first keeps a long file from starting last while the other worker
-# idles (before: 1587 CPU-s of tests in 879 s of wall clock, ~90 s of one worker idle at
-# the end; test_multiprocess, 147 s in 5 tests, went out late because xdist's default
-# reorder sorts files by their number of tests, which scripts/test.sh turns off).
-FILE_SECONDS = {
-    "test_moe.py": 274, "test_train.py": 217, "test_grouped_gemm.py": 207,
-    "test_multiprocess.py": 147, "test_dedup.py": 121, "test_bench_smoke.py": 117,
-    "test_moe_pallas.py": 82, "test_fused_dispatch_gemm.py": 79, "test_ordered_reduce.py": 48,
-    "test_tune.py": 45, "test_routing.py": 30, "test_module.py": 18, "test_validation.py": 16,
-    "test_fused_gemm_return.py": 16, "test_row_movement.py": 11, "test_experts.py": 10,
-}
-
-
-def pytest_collection_modifyitems(config, items):
-  """Longest files first (FILE_SECONDS), each file's tests in their own order."""
-  items.sort(key=lambda item: -FILE_SECONDS.get(os.path.basename(str(item.fspath)), 0))

@@ -99,9 +99,10 @@ def _moe_fns(mesh, cfg, top_k):
 
 
 @pytest.mark.parametrize("backend,data,ep,top_k,bound,dtype", [
-    ("xla_dropless", 1, 4, 3, None, jnp.float32),
     ("xla_dropless", 2, 4, 2, 1.0, jnp.float32),     # a hot expert overflows the bound
-    ("xla_dropless", 1, 8, 4, None, jnp.bfloat16)])
+    # an odd top-k over 8 ranks, no bound (a third case, (1, 4, 3, None, float32), went
+    # for the CPU suite's time, 2026-11-27: its odd top-k is here, float32 in the first)
+    ("xla_dropless", 1, 8, 3, None, jnp.bfloat16)])
 def test_dedup_equals_plain_dispatch_bitwise(backend, data, ep, top_k, bound, dtype):
   mesh = make_mesh(data, ep)
   kx, kp = jax.random.split(jax.random.key(5))

@@ -679,6 +679,14 @@ def test_stage3_point_without_kernel_a_is_timed_deduplicated_only():
   knobs = dict(T.DEFAULT_CANDIDATE.knobs(), **dict(zip(T.FUSED_KNOBS, point)))
   with pytest.raises(T.InvalidCandidate, match="dispatch_in_kernel=False .* needs dedup_tokens"):
     T.candidate_from_knobs(knobs)
+  # Kernel A's checks apply only where Kernel A runs: n_comm (its transfer CTAs) as large
+  # as the device's SMs rejects the point with Kernel A, not the one without
+  many = (132, 2048, False, False, 16, 16)
+  for in_kernel, ok in ((True, False), (False, True)):
+    valid, rejected = T.fused_candidates(_space(fused=(many + (in_kernel,),), dedup_tokens=(True,)),
+                                         T.DEFAULT_CANDIDATE, DEEPSEEK_BWD, HOPPER)
+    assert (not rejected) == ok, rejected
+    assert ok or "n_comm=132 must be < num_sms=132" in str(rejected)
 
 
 def test_stage3_tries_token_dedup_on_the_v1_winner(tmp_path, no_shipped_cache):

@@ -449,9 +449,12 @@ def check_transfer(transfer: TransferConfig, problem: TuneProblem, device: Devic
 def check_fused(cand: Candidate, problem: TuneProblem, device: DeviceFacts) -> None:
   """Raises InvalidCandidate if the v2 kernels cannot run `cand.fused` for `problem`:
   the kernels' own static checks (chunk rows vs block_m, n_comm vs SMs, shared
-  memory of each role, H vs the tiles) on this device's SM count and SMEM."""
+  memory of each role, H vs the tiles) on this device's SM count and SMEM. Kernel A's
+  only where it runs (dispatch_in_kernel): without it the forward's gate/up is v1's
+  launch, which the v1 stages check."""
   from pallas_kernels import fused_dispatch_gemm as fdg
   from pallas_kernels import fused_gemm_return as fgr
+  from pallas_kernels import grouped_gemm as gg
   import jax.numpy as jnp
   p = problem
   kernel = dataclasses.replace(cand.kernel, num_sms=device.num_sms)
@@ -460,11 +463,15 @@ def check_fused(cand: Candidate, problem: TuneProblem, device: DeviceFacts) -> N
     kw = dict(out_rows=p.recv_rows, hidden=p.hidden, ffn=p.ffn, num_local_experts=el,
               dtype=jnp.dtype(p.dtype), kernel=kernel, transfer=cand.transfer,
               fused=cand.fused, smem=device.smem_bytes)
-    a = fdg.validate(**kw)
+    if cand.fused.dispatch_in_kernel:
+      a = fdg.validate(**kw)
+      m_p, f_p = a.m_p, a.f_p
+    else:   # v1's gate/up launch writes a: rows padded to block_m, F as it pads it
+      m_p, f_p = gg._round_up(p.recv_rows, kernel.block_m), gg._swiglu_padded_f(p.ffn, kernel)
     if cand.fused.backward:     # the backward's fused launch (dy dispatch + dswiglu da)
       fdg.validate(**kw, mode="dswiglu")
     if cand.fused.return_in_kernel:
-      fgr.validate(recv_rows=a.m_p, k=a.f_p, ffn=p.ffn, hidden=p.hidden, num_local_experts=el,
+      fgr.validate(recv_rows=m_p, k=f_p, ffn=p.ffn, hidden=p.hidden, num_local_experts=el,
                    num_peers=p.ep, dtype=jnp.dtype(p.dtype), kernel=kernel,
                    smem=device.smem_bytes)
     for name in ("wgrad_return_ctas", "down_return_ctas"):   # CTAs of a split launch
