@@ -25,7 +25,7 @@ from pallas_kernels import fused_dispatch_gemm as fdg
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax import layout
 from uniep_jax.config import KernelConfig, TransferConfig
-from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
+from pallas_testlib import INTERPRET, INTERPRET_RACES, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
 from pallas_testlib import skewed_plans
 
 # The work-list builders jitted, the rank traced (as in the kernels' wrappers, where it is
@@ -162,7 +162,7 @@ def test_transfer_role_local_form_matches_numpy():
   out = fdg.transfer_chunks_local(x, seg.src_start, seg.dst_start, seg.rows, out_rows=out_rows,
                                   rank=0, transfer=cfg, recv_chunk_rows=32, n_comm=3,
                                   live_rows=int(jnp.max(seg.dst_start + seg.rows)),
-                                  interpret=INTERPRET)
+                                  interpret=INTERPRET_RACES)
   assert_no_races()
   out, xs = np.asarray(out.astype(jnp.float32)), np.asarray(x.astype(jnp.float32))
   covered = np.zeros(out_rows, bool)
@@ -206,7 +206,7 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
       body, out_type=tuple(jax.ShapeDtypeStruct((m, n), jnp.bfloat16) for _ in range(3)),
       grid=(offset + count,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=gg.resolve_interpret(INTERPRET))
+      interpret=gg.resolve_interpret(INTERPRET_RACES))
   got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), x, w_gate_up, w_gate_up)
   assert_no_races()
   for a, b in zip(got, ref):
@@ -244,7 +244,7 @@ def test_dswiglu_body_on_cta_subset_with_hook_is_bitwise_equal():
       body, out_type=jax.ShapeDtypeStruct((m, 2 * n), jnp.bfloat16),
       grid=(offset + count,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=gg.resolve_interpret(INTERPRET))
+      interpret=gg.resolve_interpret(INTERPRET_RACES))
   got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), dy, w_down, h, u)
   assert_no_races()
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(ref).view(np.uint16))

@@ -22,7 +22,7 @@ from pallas_kernels import fused_gemm_return as fgr
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax import layout
 from uniep_jax.config import KernelConfig
-from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
+from pallas_testlib import INTERPRET, INTERPRET_RACES, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
 from pallas_testlib import skewed_plans
 
 
@@ -105,7 +105,7 @@ def test_local_form_is_bitwise_grouped_gemm_plus_return():
   out_rows = r * window
   got = fgr.gemm_return_local(a, w_down, seg.src_start,
                               seg.dst_start + window * jnp.arange(r)[:, None], seg.rows,
-                              out_rows=out_rows, rank=rank, kernel=cfg, interpret=INTERPRET)
+                              out_rows=out_rows, rank=rank, kernel=cfg, interpret=INTERPRET_RACES)
   assert_no_races()
   (y,) = gg._row_tiled_call([a], [w_down], plan.recv_group_sizes, mode="plain",
                             transpose_b=False, out_dtype=jnp.bfloat16, save_hu=False,

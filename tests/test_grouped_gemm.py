@@ -1,8 +1,8 @@
 """Tests of the Pallas grouped GEMM (pallas_kernels.grouped_gemm).
 
-On the CPU every kernel runs in Mosaic GPU interpret mode with the race detector
-on (`plgpu.InterpretGPUParams(detect_races=True)`); shapes are small (each case
-takes seconds). The oracle is `lax.ragged_dot` with float32 accumulation on
+On the CPU every kernel runs in Mosaic GPU interpret mode, with the race detector on
+for the launches a test checks with `assert_no_races` (`INTERPRET_RACES`,
+tests/pallas_testlib.py); shapes are small (each case takes seconds). The oracle is `lax.ragged_dot` with float32 accumulation on
 float32 copies of the bf16 inputs; the kernel's bf16 output may then differ from
 it by one bf16 rounding (relative 2^-8) plus float32 summation-order noise.
 """
@@ -20,7 +20,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax.config import KernelConfig
-from pallas_testlib import INTERPRET, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
+from pallas_testlib import INTERPRET, INTERPRET_RACES, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
 
 # Two simulated SMs: every CTA walks several tiles (exercises the persistent loop,
 # barrier phase reuse across tiles and the epilogue slot reuse); two stages.
@@ -68,7 +68,7 @@ def test_forward_ragged_k_n_empty_groups_dead_rows_zero():
   x = rand(kx, (m, k))
   w = rand(kw, (len(GROUP_SIZES), k, n), k**-0.5)
   gs = jnp.asarray(GROUP_SIZES)
-  out = gg.gmm(x, w, gs, config=CONFIG, interpret=INTERPRET)
+  out = gg.gmm(x, w, gs, config=CONFIG, interpret=INTERPRET_RACES)
   assert_no_races()
   assert out.shape == (m, n) and out.dtype == BF16
   ref = gg.reference_gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs)
@@ -83,7 +83,7 @@ def test_dgrad_ragged_k_n():
   dout = rand(kd, (m, n))
   w = rand(kw, (len(GROUP_SIZES), k, n), n**-0.5)
   gs = jnp.asarray(GROUP_SIZES)
-  out = gg.gmm_dgrad(dout, w, gs, config=CONFIG, interpret=INTERPRET)
+  out = gg.gmm_dgrad(dout, w, gs, config=CONFIG, interpret=INTERPRET_RACES)
   assert_no_races()
   assert out.shape == (m, k)
   ref = gg.reference_gmm_dgrad(dout.astype(jnp.float32), w.astype(jnp.float32), gs)
@@ -97,7 +97,7 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
   x = rand(kx, (m, k))
   dout = rand(kd, (m, n))
   gs = jnp.asarray(GROUP_SIZES)
-  out = gg.gmm_wgrad(x, dout, gs, out_dtype=jnp.float32, config=CONFIG, interpret=INTERPRET)
+  out = gg.gmm_wgrad(x, dout, gs, out_dtype=jnp.float32, config=CONFIG, interpret=INTERPRET_RACES)
   assert_no_races()
   assert out.shape == (len(GROUP_SIZES), k, n)
   ref = gg.reference_gmm_wgrad(x.astype(jnp.float32), dout.astype(jnp.float32), gs,
@@ -119,7 +119,7 @@ def test_fused_modes_no_races(mode):
     x = rand(ks[0], (m, k))
     wgu = rand(ks[1], (g, k, 2 * n), k**-0.5)
     a, h, u = gg._row_tiled_call([x], [wgu, wgu], gs, mode="swiglu", transpose_b=False,
-                                 out_dtype=BF16, save_hu=True, config=CONFIG, interpret=INTERPRET,
+                                 out_dtype=BF16, save_hu=True, config=CONFIG, interpret=INTERPRET_RACES,
                                  b_col_offsets=(0, n))
     assert_no_races()
     assert a.shape == h.shape == u.shape == (m, n)
@@ -142,7 +142,7 @@ def test_fused_modes_no_races(mode):
     h, u = rand(ks[2], (m, n)).at[total:].set(0), rand(ks[3], (m, n)).at[total:].set(0)
     (dhu,) = gg._row_tiled_call([dy], [wd], gs, mode="dswiglu", transpose_b=True,
                                 out_dtype=BF16, save_hu=False, config=CONFIG,
-                                interpret=INTERPRET, epi_inputs=(h, u))
+                                interpret=INTERPRET_RACES, epi_inputs=(h, u))
     assert_no_races()
     assert dhu.shape == (m, 2 * n)
     dh, du = dhu[:, :n], dhu[:, n:]
@@ -360,7 +360,7 @@ def test_epilogue_slots_and_raster_order_change_no_bit():
   import dataclasses
   operands = _knob_operands()   # 2 column tiles
   x, _, w_down, _, gs = operands
-  plain = lambda cfg: gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET)  # noqa: E731
+  plain = lambda cfg: gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET_RACES)  # noqa: E731
 
   reference = _knob_reference() + (plain(CONFIG),)
   variant_config = dataclasses.replace(CONFIG, epilogue_slots=2, raster_rows=3)

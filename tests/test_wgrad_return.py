@@ -20,7 +20,7 @@ from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels import wgrad_return as wgr
 from uniep_jax.config import KernelConfig, TransferConfig
-from pallas_testlib import INTERPRET, assert_no_races, fresh_interpret_state  # noqa: F401
+from pallas_testlib import INTERPRET, INTERPRET_RACES, assert_no_races, fresh_interpret_state  # noqa: F401
 
 
 def test_wgrad_body_on_cta_subset_is_bitwise_equal():
@@ -46,7 +46,7 @@ def test_wgrad_body_on_cta_subset_is_bitwise_equal():
       body, out_type=jax.ShapeDtypeStruct((gs.shape[0], kdim, n), jnp.bfloat16),
       grid=(offset + count,), grid_names=("sm",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=gg.resolve_interpret(INTERPRET))
+      interpret=gg.resolve_interpret(INTERPRET_RACES))
   got = kernel(gg.wgrad_bounds(gs, m), lhs, dout)
   assert_no_races()
   assert float(jnp.max(jnp.abs(ref.astype(jnp.float32)))) > 0
