@@ -72,4 +72,3 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip_gpu)
-

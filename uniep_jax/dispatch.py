@@ -82,12 +82,17 @@ def varying_axes(x: jax.Array) -> frozenset:
   return frozenset(getattr(aval, "vma", ()) or ())
 
 
+def widen_varying(x: jax.Array, axes) -> jax.Array:
+  """`x` typed as varying over `axes` too (`pcast` over those it does not vary over yet;
+  `x` itself where none are missing)."""
+  missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _zeros_varying_like(ref: jax.Array, shape) -> jax.Array:
   """Zeros of `shape` with the varying mesh axes of `ref` (a collective's output
   buffer must carry the operand's type inside a type-checked shard_map)."""
-  z = jnp.zeros(shape, ref.dtype)
-  vma = tuple(sorted(varying_axes(ref)))
-  return jax.lax.pcast(z, vma, to="varying") if vma else z
+  return widen_varying(jnp.zeros(shape, ref.dtype), varying_axes(ref))
 
 
 def _take_rows(rows: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from uniep_jax.dispatch import varying_axes
+from uniep_jax.dispatch import varying_axes, widen_varying
 from uniep_jax.params import place
 
 
@@ -188,8 +188,7 @@ def _ordered_allsum_fwd(x, axes):
 def _ordered_allsum_bwd(axes, x_type, ct):
   if not set(axes) <= varying_axes(x_type):   # an unchecked shard_map: ct is 1/R of it
     return (ordered_allsum(ct, axes),)
-  widen = tuple(sorted(varying_axes(x_type) - varying_axes(ct)))
-  return (jax.lax.pcast(ct, widen, to="varying") if widen else ct,)
+  return (widen_varying(ct, varying_axes(x_type)),)
 
 
 ordered_allsum.defvjp(_ordered_allsum_fwd, _ordered_allsum_bwd)

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from uniep_jax.dispatch import varying_axes
+from uniep_jax.dispatch import varying_axes, widen_varying
 
 MAX_LEVEL = 2
 
@@ -142,14 +142,6 @@ def router_logits_bf16x3(x: jax.Array, router: jax.Array) -> jax.Array:
   # the token axes, a replicated router over fewer): widen both to the union first, as
   # jnp.dot does, so that the custom VJP sees operands typed alike and the widening's
   # transpose (outside it) sums the router's cotangent as the plain product's would.
-  x, router = _widen_to_common_vma(x, router)
+  axes = varying_axes(x) | varying_axes(router)
+  x, router = widen_varying(x, axes), widen_varying(router, axes)
   return _logits(x, router, np.dtype(x.dtype), np.dtype(router.dtype))
-
-
-def _widen_to_common_vma(*arrays):
-  union = frozenset().union(*(varying_axes(a) for a in arrays))
-  out = []
-  for a in arrays:
-    missing = tuple(sorted(union - varying_axes(a)))
-    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-  return out
