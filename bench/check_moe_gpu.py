@@ -155,7 +155,7 @@ def main(argv=None):
     open(os.path.join(common.out_dir(args.out), "uniep_ok"), "w").write("ok\n")
   payload = dict(meta, benchmark="check_moe_gpu", checks=checks, passed=len(checks) - len(failed),
                  failed=len(failed))
-  kind = meta["device_kind"].replace(" ", "_")
+  kind = common.device_tag(meta)
   common.write_json(os.path.join(common.out_dir(args.out), f"check_moe_gpu_{kind}_x{n}.json"), payload)
   print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
   return 1 if failed else 0

@@ -146,6 +146,11 @@ def run_metadata() -> dict:
               date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
+def device_tag(meta: dict) -> str:
+  """The device kind of `run_metadata()` as a file-name part ("NVIDIA_H200")."""
+  return meta["device_kind"].replace(" ", "_")
+
+
 def out_dir(arg: str | None) -> str:
   d = arg or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   os.makedirs(d, exist_ok=True)

@@ -165,7 +165,7 @@ def main(argv=None):
                    mismatches=mismatches, skipped=skipped,
                    all_tilings_agree=len(set(reference.values())) == 1,
                    swept=sum("checksums" in r for r in points), partial=partial)
-    kind = meta["device_kind"].replace(" ", "_")
+    kind = common.device_tag(meta)
     common.write_json(os.path.join(common.out_dir(args.out),
                                    f"determinism_sweep_{kind}_ep{ep}"
                                    + (f"_from{args.start}" if args.start else "")

@@ -74,7 +74,7 @@ def main(argv=None):
              kernel=t_kernel, xla=t_xla, bytes=bytes_moved, hbm_floor_ms=floor_ms)
   print(row)
   out = common.out_dir(args.out)
-  name = f"fold_check_{meta.get('device_kind', 'cpu').replace(' ', '_')}.json"
+  name = f"fold_check_{common.device_tag(meta)}.json"
   common.write_json(os.path.join(out, name), dict(meta, benchmark="fold_check", rows=[row]))
 
 

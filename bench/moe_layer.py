@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import os
+import re
 import sys
 import time
 import traceback
@@ -348,7 +348,7 @@ def main(argv=None):
         and (r["shape"], r["routing"], r["direction"]) == (row["shape"], row["routing"], row["direction"]))
   payload = dict(meta, benchmark="moe_layer", dense_tflops=dense, results=results, skipped=skipped)
   out = common.out_dir(args.out)
-  kind = meta["device_kind"].replace(" ", "_")
+  kind = common.device_tag(meta)
   common.write_json(os.path.join(out, f"moe_layer_{kind}_ep{ep}.json"), payload)
   print_table(results)
   try:
@@ -360,7 +360,7 @@ def main(argv=None):
 
 def _checkpoint(args, meta, dense, results, skipped, ep):
   """Rewrites the partial JSON after every case, so a hang or a kill loses little."""
-  kind = meta["device_kind"].replace(" ", "_")
+  kind = common.device_tag(meta)
   path = os.path.join(common.out_dir(args.out), f"moe_layer_{kind}_ep{ep}.partial.json")
   with open(path, "w") as f:
     import json

@@ -60,7 +60,7 @@ def main():
             f"{row['fwdbwd']['median_ms']:.3f} ms  logits rel err {row['logits_rel_err']:.2e}",
             flush=True)
   meta = common.run_metadata()
-  name = f"router_ab_{meta.get('device_kind', 'cpu').replace(' ', '_')}.json"
+  name = f"router_ab_{common.device_tag(meta)}.json"
   common.write_json(os.path.join(common.out_dir(args.out), name),
                     dict(meta, benchmark="router_ab", rows=rows))
 

@@ -153,7 +153,7 @@ def main(argv=None):
       for k in differing:
         print(f"   {k}: max rel diff {g[k]['max_rel_diff']:.2e}", flush=True)
   out = common.out_dir(args.out)
-  kind = meta["device_kind"].replace(" ", "_")
+  kind = common.device_tag(meta)
   common.write_json(os.path.join(out, f"train_step_diff_{kind}_{args.tag}.json"), report)
   return 0
 

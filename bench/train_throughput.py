@@ -339,7 +339,7 @@ def main(argv=None):
                                xla_flags=os.environ.get("XLA_FLAGS", ""),
                                xla_deterministic=args.xla_deterministic))
   out = common.out_dir(args.out)
-  kind = meta["device_kind"].replace(" ", "_")
+  kind = common.device_tag(meta)
   tag = "_det" if args.det_only else ""
   common.write_json(os.path.join(out, f"train_throughput_{kind}_x{r}{tag}.json"), payload)
   print(f"{'model':22s} {'mesh':18s} {'backend':20s} {'step_ms':>9s} {'tok/s':>10s} "
