@@ -219,10 +219,11 @@ def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking, 
   assert np.isnan(out[live:]).all()
 
 
-@pytest.mark.parametrize("live,hidden,budget,blocking,scaled", [
-    (13, 512, 1 << 20, (256, 2), True),   # a whole row per column block, a partial last tile
-    (9, 512, 8192, (256, 1), False)])     # 2 column blocks (2 x 8 rows of 256 columns fit)
-def test_fold_live_rows_kernel(live, hidden, budget, blocking, scaled):
+@pytest.mark.parametrize("live,hidden,budget,blocking,scaled,slots_per_tile", [
+    (13, 512, 1 << 20, (256, 2), True, 8),   # a whole row per column block, a partial last tile
+    (9, 512, 8192, (256, 1), False, 4),      # 2 column blocks (2 x 7 rows of 256 columns fit)
+    (16, 256, 1 << 20, (256, 1), True, 2)])  # S < J: tiles that own no row (a long row spans them)
+def test_fold_live_rows_kernel(live, hidden, budget, blocking, scaled, slots_per_tile):
   """The fold kernel in the interpret mode, with the race detector: rows below `live`
   are `fold_rows_reference`'s bit for bit (every fold length 1..J, counts outside it
   clipped, repeated source rows), rows past it are never written."""
@@ -234,9 +235,9 @@ def test_fold_live_rows_kernel(live, hidden, budget, blocking, scaled):
   index = jnp.asarray(rng.integers(0, 30, (n, fold)), jnp.int32)
   count = jnp.asarray(np.arange(n) % (fold + 2), jnp.int32)   # 0 and J + 1: clipped
   scale = jnp.asarray(rng.standard_normal((n, fold)), jnp.float32) if scaled else None
-  assert rg.column_blocking(hidden, 2, 2 * fold, budget) == blocking
+  assert rg.column_blocking(hidden, 2, slots_per_tile + fold - 1, budget) == blocking
   out = rg.fold_live_rows(src, index, count, jnp.int32(live), out_rows=20, scale=scale,
-                          num_ctas=3, stage_budget_bytes=budget,
+                          slots_per_tile=slots_per_tile, num_ctas=3, stage_budget_bytes=budget,
                           interpret=plgpu.InterpretGPUParams(detect_races=True))
   out = np.asarray(out.astype(jnp.float32))
   want = np.asarray(jax.jit(rg.fold_rows_reference)(src, index, count, scale)
@@ -250,13 +251,26 @@ def test_fold_live_rows_kernel(live, hidden, budget, blocking, scaled):
   assert np.isnan(out[live:]).all()
   with pytest.raises(ValueError, match="count must be"):
     rg.fold_live_rows(src, index, count[:3], live, out_rows=20)
+  with pytest.raises(ValueError, match="slots_per_tile=3"):
+    rg.fold_live_rows(src, index, count, live, out_rows=20, slots_per_tile=3)
+
+
+def test_fold_tiles():
+  """The fold's position tables: offsets are the clipped counts' exclusive cumsum up to
+  `live`; tile t owns the rows whose first term is in [t*S, (t+1)*S)."""
+  import pallas_kernels.row_gather as rg
+  count = jnp.asarray([3, 0, 5, 1, 2, 2], jnp.int32)     # clipped to [1, 4]: 3 1 4 1 2 2
+  offsets, first_row = rg.fold_tiles(count, jnp.int32(5), fold=4, slots_per_tile=4)
+  np.testing.assert_array_equal(offsets, [0, 3, 4, 8, 9, 11, 11])   # row 5 past live
+  # tile starts 0 4 8 12 16 20 24: rows starting at >= them (capped at live = 5)
+  np.testing.assert_array_equal(first_row, [0, 2, 3, 5, 5, 5, 5])
 
 
 @pytest.mark.parametrize("scaled", [True, False])
 def test_fold_live_rows_lowers_for_cuda(scaled):
-  """The fold kernel (its J loads per row on one barrier, the float32 fold over a
-  device-valued count in registers) lowers to one Mosaic GPU custom call for CUDA on this
-  CPU-only machine; bf16 rows of H 2048 at J 8, the owner-side fold's qwen3-like shape."""
+  """The fold kernel (up to S + J - 1 loads per tile on one barrier, the float32 fold over
+  device-valued row and term counts in registers) lowers to one Mosaic GPU custom call for
+  CUDA on this CPU-only machine; bf16 rows of H 2048 at J 8, the owner-side fold's qwen3-like shape."""
   from pallas_kernels import device as device_lib
   import pallas_kernels.row_gather as rg
   sds = jax.ShapeDtypeStruct
