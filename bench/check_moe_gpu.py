@@ -62,6 +62,9 @@ def main(argv=None):
   ap.add_argument("--backends", default="xla_dropless,xla_capacity,pallas,uniep,uniep_dd")
   ap.add_argument("--quick", action="store_true",
                   help="float32 on the (1, n) mesh only; bfloat16 on (1, n) and (2, n/2)")
+  ap.add_argument("--meshes", default=None,
+                  help="only these meshes, a comma list of DATAxEP (e.g. 1x4)")
+  ap.add_argument("--dtypes", default="float32,bfloat16")
   args = ap.parse_args(argv)
   meta = common.run_metadata()
   print(meta, flush=True)
@@ -69,15 +72,31 @@ def main(argv=None):
   meshes = [(n // ep, ep) for ep in (1, 2, 4, 8) if ep <= n and n % ep == 0]
   if args.quick:
     meshes = [m for m in meshes if m[1] in (n, n // 2) and m[1] > 1] or meshes
+  if args.meshes:
+    meshes = [tuple(int(v) for v in m.split("x")) for m in args.meshes.split(",")]
+    for data, ep in meshes:
+      if data * ep != n:
+        raise ValueError(f"--meshes: {data}x{ep} does not cover the {n} devices")
   e, h, f, tokens, top_k = 16, 256, 192, 512, 4
   checks = []
+
+  kind = common.device_tag(meta)
+  out_path = os.path.join(common.out_dir(args.out), f"check_moe_gpu_{kind}_x{n}.json")
+
+  def write(complete: bool):
+    failed = [c for c in checks if not c["ok"]]
+    common.write_json(out_path, dict(meta, benchmark="check_moe_gpu", checks=checks,
+                                     passed=len(checks) - len(failed), failed=len(failed),
+                                     complete=complete, command=" ".join(sys.argv)))
+    return failed
 
   def record(name, ok, **info):
     checks.append(dict(name=name, ok=bool(ok), **info))
     print(("PASS " if ok else "FAIL ") + name + " " + str(info), flush=True)
+    write(complete=False)   # a run cut short by its time limit still leaves its checks
 
   key = jax.random.key(0)
-  for dtype in (jnp.float32, jnp.bfloat16):
+  for dtype in (jnp.dtype(d).type for d in args.dtypes.split(",")):
     p = _params(key, e, h, f, dtype)
     x = jax.random.normal(jax.random.key(1), (tokens, h)).astype(dtype)
     ref_f, ref_g = _fns(None, top_k, uniep_jax.UniEPConfig(backend="dense_reference"))
@@ -149,14 +168,10 @@ def main(argv=None):
       traceback.print_exc(limit=3)
       record("pallas_vs_xla_dropless", False, error=repr(ex)[:400])
 
-  failed = [c for c in checks if not c["ok"]]
+  failed = write(complete=True)
   uniep_checks = [c for c in checks if "uniep" in c["name"]]
   if uniep_checks and all(c["ok"] for c in uniep_checks):
     open(os.path.join(common.out_dir(args.out), "uniep_ok"), "w").write("ok\n")
-  payload = dict(meta, benchmark="check_moe_gpu", checks=checks, passed=len(checks) - len(failed),
-                 failed=len(failed))
-  kind = common.device_tag(meta)
-  common.write_json(os.path.join(common.out_dir(args.out), f"check_moe_gpu_{kind}_x{n}.json"), payload)
   print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
   return 1 if failed else 0
 

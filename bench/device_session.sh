@@ -10,7 +10,8 @@
 #            "uniep" unless FORCE_UNIEP=0),
 #            $ROUTINGS, $DIRECTIONS override)
 #   check    correctness and determinism of every backend on small shapes, all EP meshes
-#            (bench/check_moe_gpu.py --quick; $CHECK_BACKENDS a comma list, default all)
+#            (bench/check_moe_gpu.py --quick; $CHECK_BACKENDS a comma list, default all;
+#            $CHECK_MESHES e.g. 1x4 (DATAxEP list); $CHECK_DTYPES e.g. bfloat16)
 #   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py;
 #            $SWEEP_START skips that many points of its order, covered by an earlier run;
 #            $SWEEP_TILINGS=1: every point at the default tiling only)
@@ -81,7 +82,8 @@ run_phase() {  # name seconds
                bash bench/gpu_suite.sh "${SHAPES:-mixtral-like,deepseek-like,qwen3-like,small-experts}" \
                "${ROUTINGS:-balanced}" "${DIRECTIONS:-fwdbwd}" 0 > "$dir/log" 2>&1 ;;
     check)   timeout "$secs" python3 -m bench.check_moe_gpu --quick --out "$dir" \
-               ${CHECK_BACKENDS:+--backends "$CHECK_BACKENDS"} > "$dir/log" 2>&1 ;;
+               ${CHECK_BACKENDS:+--backends "$CHECK_BACKENDS"} ${CHECK_MESHES:+--meshes "$CHECK_MESHES"} \
+               ${CHECK_DTYPES:+--dtypes "$CHECK_DTYPES"} > "$dir/log" 2>&1 ;;
     sweep)   XLA_FLAGS="$DET" timeout "$secs" python3 -m bench.determinism_sweep --budget-s $((secs - 50)) \
                --start "${SWEEP_START:-0}" ${SWEEP_TILINGS:+--tilings "$SWEEP_TILINGS"} \
                --out "$dir" > "$dir/log" 2>&1 ;;
