@@ -76,6 +76,16 @@ def main(argv=None):
                                                     out_rows=args.slots))
   gather(src, perm)
   t_gather = common.time_ms(gather, src, perm)
+  # the weighted copy (the backward's w * dy rows) of as many rows: its in-place multiply
+  # should hide under the next tile's loads (NOTES_row_gather.md v2, v5)
+  weights = jnp.linspace(0.5, 1.5, args.slots, dtype=jnp.float32)
+  scaled = jax.jit(lambda s, i, w: rg.gather_live_rows(s, i, jnp.int32(args.slots),
+                                                       out_rows=args.slots, scale=w))
+  t_scaled = common.time_ms(scaled, src, perm, weights)
+  scaled_ok = bool(common.same_bits(
+      scaled(src, perm, weights),
+      jax.jit(lambda s, i, w: (s[i].astype(jnp.float32) * w[:, None]).astype(s.dtype))(
+          src, perm, weights)))
   rows, first = [], None
   for tile in (int(t) for t in args.tiles.split(",")):
     kernel = jax.jit(lambda s, i, c, w, tile=tile: rg.fold_live_rows(
@@ -89,7 +99,8 @@ def main(argv=None):
                max_abs_diff=float(jnp.max(jnp.abs(got.astype(jnp.float32)
                                                   - want.astype(jnp.float32)))),
                kernel=common.time_ms(kernel, src, index, count, scale), xla=t_xla,
-               gather_same_slots=t_gather, bytes=bytes_moved, hbm_floor_ms=floor_ms)
+               gather_same_slots=t_gather, scaled_gather_same_slots=t_scaled,
+               scaled_gather_bitwise_equal_xla=scaled_ok, bytes=bytes_moved, hbm_floor_ms=floor_ms)
     print(row)
     rows.append(row)
   out = common.out_dir(args.out)

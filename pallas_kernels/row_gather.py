@@ -33,12 +33,15 @@ column block minor, and dealt round robin: CTA c takes tiles c, c + num_ctas, ..
 Buffers
 -------
 SMEM: 2 stages of [G, nb, ct] in the src dtype, no swizzle (a store may start at
-any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB.
+any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB. scale: 2 stages of [G] float32,
+the tile's weights (one TMA box of the weights padded to whole tiles; read as SMEM
+scalars: scalar GMEM loads inside the row loop cost ~1.6x the copy, NOTES v5).
 
 Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
 ------------------------
-  load_barrier[s] (num_arrivals = G): the G row loads of one tile into stage s each
-      arrive once with their bytes; the CTA waits on it before storing the tile.
+  load_barrier[s] (num_arrivals = G, + 1 with scale): the G row loads of one tile
+      into stage s (and the load of its G weights) each arrive once with their bytes;
+      the CTA waits on it before storing the tile.
       Every load group is waited exactly once (phases alternate per stage).
   scale: the warpgroup rewrites stage s in place after its loads landed (the
       barrier wait) and `commit_smem()` (proxy fence + warpgroup barrier) before the
@@ -78,8 +81,11 @@ gather; tiles numbered position tile major, column block minor, dealt round robi
         --TMA store ladder of the owned rows--> GMEM out rows first_row[t] ..
 Writing row r over position r is safe: r <= the row's first position (each earlier row
 has at least one term), so only terms already folded are overwritten.
-SMEM: 2 stages of [S + J - 1, nb, ct]. Barrier: num_arrivals = S + J - 1 per stage; each
-unused position arrives without a load (`barrier_arrive`).
+SMEM: 2 stages of [S + J - 1, nb, ct]; per stage the owned rows' offsets [S + 1] and the
+terms' weights [S + J - 1] (float32), each one TMA box from a padded table, so that the
+fold's loops read SMEM scalars, not GMEM ones (NOTES_row_gather.md v4's look-back).
+Barrier: num_arrivals = S + J - 1 (+ 1 offsets, + 1 weights) per stage; each unused
+position arrives without a load (`barrier_arrive`).
 Synchronisation: the gather's (`load_barrier` per stage, `two_stage_copy_loop`'s stage
 reuse, `commit_smem()` after the in-place rewrite, `wait_smem_to_gmem(0)` at the end).
 No atomics; each output row is one CTA's fold in a fixed order.
@@ -139,8 +145,10 @@ def _tile_walk(table_gmem, rows_per_tile: int, n_blocks: int, nb: int, num_ctas:
 
 def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
                  num_ctas: int, scaled: bool):
-  scale_gmem, (out_gmem, stage_smem, load_barrier) = (
-      (refs[0], refs[1:]) if scaled else (None, refs))
+  if scaled:
+    scale_gmem, out_gmem, stage_smem, scale_smem, load_barrier = refs
+  else:
+    out_gmem, stage_smem, load_barrier = refs
   g, nb = rows_per_tile, stage_smem.shape[2]            # index[p] at table_gmem[1 + p]
   live, steps, tile_of = _tile_walk(table_gmem, g, n_blocks, nb, num_ctas)
 
@@ -150,12 +158,15 @@ def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
       row = table_gmem[1 + jnp.minimum(p0 + i, live - 1)]
       plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(b0, nb)],
                               stage_smem.at[stage, pl.ds(i, 1)], load_barrier.at[stage])
+    if scaled:   # the tile's G weights, one TMA on the same barrier (scale is padded)
+      plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(p0, g)], scale_smem.at[stage],
+                              load_barrier.at[stage])
 
   def store(s, stage):
     p0, b0 = tile_of(s)
     if scaled:
       for i in range(g):
-        w = scale_gmem[jnp.minimum(p0 + i, live - 1)]
+        w = scale_smem[stage, i]
         row = stage_smem[stage, i]
         stage_smem[stage, i] = (row.astype(jnp.float32) * w).astype(row.dtype)
       plgpu.commit_smem()
@@ -168,8 +179,10 @@ def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
 
 def _fold_body(meta_gmem, first_row_gmem, offsets_gmem, slot_src_gmem, src_gmem, *refs,
                slots_per_tile: int, n_blocks: int, num_ctas: int, scaled: bool):
-  scale_gmem, (out_gmem, stage_smem, load_barrier) = (
-      (refs[0], refs[1:]) if scaled else (None, refs))
+  if scaled:
+    scale_gmem, out_gmem, stage_smem, offsets_smem, scale_smem, load_barrier = refs
+  else:
+    out_gmem, stage_smem, offsets_smem, load_barrier = refs
   tile_slots, q_max = slots_per_tile, stage_smem.shape[1]    # stage [2, S + J - 1, nb, ct]
   nb = stage_smem.shape[2]
   c = lax.axis_index("cta")
@@ -194,17 +207,23 @@ def _fold_body(meta_gmem, first_row_gmem, offsets_gmem, slot_src_gmem, src_gmem,
                                 stage_smem.at[stage, pl.ds(q, 1)], load_barrier.at[stage])
       # position q unused: a plain arrival keeps the barrier's count at S + J - 1
       plgpu.barrier_arrive(load_barrier.at[stage], predicate=q >= length)
+    # the owned rows' offsets and the terms' weights, one TMA box each (padded tables)
+    plgpu.copy_gmem_to_smem(offsets_gmem.at[pl.ds(n0, offsets_smem.shape[1])],
+                            offsets_smem.at[stage], load_barrier.at[stage])
+    if scaled:
+      plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(p0, scale_smem.shape[1])],
+                              scale_smem.at[stage], load_barrier.at[stage])
 
   def store(s, stage):
     n0, n1, p0, b0 = tile_of(s)
 
     def term(q):
       t = stage_smem[stage, q].astype(jnp.float32)
-      return t * scale_gmem[p0 + q] if scaled else t
+      return t * scale_smem[stage, q] if scaled else t
 
     def fold_row(r, carry):
-      first = offsets_gmem[n0 + r] - p0
-      end = offsets_gmem[n0 + r + 1] - p0
+      first = offsets_smem[stage, r] - p0
+      end = offsets_smem[stage, r + 1] - p0
       acc = lax.fori_loop(first + 1, end, lambda q, a: a + term(q), term(first))
       stage_smem[stage, r] = acc.astype(stage_smem.dtype)
       return carry
@@ -274,25 +293,38 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
                        n * fold).reshape(-1)
   slot_src = jnp.zeros((n * fold,), jnp.int32).at[position].set(
       index.astype(jnp.int32).reshape(-1), mode="drop", unique_indices=True)
+  # a tile reads offsets[n0 : n0 + S + 1] and weights[p0 : p0 + S + J - 1] as one TMA box
+  # each (whole 16-byte units): the tables padded so that no box runs past them
+  offsets_box, scale_box = _round_up(slots_per_tile + 1, 4), _round_up(
+      stage_rows, 4)
+  offsets_table = jnp.pad(offsets, (0, offsets_box))
   if interpret is None:
     interpret = device_lib.default_interpret()
+  scaled = scale is not None
   body = functools.partial(_fold_body, slots_per_tile=slots_per_tile, n_blocks=boxes // nb,
-                           num_ctas=num_ctas, scaled=scale is not None)
+                           num_ctas=num_ctas, scaled=scaled)
   kernel = plgpu.kernel(
       body,
-      kernel_name="fold_live_rows" + ("_scaled" if scale is not None else ""),
+      kernel_name="fold_live_rows" + ("_scaled" if scaled else ""),
       out_type=jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype),
       scratch_types=[plgpu.SMEM((2, stage_rows, nb, ct), src.dtype),
-                     plgpu.Barrier(num_arrivals=stage_rows, num_barriers=2)],
+                     plgpu.SMEM((2, offsets_box), jnp.int32)]
+                    + ([plgpu.SMEM((2, scale_box), jnp.float32)] if scaled else [])
+                    + [plgpu.Barrier(num_arrivals=stage_rows + 1 + scaled, num_barriers=2)],
       grid=(num_ctas,),
       grid_names=("cta",),
       interpret=interpret,
   )
-  operands = (offsets[n:n + 1], first_row, offsets, slot_src, src.reshape(ns, boxes, ct))
-  if scale is not None:
-    operands += (jnp.zeros((n * fold,), jnp.float32).at[position].set(
+  operands = (offsets[n:n + 1], first_row, offsets_table, slot_src,
+              src.reshape(ns, boxes, ct))
+  if scaled:
+    operands += (jnp.zeros((n * fold + scale_box,), jnp.float32).at[position].set(
         scale.reshape(-1), mode="drop", unique_indices=True),)
   return kernel(*operands).reshape(out_rows, hidden)
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
 
 
 def fold_rows_reference(src, index, count, scale=None):
@@ -323,6 +355,9 @@ def gather_live_rows(src, index, live, *, out_rows: int, scale=None,
     raise ValueError(f"index must be [N] with N <= out_rows={out_rows}, got shape {index.shape}")
   if scale is not None and (scale.shape != (n,) or scale.dtype != jnp.float32):
     raise ValueError(f"scale must be float32 [{n}] like index, got {scale.dtype} {scale.shape}")
+  if scale is not None and rows_per_tile < 4:
+    raise ValueError(f"rows_per_tile={rows_per_tile} must be >= 4 with scale (a tile's "
+                     f"weights are one TMA box of >= 16 bytes)")
   if rows_per_tile < 1 or rows_per_tile > 256 or rows_per_tile & (rows_per_tile - 1):
     raise ValueError(f"rows_per_tile={rows_per_tile} must be a power of two in [1, 256] "
                      f"(the store ladder's largest box)")
@@ -337,15 +372,19 @@ def gather_live_rows(src, index, live, *, out_rows: int, scale=None,
     interpret = device_lib.default_interpret()
   body = functools.partial(_gather_body, rows_per_tile=rows_per_tile, n_blocks=boxes // nb,
                            num_ctas=num_ctas, scaled=scale is not None)
+  scaled = scale is not None
   kernel = plgpu.kernel(
       body,
-      kernel_name="gather_live_rows" + ("_scaled" if scale is not None else ""),
+      kernel_name="gather_live_rows" + ("_scaled" if scaled else ""),
       out_type=jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype),
-      scratch_types=[plgpu.SMEM((2, rows_per_tile, nb, ct), src.dtype),
-                     plgpu.Barrier(num_arrivals=rows_per_tile, num_barriers=2)],
+      scratch_types=[plgpu.SMEM((2, rows_per_tile, nb, ct), src.dtype)]
+                    + ([plgpu.SMEM((2, rows_per_tile), jnp.float32)] if scaled else [])
+                    + [plgpu.Barrier(num_arrivals=rows_per_tile + scaled, num_barriers=2)],
       grid=(num_ctas,),
       grid_names=("cta",),
       interpret=interpret,
   )
-  operands = (table, src.reshape(ns, boxes, ct)) + (() if scale is None else (scale,))
+  # the weights padded to whole tiles: each tile's G weights are one TMA box
+  operands = (table, src.reshape(ns, boxes, ct)) + (() if not scaled else (
+      jnp.pad(scale, (0, pl.cdiv(n, rows_per_tile) * rows_per_tile - n)),))
   return kernel(*operands).reshape(out_rows, hidden)
