@@ -33,8 +33,8 @@ column block minor, and dealt round robin: CTA c takes tiles c, c + num_ctas, ..
 Buffers
 -------
 SMEM: 2 stages of [G, nb, ct] in the src dtype, no swizzle (a store may start at
-any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB. scale: 2 stages of [G] float32,
-the tile's weights (one TMA box of the weights padded to whole tiles; read as SMEM
+any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB. scale: 2 stages of [32] float32,
+the tile's weights (one TMA box of the padded weights, 128-byte rows; read as SMEM
 scalars: scalar GMEM loads inside the row loop cost ~1.6x the copy, NOTES v5).
 
 Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
@@ -159,8 +159,8 @@ def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
       plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(b0, nb)],
                               stage_smem.at[stage, pl.ds(i, 1)], load_barrier.at[stage])
     if scaled:   # the tile's G weights, one TMA on the same barrier (scale is padded)
-      plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(p0, g)], scale_smem.at[stage],
-                              load_barrier.at[stage])
+      plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(p0, scale_smem.shape[1])],
+                              scale_smem.at[stage], load_barrier.at[stage])
 
   def store(s, stage):
     p0, b0 = tile_of(s)
@@ -294,9 +294,8 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
   slot_src = jnp.zeros((n * fold,), jnp.int32).at[position].set(
       index.astype(jnp.int32).reshape(-1), mode="drop", unique_indices=True)
   # a tile reads offsets[n0 : n0 + S + 1] and weights[p0 : p0 + S + J - 1] as one TMA box
-  # each (whole 16-byte units): the tables padded so that no box runs past them
-  offsets_box, scale_box = _round_up(slots_per_tile + 1, 4), _round_up(
-      stage_rows, 4)
+  # each (`_metadata_box` entries): the tables padded so that no box runs past them
+  offsets_box, scale_box = _metadata_box(slots_per_tile + 1), _metadata_box(stage_rows)
   offsets_table = jnp.pad(offsets, (0, offsets_box))
   if interpret is None:
     interpret = device_lib.default_interpret()
@@ -323,8 +322,11 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
   return kernel(*operands).reshape(out_rows, hidden)
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+def _metadata_box(entries: int) -> int:
+  """4-byte entries per TMA box of per-tile metadata (offsets, weights): a multiple of 32,
+  so that each stage's row of the SMEM buffer starts 128-byte aligned (a TMA destination
+  must; a [2, 16] float32 buffer's second row at byte 64 faulted on an H100)."""
+  return -(-entries // 32) * 32
 
 
 def fold_rows_reference(src, index, count, scale=None):
@@ -355,9 +357,6 @@ def gather_live_rows(src, index, live, *, out_rows: int, scale=None,
     raise ValueError(f"index must be [N] with N <= out_rows={out_rows}, got shape {index.shape}")
   if scale is not None and (scale.shape != (n,) or scale.dtype != jnp.float32):
     raise ValueError(f"scale must be float32 [{n}] like index, got {scale.dtype} {scale.shape}")
-  if scale is not None and rows_per_tile < 4:
-    raise ValueError(f"rows_per_tile={rows_per_tile} must be >= 4 with scale (a tile's "
-                     f"weights are one TMA box of >= 16 bytes)")
   if rows_per_tile < 1 or rows_per_tile > 256 or rows_per_tile & (rows_per_tile - 1):
     raise ValueError(f"rows_per_tile={rows_per_tile} must be a power of two in [1, 256] "
                      f"(the store ladder's largest box)")
@@ -378,13 +377,14 @@ def gather_live_rows(src, index, live, *, out_rows: int, scale=None,
       kernel_name="gather_live_rows" + ("_scaled" if scaled else ""),
       out_type=jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype),
       scratch_types=[plgpu.SMEM((2, rows_per_tile, nb, ct), src.dtype)]
-                    + ([plgpu.SMEM((2, rows_per_tile), jnp.float32)] if scaled else [])
+                    + ([plgpu.SMEM((2, _metadata_box(rows_per_tile)), jnp.float32)]
+                       if scaled else [])
                     + [plgpu.Barrier(num_arrivals=rows_per_tile + scaled, num_barriers=2)],
       grid=(num_ctas,),
       grid_names=("cta",),
       interpret=interpret,
   )
-  # the weights padded to whole tiles: each tile's G weights are one TMA box
+  # the weights padded so that each tile's box of weights lies inside them
   operands = (table, src.reshape(ns, boxes, ct)) + (() if not scaled else (
-      jnp.pad(scale, (0, pl.cdiv(n, rows_per_tile) * rows_per_tile - n)),))
+      jnp.pad(scale, (0, _metadata_box(rows_per_tile))),))
   return kernel(*operands).reshape(out_rows, hidden)
