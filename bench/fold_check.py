@@ -57,9 +57,12 @@ def main(argv=None):
   ap.add_argument("--fold", type=int, default=8)
   ap.add_argument("--tiles", default="8,16,32,64",
                   help="slots_per_tile values (comma list), each timed")
+  ap.add_argument("--unscaled", action="store_true", help="the fold without weights")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   src, index, count, scale = make_inputs(args.slots, args.hidden, args.fold)
+  if args.unscaled:
+    scale = None
   n = int(count.shape[0])
   live = jnp.int32(n)
   xla = jax.jit(rg.fold_rows_reference)
@@ -86,14 +89,16 @@ def main(argv=None):
       scaled(src, perm, weights),
       jax.jit(lambda s, i, w: (s[i].astype(jnp.float32) * w[:, None]).astype(s.dtype))(
           src, perm, weights)))
+  print(dict(gather=t_gather, scaled_gather=t_scaled, scaled_gather_bitwise_equal_xla=scaled_ok),
+        flush=True)
   rows, first = [], None
-  for tile in (int(t) for t in args.tiles.split(",")):
+  for tile in (int(t) for t in args.tiles.split(",") if t):
     kernel = jax.jit(lambda s, i, c, w, tile=tile: rg.fold_live_rows(
         s, i, c, live, out_rows=n, scale=w, slots_per_tile=tile))
     got = kernel(src, index, count, scale)
     first = got if first is None else first
     row = dict(slots=args.slots, unique_rows=n, hidden=args.hidden, fold=args.fold,
-               slots_per_tile=tile, mean_fold=args.slots / n,
+               slots_per_tile=tile, mean_fold=args.slots / n, scaled=scale is not None,
                bitwise_equal_xla=bool(common.same_bits(got, want)),
                bitwise_equal_first_tiling=bool(common.same_bits(got, first)),
                max_abs_diff=float(jnp.max(jnp.abs(got.astype(jnp.float32)
@@ -105,7 +110,9 @@ def main(argv=None):
     rows.append(row)
   out = common.out_dir(args.out)
   name = f"fold_check_{common.device_tag(meta)}.json"
-  common.write_json(os.path.join(out, name), dict(meta, benchmark="fold_check", rows=rows))
+  common.write_json(os.path.join(out, name), dict(
+      meta, benchmark="fold_check", rows=rows, slots=args.slots, hidden=args.hidden,
+      gather=t_gather, scaled_gather=t_scaled, scaled_gather_bitwise_equal_xla=scaled_ok))
 
 
 if __name__ == "__main__":
