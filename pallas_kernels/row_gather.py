@@ -35,7 +35,8 @@ Buffers
 SMEM: 2 stages of [G, nb, ct] in the src dtype, no swizzle (a store may start at
 any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB. scale: 2 stages of [32] float32,
 the tile's weights (one TMA box of the padded weights, 128-byte rows; read as SMEM
-scalars: scalar GMEM loads inside the row loop cost ~1.6x the copy, NOTES v5).
+scalars: with scalar GMEM loads in the row loop it took 1.58x the plain copy's time in
+the layer, with this 1.01x alone; NOTES_row_gather.md v5).
 
 Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
 ------------------------
@@ -81,11 +82,10 @@ gather; tiles numbered position tile major, column block minor, dealt round robi
         --TMA store ladder of the owned rows--> GMEM out rows first_row[t] ..
 Writing row r over position r is safe: r <= the row's first position (each earlier row
 has at least one term), so only terms already folded are overwritten.
-SMEM: 2 stages of [S + J - 1, nb, ct]; per stage the owned rows' offsets [S + 1] and the
-terms' weights [S + J - 1] (float32), each one TMA box from a padded table, so that the
-fold's loops read SMEM scalars, not GMEM ones (NOTES_row_gather.md v4's look-back).
-Barrier: num_arrivals = S + J - 1 (+ 1 offsets, + 1 weights) per stage; each unused
-position arrives without a load (`barrier_arrive`).
+SMEM: 2 stages of [S + J - 1, nb, ct]. Barrier: num_arrivals = S + J - 1 per stage; each
+unused position arrives without a load (`barrier_arrive`). (The offsets and weights read
+as SMEM scalars, as the weighted copy reads its weights, faulted on an H100 with an
+illegal instruction: NOTES_row_gather.md v5; the fold reads them from GMEM.)
 Synchronisation: the gather's (`load_barrier` per stage, `two_stage_copy_loop`'s stage
 reuse, `commit_smem()` after the in-place rewrite, `wait_smem_to_gmem(0)` at the end).
 No atomics; each output row is one CTA's fold in a fixed order.
@@ -179,10 +179,8 @@ def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
 
 def _fold_body(meta_gmem, first_row_gmem, offsets_gmem, slot_src_gmem, src_gmem, *refs,
                slots_per_tile: int, n_blocks: int, num_ctas: int, scaled: bool):
-  if scaled:
-    scale_gmem, out_gmem, stage_smem, offsets_smem, scale_smem, load_barrier = refs
-  else:
-    out_gmem, stage_smem, offsets_smem, load_barrier = refs
+  scale_gmem, (out_gmem, stage_smem, load_barrier) = (
+      (refs[0], refs[1:]) if scaled else (None, refs))
   tile_slots, q_max = slots_per_tile, stage_smem.shape[1]    # stage [2, S + J - 1, nb, ct]
   nb = stage_smem.shape[2]
   c = lax.axis_index("cta")
@@ -207,23 +205,17 @@ def _fold_body(meta_gmem, first_row_gmem, offsets_gmem, slot_src_gmem, src_gmem,
                                 stage_smem.at[stage, pl.ds(q, 1)], load_barrier.at[stage])
       # position q unused: a plain arrival keeps the barrier's count at S + J - 1
       plgpu.barrier_arrive(load_barrier.at[stage], predicate=q >= length)
-    # the owned rows' offsets and the terms' weights, one TMA box each (padded tables)
-    plgpu.copy_gmem_to_smem(offsets_gmem.at[pl.ds(n0, offsets_smem.shape[1])],
-                            offsets_smem.at[stage], load_barrier.at[stage])
-    if scaled:
-      plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(p0, scale_smem.shape[1])],
-                              scale_smem.at[stage], load_barrier.at[stage])
 
   def store(s, stage):
     n0, n1, p0, b0 = tile_of(s)
 
     def term(q):
       t = stage_smem[stage, q].astype(jnp.float32)
-      return t * scale_smem[stage, q] if scaled else t
+      return t * scale_gmem[p0 + q] if scaled else t
 
     def fold_row(r, carry):
-      first = offsets_smem[stage, r] - p0
-      end = offsets_smem[stage, r + 1] - p0
+      first = offsets_gmem[n0 + r] - p0
+      end = offsets_gmem[n0 + r + 1] - p0
       acc = lax.fori_loop(first + 1, end, lambda q, a: a + term(q), term(first))
       stage_smem[stage, r] = acc.astype(stage_smem.dtype)
       return carry
@@ -293,37 +285,29 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
                        n * fold).reshape(-1)
   slot_src = jnp.zeros((n * fold,), jnp.int32).at[position].set(
       index.astype(jnp.int32).reshape(-1), mode="drop", unique_indices=True)
-  # a tile reads offsets[n0 : n0 + S + 1] and weights[p0 : p0 + S + J - 1] as one TMA box
-  # each (`_metadata_box` entries): the tables padded so that no box runs past them
-  offsets_box, scale_box = _metadata_box(slots_per_tile + 1), _metadata_box(stage_rows)
-  offsets_table = jnp.pad(offsets, (0, offsets_box))
   if interpret is None:
     interpret = device_lib.default_interpret()
-  scaled = scale is not None
   body = functools.partial(_fold_body, slots_per_tile=slots_per_tile, n_blocks=boxes // nb,
-                           num_ctas=num_ctas, scaled=scaled)
+                           num_ctas=num_ctas, scaled=scale is not None)
   kernel = plgpu.kernel(
       body,
-      kernel_name="fold_live_rows" + ("_scaled" if scaled else ""),
+      kernel_name="fold_live_rows" + ("_scaled" if scale is not None else ""),
       out_type=jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype),
       scratch_types=[plgpu.SMEM((2, stage_rows, nb, ct), src.dtype),
-                     plgpu.SMEM((2, offsets_box), jnp.int32)]
-                    + ([plgpu.SMEM((2, scale_box), jnp.float32)] if scaled else [])
-                    + [plgpu.Barrier(num_arrivals=stage_rows + 1 + scaled, num_barriers=2)],
+                     plgpu.Barrier(num_arrivals=stage_rows, num_barriers=2)],
       grid=(num_ctas,),
       grid_names=("cta",),
       interpret=interpret,
   )
-  operands = (offsets[n:n + 1], first_row, offsets_table, slot_src,
-              src.reshape(ns, boxes, ct))
-  if scaled:
-    operands += (jnp.zeros((n * fold + scale_box,), jnp.float32).at[position].set(
+  operands = (offsets[n:n + 1], first_row, offsets, slot_src, src.reshape(ns, boxes, ct))
+  if scale is not None:
+    operands += (jnp.zeros((n * fold,), jnp.float32).at[position].set(
         scale.reshape(-1), mode="drop", unique_indices=True),)
   return kernel(*operands).reshape(out_rows, hidden)
 
 
 def _metadata_box(entries: int) -> int:
-  """4-byte entries per TMA box of per-tile metadata (offsets, weights): a multiple of 32,
+  """4-byte entries per TMA box of per-tile metadata (the weighted copy's weights): a multiple of 32,
   so that each stage's row of the SMEM buffer starts 128-byte aligned (a TMA destination
   must; a [2, 16] float32 buffer's second row at byte 64 faulted on an H100)."""
   return -(-entries // 32) * 32
