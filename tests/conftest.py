@@ -5,6 +5,17 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# XLA:CPU's LLVM backend at -O0 without its expensive passes: the suite compiles hundreds of
+# small programs and runs each a few times, so compile time dominates (2-core machine,
+# 2026-11-28: test_cli_end_to_end + test_expert_parallel_matches_expert_1 64.0 -> 57.3
+# user-s, a fused plumbing test 70.3 -> 57.9). Codegen only: the HLO, and so every
+# reduction's order, is the same; every bitwise comparison in the suite is between
+# programs compiled with the same flags (subprocesses inherit them: `subprocess_env`).
+COMPILE_SPEED_FLAGS = ("--xla_backend_optimization_level=0",
+                       "--xla_llvm_disable_expensive_passes=true")
+for _flag in COMPILE_SPEED_FLAGS:
+  if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # numpy's OpenBLAS on one thread (read when numpy loads, so before it is imported). The
 # Mosaic GPU interpreter runs every wgmma as a small np.matmul ([128, 64] @ [64, 128]);
@@ -19,6 +30,16 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+def subprocess_env(**extra) -> dict:
+  """This process's environment for a subprocess that sizes its own virtual device pool
+  (the training CLI, the bench scripts): XLA_FLAGS without the device count, the other
+  flags (`COMPILE_SPEED_FLAGS`) kept."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
+  return {**env, **extra}
 
 
 class _NumpyWithRowInvariantMatmul:

@@ -31,6 +31,8 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BITWISE = ("y", "grad_x", "grad_w_gate_up", "grad_w_down", "aux_expert_counts", "aux_dropped",
            "grad_router", "aux_load_balance_loss", "aux_router_z_loss")
@@ -38,9 +40,7 @@ REDUCED = ("loss",)
 
 
 def _env():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the scripts size their pools
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+  return subprocess_env(JAX_PLATFORMS="cpu")   # the scripts size their pools
 
 
 def _run(*args, timeout=240, env=None):

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
+
 from train import loop
 from train.config import DEFAULT_GRAD_BUCKETS, TrainConfig, parse_args
 from train.data import make_dataset
@@ -187,8 +189,7 @@ def test_parse_args_errors(capsys):
 
 
 def _cli(*args, timeout=240):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sizes the pool itself
-  return subprocess.run([sys.executable, "-m", "train", *args], cwd=REPO, env=env,
+  return subprocess.run([sys.executable, "-m", "train", *args], cwd=REPO, env=subprocess_env(),
                         capture_output=True, text=True, timeout=timeout)
 
 
