@@ -14,7 +14,9 @@
 #            $CHECK_MESHES e.g. 1x4 (DATAxEP list); $CHECK_DTYPES e.g. bfloat16)
 #   sweep    bitwise sweep over the uniep parameter space (bench/determinism_sweep.py;
 #            $SWEEP_START skips that many points of its order, covered by an earlier run;
-#            $SWEEP_TILINGS=1: every point at the default tiling only)
+#            $SWEEP_TILINGS=1: every point at the default tiling only; give it >= 250 s at EP 4:
+#            on 4x H200, 2026-11-28, SWEEP_START=2 sweep:170 ended before its first point,
+#            still compiling the pallas reference and the fused points)
 #   train_det  only the determinism runs of train_throughput (pallas vs uniep, uniep twice;
 #            mixtral-like, data=1,expert=R, 50 steps) in XLA's deterministic mode
 #            ($DET_XLA_FLAGS: extra XLA_FLAGS, e.g. "$NO_COMBINE"; $GRAD_REDUCTION: ordered (default) or xla)
