@@ -63,8 +63,11 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true",
                   help="float32 on the (1, n) mesh only; bfloat16 on (1, n) and (2, n/2)")
   ap.add_argument("--meshes", default=None,
-                  help="only these meshes, a comma list of DATAxEP (e.g. 1x4)")
-  ap.add_argument("--dtypes", default="float32,bfloat16")
+                  help="only these meshes, a comma list of DATAxEP (e.g. 1x4); with --quick "
+                       "float32 still runs on the (1, n) mesh only; the final pallas vs "
+                       "xla_dropless check always runs on (1, n) in bfloat16")
+  ap.add_argument("--dtypes", default="float32,bfloat16",
+                  help="the dtypes of the per-mesh checks, a comma list")
   args = ap.parse_args(argv)
   meta = common.run_metadata()
   print(meta, flush=True)

@@ -109,9 +109,10 @@ def main(argv=None):
     print(row)
     rows.append(row)
   out = common.out_dir(args.out)
-  name = f"fold_check_{common.device_tag(meta)}.json"
+  name = f"fold_check_{common.device_tag(meta)}{'_unscaled' if args.unscaled else ''}.json"
   common.write_json(os.path.join(out, name), dict(
       meta, benchmark="fold_check", rows=rows, slots=args.slots, hidden=args.hidden,
+      fold_scaled=not args.unscaled,
       gather=t_gather, scaled_gather=t_scaled, scaled_gather_bitwise_equal_xla=scaled_ok))
 
 

@@ -33,15 +33,16 @@ column block minor, and dealt round robin: CTA c takes tiles c, c + num_ctas, ..
 Buffers
 -------
 SMEM: 2 stages of [G, nb, ct] in the src dtype, no swizzle (a store may start at
-any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB. scale: 2 stages of [32] float32,
-the tile's weights (one TMA box of the padded weights, 128-byte rows; read as SMEM
+any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB. scale: 2 stages of
+[_metadata_box(G)] float32 (>= G, a multiple of 32), the tile's weights (one TMA box of
+the padded weights, 128-byte rows; read as SMEM
 scalars: with scalar GMEM loads in the row loop it took 1.58x the plain copy's time in
 the layer, with this 1.01x alone; NOTES_row_gather.md v5).
 
 Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
 ------------------------
   load_barrier[s] (num_arrivals = G, + 1 with scale): the G row loads of one tile
-      into stage s (and the load of its G weights) each arrive once with their bytes;
+      into stage s (and the load of its box of weights) each arrive once with their bytes;
       the CTA waits on it before storing the tile.
       Every load group is waited exactly once (phases alternate per stage).
   scale: the warpgroup rewrites stage s in place after its loads landed (the
@@ -281,8 +282,11 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
   offsets, first_row = fold_tiles(count, live, fold=fold, slots_per_tile=slots_per_tile)
   # each live term's source row (and weight) at its position; unused entries are dropped
   j = jnp.arange(fold, dtype=jnp.int32)
+  # (an unused entry goes to its own index past the table and is dropped: the indices
+  # stay unique, as the scatters promise)
+  unused = n * fold + jnp.arange(n * fold, dtype=jnp.int32).reshape(n, fold)
   position = jnp.where(offsets[:-1, None] + j < offsets[1:, None], offsets[:-1, None] + j,
-                       n * fold).reshape(-1)
+                       unused).reshape(-1)
   slot_src = jnp.zeros((n * fold,), jnp.int32).at[position].set(
       index.astype(jnp.int32).reshape(-1), mode="drop", unique_indices=True)
   if interpret is None:

@@ -12,12 +12,14 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # 689.5 s, 311 passed either way). Codegen only: the HLO, and so every
 # reduction's order, is the same; every bitwise comparison in the suite is between
 # programs compiled with the same flags (subprocesses inherit them: `subprocess_env`).
+# Only on the CPU: on a GPU the same flags would steer XLA:GPU's LLVM pipeline too.
 COMPILE_SPEED_FLAGS = ("--xla_backend_optimization_level=0",
                        "--xla_llvm_disable_expensive_passes=true")
-for _flag in COMPILE_SPEED_FLAGS:
-  if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  for _flag in COMPILE_SPEED_FLAGS:
+    if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+      os.environ["XLA_FLAGS"] += " " + _flag
 # numpy's OpenBLAS on one thread (read when numpy loads, so before it is imported). The
 # Mosaic GPU interpreter runs every wgmma as a small np.matmul ([128, 64] @ [64, 128]);
 # threaded OpenBLAS splits each over the cores and its worker spin-waits between calls

@@ -192,7 +192,8 @@ def test_dedup_config_errors_name_the_field(bad, match):
 
 @pytest.mark.parametrize("live,rows_per_tile,hidden,budget,blocking,scaled", [
     (0, 8, 512, 8192, (256, 1), False), (37, 8, 512, 8192, (256, 1), False),  # 2 col. blocks
-    (70, 4, 96, 1 << 20, (96, 1), False), (37, 8, 512, 8192, (256, 1), True)])
+    (70, 4, 96, 1 << 20, (96, 1), False), (37, 8, 512, 8192, (256, 1), True),
+    (70, 4, 96, 1 << 20, (96, 1), True)])   # the last tile's box of weights reaches past N rows
 def test_gather_live_rows_kernel(live, rows_per_tile, hidden, budget, blocking, scaled):
   """The Mosaic GPU kernel in the interpret mode, with the race detector: rows below
   `live` are src[index], bit for bit (scaled: XLA's (scale * f32(row)).astype(bf16),
