@@ -103,12 +103,15 @@ BACKEND_CONFIGS = {
         backend="uniep", dedup_tokens=True,
         fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
                                     wgrad_return_ctas=16, dispatch_in_kernel=False)),
+    # _w8: 8 return CTAs beside the wgrad, 16 in Kernel C: at deepseek-like EP 4 the dX
+    # return needs ~105 GB/s over the 6.7 ms wgrad, Kernel C's ~250 over its down GEMM
+    # (NOTES_fused.md, "The router as shipped, timed"), so the wgrad may keep 8 more SMs
     **{f"uniep_dc_rbw_dd{tag}": uniep_jax.UniEPConfig(
         backend="uniep", dedup_tokens=True,
         fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
-                                    down_return_ctas=n, wgrad_return_ctas=n,
+                                    down_return_ctas=down, wgrad_return_ctas=wgrad,
                                     dispatch_in_kernel=False))
-       for tag, n in (("", 16), ("_c4", 4))},
+       for tag, down, wgrad in (("", 16, 16), ("_c4", 4, 4), ("_w8", 16, 8))},
     "pallas_dd": uniep_jax.UniEPConfig(backend="pallas", transport="padded", dedup_tokens=True),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
