@@ -104,8 +104,7 @@ def main(argv=None):
                max_abs_diff=float(jnp.max(jnp.abs(got.astype(jnp.float32)
                                                   - want.astype(jnp.float32)))),
                kernel=common.time_ms(kernel, src, index, count, scale), xla=t_xla,
-               gather_same_slots=t_gather, scaled_gather_same_slots=t_scaled,
-               scaled_gather_bitwise_equal_xla=scaled_ok, bytes=bytes_moved, hbm_floor_ms=floor_ms)
+               bytes=bytes_moved, hbm_floor_ms=floor_ms)
     print(row)
     rows.append(row)
   out = common.out_dir(args.out)

@@ -128,17 +128,23 @@ def column_blocking(hidden: int, itemsize: int, rows_per_tile: int,
                    f"not fit twice in {budget} B of shared memory; lower rows_per_tile")
 
 
+def _round_robin(tiles, num_ctas: int):
+  """(steps, tile): how many of `tiles` (a device value) this CTA c takes when they are
+  dealt round robin (c, c + num_ctas, ...), and tile(s), its step s's."""
+  c = lax.axis_index("cta")
+  steps = jnp.maximum(tiles - c + num_ctas - 1, 0) // num_ctas
+  return steps, lambda s: c + s * num_ctas
+
+
 def _tile_walk(table_gmem, rows_per_tile: int, n_blocks: int, nb: int, num_ctas: int):
   """(live, steps, tile_of): this CTA's share of the tiles over rows [0, live) (live =
   table_gmem[0]), dealt round robin, and tile_of(s) -> (first output row, first box)
   of its step s."""
   live = table_gmem[0]
-  c = lax.axis_index("cta")
-  tiles = pl.cdiv(live, rows_per_tile) * n_blocks
-  steps = jnp.maximum(tiles - c + num_ctas - 1, 0) // num_ctas
+  steps, tile_at = _round_robin(pl.cdiv(live, rows_per_tile) * n_blocks, num_ctas)
 
   def tile_of(s):
-    tile = c + s * num_ctas
+    tile = tile_at(s)
     return (tile // n_blocks) * rows_per_tile, (tile % n_blocks) * nb
 
   return live, steps, tile_of
@@ -184,13 +190,12 @@ def _fold_body(meta_gmem, first_row_gmem, offsets_gmem, slot_src_gmem, src_gmem,
       (refs[0], refs[1:]) if scaled else (None, refs))
   tile_slots, q_max = slots_per_tile, stage_smem.shape[1]    # stage [2, S + J - 1, nb, ct]
   nb = stage_smem.shape[2]
-  c = lax.axis_index("cta")
-  tiles = pl.cdiv(meta_gmem[0], tile_slots) * n_blocks       # meta[0]: live terms
-  steps = jnp.maximum(tiles - c + num_ctas - 1, 0) // num_ctas
+  steps, tile_at = _round_robin(pl.cdiv(meta_gmem[0], tile_slots) * n_blocks,  # live terms
+                                 num_ctas)
 
   def tile_of(s):
     """(first owned row, end of the owned rows, first position, first box) of step s."""
-    tile = c + s * num_ctas
+    tile = tile_at(s)
     t = tile // n_blocks
     n0, n1 = first_row_gmem[t], first_row_gmem[t + 1]
     return n0, n1, offsets_gmem[n0], (tile % n_blocks) * nb
@@ -287,8 +292,12 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
   unused = n * fold + jnp.arange(n * fold, dtype=jnp.int32).reshape(n, fold)
   position = jnp.where(offsets[:-1, None] + j < offsets[1:, None], offsets[:-1, None] + j,
                        unused).reshape(-1)
-  slot_src = jnp.zeros((n * fold,), jnp.int32).at[position].set(
-      index.astype(jnp.int32).reshape(-1), mode="drop", unique_indices=True)
+
+  def at_positions(values, dtype):   # [N, J] -> each live term's value at its position
+    return jnp.zeros((n * fold,), dtype).at[position].set(
+        values.astype(dtype).reshape(-1), mode="drop", unique_indices=True)
+
+  slot_src = at_positions(index, jnp.int32)
   if interpret is None:
     interpret = device_lib.default_interpret()
   body = functools.partial(_fold_body, slots_per_tile=slots_per_tile, n_blocks=boxes // nb,
@@ -305,16 +314,16 @@ def fold_live_rows(src, index, count, live, *, out_rows: int, scale=None,
   )
   operands = (offsets[n:n + 1], first_row, offsets, slot_src, src.reshape(ns, boxes, ct))
   if scale is not None:
-    operands += (jnp.zeros((n * fold,), jnp.float32).at[position].set(
-        scale.reshape(-1), mode="drop", unique_indices=True),)
+    operands += (at_positions(scale, jnp.float32),)
   return kernel(*operands).reshape(out_rows, hidden)
 
 
 def _metadata_box(entries: int) -> int:
-  """4-byte entries per TMA box of per-tile metadata (the weighted copy's weights): a multiple of 32,
-  so that each stage's row of the SMEM buffer starts 128-byte aligned (a TMA destination
-  must; a [2, 16] float32 buffer's second row at byte 64 faulted on an H100)."""
-  return -(-entries // 32) * 32
+  """4-byte entries per TMA box of per-tile metadata (the weighted copy's weights): a
+  multiple of 32, so that each stage's row of the SMEM buffer starts 128-byte aligned (a
+  TMA destination must; a [2, 16] float32 buffer's second row at byte 64 faulted on an
+  H100)."""
+  return pl.cdiv(entries, 32) * 32
 
 
 def fold_rows_reference(src, index, count, scale=None):
@@ -357,9 +366,9 @@ def gather_live_rows(src, index, live, *, out_rows: int, scale=None,
                            index.astype(jnp.int32)])
   if interpret is None:
     interpret = device_lib.default_interpret()
-  body = functools.partial(_gather_body, rows_per_tile=rows_per_tile, n_blocks=boxes // nb,
-                           num_ctas=num_ctas, scaled=scale is not None)
   scaled = scale is not None
+  body = functools.partial(_gather_body, rows_per_tile=rows_per_tile, n_blocks=boxes // nb,
+                           num_ctas=num_ctas, scaled=scaled)
   kernel = plgpu.kernel(
       body,
       kernel_name="gather_live_rows" + ("_scaled" if scaled else ""),
