@@ -113,15 +113,19 @@ def main(argv=None):
       mesh = jax.make_mesh((data, ep), ("data", "expert"))
       by_backend = {}
       for backend in args.backends.split(","):
-        # "<backend>_dd": the same backend with token de-duplication (dedup_tokens)
-        base, dedup = (backend[:-3], True) if backend.endswith("_dd") else (backend, False)
+        # "<backend>_dd": the same backend with token de-duplication (dedup_tokens);
+        # "<backend>_dd_gx": and the send rows gathered in the transfer's loads
+        # (TransferConfig.gather_rows)
+        base, gather = (backend[:-3], True) if backend.endswith("_gx") else (backend, False)
+        base, dedup = (base[:-3], True) if base.endswith("_dd") else (base, False)
         if base in ("pallas", "uniep") and dtype == jnp.float32:
           continue  # the Pallas kernels take bf16 operands
         transports = {"xla_dropless": ["ragged", "padded"], "pallas": ["padded"]}.get(base, [None])
         outs = {}
         for tr in transports:
           cfg = uniep_jax.UniEPConfig(backend=base, transport=tr, capacity_factor=100.0,
-                                      dedup_tokens=dedup)
+                                      dedup_tokens=dedup,
+                                      transfer=uniep_jax.TransferConfig(gather_rows=gather))
           tag = f"{backend}/{tr}/{jnp.dtype(dtype).name}/data={data},ep={ep}"
           try:
             f_fwd, f_grad = _fns(mesh, top_k, cfg)
@@ -147,6 +151,10 @@ def main(argv=None):
         if outs:
           by_backend[backend] = next(iter(outs.values()))
       for backend in list(by_backend):
+        if backend.endswith("_gx") and backend[:-3] in by_backend:
+          # the transfer's gathered loads move the same rows
+          record(f"{backend}_equals_{backend[:-3]}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
+                 common.same_bits(by_backend[backend], by_backend[backend[:-3]]))
         if backend.endswith("_dd") and backend[:-3] in by_backend:
           # de-duplication sends fewer rows and changes no bit
           record(f"{backend}_equals_{backend[:-3]}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",

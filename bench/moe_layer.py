@@ -128,7 +128,9 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   `@sm<N>` every persistent kernel on N SMs (`KernelConfig.num_sms`), e.g.
   "uniep_dc_rbw_dd@sm131": one SM left to whatever runs beside the layer's kernels;
   `@f32router` the router's logits as one float32 GEMM (`RoutingConfig.logits_matmul`,
-  the routing until 2026-11-27) instead of bf16 pieces."""
+  the routing until 2026-11-27) instead of bf16 pieces; `@gx` the de-duplicated
+  dispatches' send rows read by index in the transfer's loads
+  (`TransferConfig.gather_rows`); `@chunk<N>` the transfer's chunk_rows."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -139,8 +141,14 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, num_sms=int(m.group(1))))
     elif suffix == "f32router":
       cfg = dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, logits_matmul="float32"))
+    elif suffix == "gx":
+      cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer, gather_rows=True))
+    elif (m := re.fullmatch(r"chunk(\d+)", suffix)) is not None:
+      cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer,
+                                                                 chunk_rows=int(m.group(1))))
     else:
-      raise ValueError(f"backend {name!r}: unknown suffix @{suffix} (known: @sm<N>, @f32router)")
+      raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
+                       f"(known: @sm<N>, @f32router, @gx, @chunk<N>)")
   return cfg
 
 

@@ -49,6 +49,15 @@ A chunk of `rows` < chunk_rows rows is stored with one TMA per set bit of
 `rows` (largest first), so rows outside the segment are never written: two
 sources write adjacent segments of one peer's buffer without overlap.
 
+Gathered sources (`src_index`, TransferConfig.gather_rows): the segments index
+positions of an int32 index (appended behind the work lists in the same GMEM
+array) and chunk row i is src[index[src_row + i]]: chunk_rows TMA loads of
+[1, col_tile] per step (unrolled; a short chunk loads its last row again into the
+unused stage rows, which the ladder never stores), the stores unchanged. It saves
+the de-duplicated dispatch's separate gather into a contiguous send buffer
+(`row_gather.gather_live_rows`, one HBM write and read of every send row); the
+transfer is NVLink-bound, so its loads have HBM bandwidth to spare.
+
 Synchronisation contract
 ------------------------
   Launch ordering (what makes writing into a peer's output safe at all):
@@ -62,7 +71,8 @@ Synchronisation contract
       it the first remote signal or store could hit memory a slower peer has
       not yet zero-filled or still uses for something else.
   load_barrier[s]  (SMEM barrier, one per stage): producer the TMA load of
-      step i into stage s = i % 2; consumer the same CTA's store of step i,
+      step i into stage s = i % 2 (gathered: its chunk_rows row loads, each one
+      arrival; num_arrivals = chunk_rows); consumer the same CTA's store of step i,
       after `barrier_wait`. Every load is waited exactly once (phase flips).
   stage reuse: before loading step i + 1 into stage 1 - s, and before the
       first load of the next peer offset, the CTA waits
@@ -128,13 +138,20 @@ def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: in
 
 
 def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base, first_item,
-               count, w: int, cta, num_ctas: int, item_rows: int, col_tile: int):
+               count, w: int, cta, num_ctas: int, item_rows: int, col_tile: int,
+               index_base: int | None = None):
   """One CTA's share of `count` items of a work list: items first_item + cta,
   first_item + cta + num_ctas, ... of the list at work_gmem[base:] (layout of
   `work_lists`: src_row at [base + i], dst_row at [base + w + i], rows at
   [base + 2w + i]), each moved column tile by column tile through the two SMEM
   stages into `dst_gmem` (local or a peer's `remote_ref`) with the store ladder.
-  Shared by this kernel and the fused dispatch + GEMM kernel."""
+  Shared by this kernel and the fused dispatch + GEMM kernel.
+
+  index_base: None: an item's rows are src rows src_row .. src_row + rows - 1, one
+  [item_rows, col_tile] TMA load. Else the rows are gathered: item row i is src row
+  work_gmem[index_base + src_row + i], one [1, col_tile] TMA load per row, unrolled
+  (item_rows loads per step, rows past the item's end load its last row again and are
+  never stored; load_barrier must count item_rows arrivals)."""
   ns, hidden = src_gmem.shape
   n_col = hidden // col_tile
   steps = (jnp.maximum(count - cta + num_ctas - 1, 0) // num_ctas) * n_col
@@ -146,12 +163,21 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   def load_row(at):
     # The load box never leaves src: near the end it starts earlier and the
     # item's rows sit further down the stage buffer.
+    if index_base is not None:
+      return work_gmem[at]        # gathered rows land at stage row 0 ..
     return jnp.minimum(work_gmem[at], ns - item_rows)
 
   def load(s, stage):
     at, col = item_col(s)
-    plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(load_row(at), item_rows), pl.ds(col, col_tile)],
-                            stage_smem.at[stage], load_barrier.at[stage])
+    if index_base is None:
+      plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(load_row(at), item_rows), pl.ds(col, col_tile)],
+                              stage_smem.at[stage], load_barrier.at[stage])
+      return
+    first, last = index_base + work_gmem[at], work_gmem[at + 2 * w] - 1
+    for i in range(item_rows):   # unrolled: the index reads are independent loads
+      row = work_gmem[first + jnp.minimum(i, last)]
+      plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(col, col_tile)],
+                              stage_smem.at[stage, pl.ds(i, 1)], load_barrier.at[stage])
 
   def store(s, stage):
     at, col = item_col(s)
@@ -170,7 +196,8 @@ def transfer_semaphores(num_ctas: int):
 
 def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
                    w: int, chunk_rows: int, col_tile: int, num_ctas: int,
-                   axis_name, num_peers: int, cta_axis: str = "cta", sems=None):
+                   axis_name, num_peers: int, cta_axis: str = "cta", sems=None,
+                   index_base: int | None = None):
   """One CTA's share of every peer offset's work list. `axis_name=None`: the
   local form (every offset's rows land in this device's `out`). Kernels that embed
   it (`wgrad_return.py`) run it on CTAs [0, num_ctas) of their `cta_axis` and pass
@@ -196,7 +223,7 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
       dst_gmem = plgpu.remote_ref(out_gmem, {axis_name: peer})
     move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
                first_item=0, count=work_gmem[base + 3 * w], w=w, cta=c, num_ctas=num_ctas,
-               item_rows=chunk_rows, col_tile=col_tile)
+               item_rows=chunk_rows, col_tile=col_tile, index_base=index_base)
 
   plgpu.wait_smem_to_gmem(0)
 
@@ -208,7 +235,7 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
 
 def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
                       config: TransferConfig = TransferConfig(), axis_name=None,
-                      rank=0, interpret=None):
+                      rank=0, src_index=None, interpret=None):
   """Copies row segments of `src` [Ns, H] into a new [out_rows, H] buffer.
 
   seg_src/seg_dst/seg_len: [R, El] int32, the segments for peer p in row p.
@@ -217,21 +244,32 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
   inside a `shard_map` over `axis_name` (size R): row p's segments land in the
   output of rank p (collective metadata mode; GPU only). Rows that no segment
   covers are undefined.
+  src_index: None, or [Ni] int32 in [0, Ns): the segments index the rows
+  src[src_index] (a gather the kernel does in its loads, `move_items`) instead of src:
+  the same output as `transfer_segments(src[src_index], ...)` without writing the
+  gathered rows first.
   """
   ns, hidden = src.shape
   num_peers = seg_len.shape[0]
   col_tile = config.col_tile_for(hidden, itemsize=jnp.dtype(src.dtype).itemsize,
                                  smem_bytes=device_lib.smem_capacity())
   chunk = config.chunk_rows
-  if ns < chunk:  # the load box must fit inside src
+  if src_index is None and ns < chunk:  # the load box must fit inside src
     src = jnp.pad(src, ((0, chunk - ns), (0, 0)))
   num_ctas = min(config.num_ctas, device_lib.num_sms())
   if axis_name is not None:
     rank = lax.axis_index(axis_name)
-  work = work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=ns, chunk_rows=chunk)
+  src_rows = ns if src_index is None else src_index.shape[0]
+  work = work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=src_rows, chunk_rows=chunk)
   w = (work.shape[1] - 1) // 3
+  work = work.reshape(-1)
+  index_base = None
+  if src_index is not None:   # the index rides behind the work lists in one int32 array
+    index_base = work.shape[0]
+    work = jnp.concatenate([work, src_index.astype(jnp.int32)])
   body = functools.partial(_transfer_body, w=w, chunk_rows=chunk, col_tile=col_tile,
-                           num_ctas=num_ctas, axis_name=axis_name, num_peers=num_peers)
+                           num_ctas=num_ctas, axis_name=axis_name, num_peers=num_peers,
+                           index_base=index_base)
   if interpret is None:
     interpret = device_lib.default_interpret()
   if axis_name is not None and interpret:
@@ -242,9 +280,10 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
       kernel_name="ep_transfer",
       out_type=jax.ShapeDtypeStruct((out_rows, hidden), src.dtype),
       scratch_types=[plgpu.SMEM((2, chunk, col_tile), src.dtype),
-                     plgpu.Barrier(num_barriers=2)],
+                     plgpu.Barrier(num_arrivals=1 if src_index is None else chunk,
+                                   num_barriers=2)],
       grid=(num_ctas,),
       grid_names=("cta",),
       interpret=interpret,
   )
-  return kernel(work.reshape(-1), src)
+  return kernel(work, src)

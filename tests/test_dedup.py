@@ -160,8 +160,9 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   x = jax.device_put(x, NamedSharding(mesh, P(axes)))
   p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
 
-  def run(transport, dedup):
-    cfg = UniEPConfig(backend="xla_dropless", dedup_tokens=dedup)
+  def run(transport, dedup, gather_rows=False):
+    cfg = UniEPConfig(backend="xla_dropless", dedup_tokens=dedup,
+                      transfer=uniep_jax.TransferConfig(gather_rows=gather_rows))
 
     def body(xl, pl):
       y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=3, config=cfg, token_axes=axes,
@@ -177,6 +178,10 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   y_p, g_p = run("padded", False)
   chex.assert_trees_all_equal(y_n, y_p)
   chex.assert_trees_all_equal(g_n, g_p)
+  # TransferConfig.gather_rows: x (and dy) and the unique-token index go to the transfer,
+  # which gathers in its loads; no send buffer
+  y_g, g_g = run("nvlink", True, gather_rows=True)
+  chex.assert_trees_all_equal((y_g, g_g), (y_p, g_p))
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -55,6 +55,35 @@ def test_local_transfer_matches_numpy(chunk, src_rows, peers, per_peer, num_ctas
   assert (~covered).any() and np.isnan(out[~covered]).all()
 
 
+@pytest.mark.parametrize("chunk,src_rows,index_rows,peers,per_peer,num_ctas",
+                         [(8, 40, 61, 2, 3, 3), (4, 9, 30, 3, 2, 2)])
+def test_local_gathered_transfer_equals_transfer_of_gathered_rows(
+    chunk, src_rows, index_rows, peers, per_peer, num_ctas):
+  """src_index (TransferConfig.gather_rows): the loads read src[index[i]] row by row;
+  the output equals the plain transfer of the gathered rows bit for bit, nothing
+  outside a segment written (short chunks reload their last row into stage rows the
+  store ladder never stores), no race."""
+  rng = np.random.default_rng(index_rows)
+  h, out_rows = 128, index_rows + 3 * peers * per_peer
+  x = jax.random.normal(jax.random.key(1), (src_rows, h), jnp.float32).astype(jnp.bfloat16)
+  index = jnp.asarray(rng.integers(0, src_rows, index_rows), jnp.int32)  # repeats too
+  seg_src, seg_dst, seg_len = _segments(rng, index_rows, out_rows, peers, per_peer)
+  cfg = TransferConfig(chunk_rows=chunk, col_tile=64, num_ctas=num_ctas)
+  run = lambda src, **kw: ep_transfer.transfer_segments(  # noqa: E731
+      src, seg_src, seg_dst, seg_len, out_rows=out_rows, config=cfg, rank=1,
+      interpret=plgpu.InterpretGPUParams(detect_races=True), **kw)
+  gathered = run(x, src_index=index)
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  assert not gpu_callbacks.get_races().races_found, "race detector reported a race"
+  plain = run(jnp.take(x, index, axis=0))
+  np.testing.assert_array_equal(np.asarray(gathered.view(jnp.uint16)),
+                                np.asarray(plain.view(jnp.uint16)))   # NaN rows: unwritten
+  covered = np.zeros(out_rows, bool)
+  for d, n in zip(*(np.asarray(a).ravel() for a in (seg_dst, seg_len))):
+    covered[d:d + n] = True
+  assert (~covered).any() and np.isnan(np.asarray(gathered[~covered], np.float32)).all()
+
+
 def test_work_lists_rotate_and_cover():
   seg_len = jnp.array([[0, 5], [17, 8]], jnp.int32)
   seg_src = jnp.array([[0, 0], [5, 22]], jnp.int32)
@@ -88,18 +117,21 @@ def test_launch_contract_and_smem_fit():
     TransferConfig(chunk_rows=4096).col_tile_for(7168, itemsize=4, smem_bytes=227 * 1024)
 
 
-def test_communicating_transfer_lowers_for_cuda(mesh_factory):
+@pytest.mark.parametrize("gathered", [False, True])
+def test_communicating_transfer_lowers_for_cuda(mesh_factory, gathered):
   """The NVLink form (remote TMA stores, semaphores, static peer loop) lowers to a
-  Mosaic GPU custom call for CUDA on this CPU-only machine; it runs in
-  bench/check_moe_gpu.py on GPUs."""
+  Mosaic GPU custom call for CUDA on this CPU-only machine, also with its loads
+  gathered by index; it runs in bench/check_moe_gpu.py on GPUs."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   r, el, ns, h = 4, 2, 256, 512
   mesh = mesh_factory(1, r)
 
   def body(x, s, d, n):
+    index = jnp.arange(ns - 1, -1, -1, dtype=jnp.int32) if gathered else None
     return ep_transfer.transfer_segments(x, s[0], d[0], n[0], out_rows=r * ns,
                                          config=TransferConfig(num_ctas=8),
-                                         axis_name="expert", interpret=False)
+                                         axis_name="expert", src_index=index,
+                                         interpret=False)
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 4, out_specs=P("expert"),
                      check_vma=False)

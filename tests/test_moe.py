@@ -272,10 +272,13 @@ def test_receive_bound_drops_deterministically_and_counts(data, ep):
 
 
 def _simulated_transfer(src, seg_src, seg_dst, seg_len, *, out_rows, config, axis_name,
-                        rank=0, interpret=None, garbage=1e4):
+                        rank=0, src_index=None, interpret=None, garbage=1e4):
   """What pallas_kernels.ep_transfer.transfer_segments does, in plain JAX: row p's
-  segments of `src` land in rank p's output; rows no segment covers hold garbage
-  (by default a large finite value: the real kernel leaves them unwritten)."""
+  segments of `src` (of src[src_index] when given) land in rank p's output; rows no
+  segment covers hold garbage (by default a large finite value: the real kernel leaves
+  them unwritten)."""
+  if src_index is not None:
+    src = jnp.take(src, src_index, axis=0)
   r, el = seg_len.shape
   ns, h = src.shape
   i = jnp.arange(ns, dtype=jnp.int32)

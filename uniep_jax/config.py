@@ -137,11 +137,18 @@ class TransferConfig:
     step). Larger: fewer, bigger TMAs; smaller: finer load balance over CTAs.
   col_tile: columns per TMA box (<= 256); H must be a multiple of it.
   num_ctas: CTAs that move rows. About half the SMs saturate NVLink (notes).
+  gather_rows: EXPERIMENTAL. The de-duplicated dispatches (`dedup_tokens`) send
+    each (token, owner) row once; False: the rows are first gathered into a
+    contiguous send buffer (`row_gather.gather_live_rows`), then transferred; True:
+    the transfer reads them by index in its loads (one TMA per row and column
+    tile), with no send buffer. The same bits either way (rows are moved, not
+    computed).
   """
 
   chunk_rows: int = 128
   col_tile: int = 256
   num_ctas: int = 64
+  gather_rows: bool = False
 
   def __post_init__(self):
     if self.chunk_rows < 1 or self.chunk_rows & (self.chunk_rows - 1):

@@ -197,16 +197,20 @@ def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
   from pallas_kernels.row_gather import gather_live_rows
   t, h = x.shape
   r = plan.send_counts.shape[0]
-  # the unique send rows, packed by destination: only the live ones written (a take
-  # wrote all T*min(R,K): 4x H200, qwen3-like EP 4, 0.28 ms for 2.72 live rows per token
-  # of 4; the transfer reads only the live segments)
-  rows = gather_live_rows(x, dplan.unique_tokens, jnp.sum(dplan.unique_send_counts),
-                          out_rows=dplan.unique_tokens.shape[0])             # [T*min(R,K), H]
   column = lambda a: a[:, None]  # noqa: E731  one segment per destination
-  unique = transfer_segments(rows, column(dplan.unique_send_offsets),
-                             column(dplan.unique_output_offsets),
-                             column(dplan.unique_send_counts), out_rows=r * t, config=transfer,
-                             axis_name=axis_name)                            # [R*T, H] packed
+  segments = (column(dplan.unique_send_offsets), column(dplan.unique_output_offsets),
+              column(dplan.unique_send_counts))
+  if transfer.gather_rows:   # the transfer's loads read x[unique_tokens[i]] themselves
+    unique = transfer_segments(x, *segments, out_rows=r * t, config=transfer,
+                               axis_name=axis_name, src_index=dplan.unique_tokens)
+  else:
+    # the unique send rows, packed by destination: only the live ones written (a take
+    # wrote all T*min(R,K): 4x H200, qwen3-like EP 4, 0.28 ms for 2.72 live rows per token
+    # of 4; the transfer reads only the live segments)
+    rows = gather_live_rows(x, dplan.unique_tokens, jnp.sum(dplan.unique_send_counts),
+                            out_rows=dplan.unique_tokens.shape[0])           # [T*min(R,K), H]
+    unique = transfer_segments(rows, *segments, out_rows=r * t, config=transfer,
+                               axis_name=axis_name)                          # [R*T, H] packed
   index = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
   recv = gather_live_rows(unique, index, plan.num_received, out_rows=plan.recv_valid.shape[0],
                           scale=scale)   # the weighted copy: the same multiply as _scale_rows
