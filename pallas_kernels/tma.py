@@ -38,6 +38,39 @@ def two_stage_copy_loop(steps, load, store, load_barrier):
   lax.fori_loop(0, steps, step, 0)
 
 
+def store_first_copy_loop(steps, load, store, load_barrier):
+  """`two_stage_copy_loop` with step s's stores issued BEFORE step s + 1's loads, for
+  loads that take long to issue (a gather's one TMA per row): the CTA's stores stay in
+  flight while it issues the next loads, where `two_stage_copy_loop` issues them
+  between the previous store's end and this one's start. `store(s, stage)` must issue
+  step s's stores as ONE bulk-async group (`ladder_store(..., commit_group=False)`,
+  then `plgpu.commit_smem_to_gmem_group()`).
+
+  Synchronisation: step s waits for its loads (`barrier_wait`), issues its stores, then,
+  before loading step s + 1 into the other stage, `wait_smem_to_gmem(1,
+  wait_read_only=True)`: at most one group (step s's) still reads SMEM, so step s - 1's
+  store, the only one issued from that stage, has finished reading it. The first load
+  waits for every store issued before the loop."""
+  @pl.when(steps > 0)
+  def _():
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
+    load(0, 0)
+
+  def step(s, carry):
+    stage = lax.rem(s, 2)
+    plgpu.barrier_wait(load_barrier.at[stage])
+    store(s, stage)
+
+    @pl.when(s + 1 < steps)
+    def _():
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # stage 1 - s is free
+      load(s + 1, 1 - stage)
+
+    return carry
+
+  lax.fori_loop(0, steps, step, 0)
+
+
 def ladder_store(src_smem, dst_gmem, smem_start, gmem_start, count, max_rows: int, *,
                  commit_group: bool = True):
   """TMA-store rows [smem_start, smem_start + count) of src_smem to

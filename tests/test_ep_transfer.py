@@ -56,13 +56,15 @@ def test_local_transfer_matches_numpy(chunk, src_rows, peers, per_peer, num_ctas
 
 
 @pytest.mark.parametrize("chunk,src_rows,index_rows,peers,per_peer,num_ctas",
-                         [(8, 40, 61, 2, 3, 3), (4, 9, 30, 3, 2, 2)])
+                         [(32, 40, 90, 2, 3, 3), (4, 9, 30, 3, 2, 2)])
 def test_local_gathered_transfer_equals_transfer_of_gathered_rows(
     chunk, src_rows, index_rows, peers, per_peer, num_ctas):
   """src_index (TransferConfig.gather_rows): the loads read src[index[i]] row by row;
   the output equals the plain transfer of the gathered rows bit for bit, nothing
   outside a segment written (short chunks reload their last row into stage rows the
-  store ladder never stores), no race."""
+  store ladder never stores), no race. chunk 32: two loop iterations of
+  GATHER_UNROLL row loads per step."""
+  assert chunk in (4, 2 * ep_transfer.GATHER_UNROLL)
   rng = np.random.default_rng(index_rows)
   h, out_rows = 128, index_rows + 3 * peers * per_peer
   x = jax.random.normal(jax.random.key(1), (src_rows, h), jnp.float32).astype(jnp.bfloat16)
