@@ -43,24 +43,29 @@ tile by column tile
 
 SMEM: `stages` (= 2) buffers of [chunk_rows, col_tile] in the src dtype, no
 swizzle (a store may start at any row of the buffer). 2 x 128 x 256 x 2 B =
-128 KiB for the default bf16 config.
+128 KiB for the default bf16 config. (Gathered: 2 x [16, nb, ct], below.)
 
 A chunk of `rows` < chunk_rows rows is stored with one TMA per set bit of
 `rows` (largest first), so rows outside the segment are never written: two
 sources write adjacent segments of one peer's buffer without overlap.
 
-Gathered sources (`src_index`, TransferConfig.gather_rows): the segments index
-positions of an int32 index (appended behind the work lists in the same GMEM
-array) and chunk row i is src[index[src_row + i]]: chunk_rows TMA loads of
-[1, col_tile] per step (GATHER_UNROLL at a time; a short chunk loads its last row
-again into the unused stage rows, which the ladder never stores), and a step's stores
-(one bulk-async group) are issued before the next step's loads
-(`tma.store_first_copy_loop`: the loads take long to issue, the stores stay in
-flight meanwhile; the first form, loads first and fully unrolled, measured 10.29 ms on
-qwen3-like against 10.20 with the send buffer, 4x H200, NOTES_ep_transfer.md). It saves
-the de-duplicated dispatch's separate gather into a contiguous send buffer
-(`row_gather.gather_live_rows`, one HBM write and read of every send row); the
-transfer is NVLink-bound, so its loads have HBM bandwidth to spare.
+Gathered sources (`src_index`, TransferConfig.gather_rows, EXPERIMENTAL): the segments
+index positions of an int32 index (appended behind the work lists in the same GMEM
+array) and item row i is src[index[src_row + i]]. v3 tiling: src and out viewed 3-D,
+[rows, H / ct, ct] (ct <= col_tile, `row_gather.column_blocking`), items of
+min(chunk_rows, GATHER_ITEM_ROWS = 16) rows x one column block of nb boxes (nb * ct = H
+unless two stages of [16, nb, ct] would not fit in 160 KiB: bf16 H 2048 -> one block of
+8 boxes, 64 KiB per stage; H 7168 -> 4 blocks of 7); one [1, nb, ct] TMA load per row
+(GATHER_UNROLL per loop iteration; a short item loads its last row again into the
+unused stage rows, which the ladder never stores), one ladder of [rows, nb, ct] stores.
+A step's stores (one bulk-async group) are issued before the next step's loads
+(`tma.store_first_copy_loop`: the loads take long to issue; the stores stay in flight
+meanwhile). It saves the de-duplicated dispatch's separate gather into a contiguous
+send buffer (`row_gather.gather_live_rows`: one HBM write and read of every send row).
+History (NOTES_ep_transfer.md): v1/v2 loaded [1, col_tile] boxes, 8 TMA loads per row
+at H 2048 (28 at H 7168) into the plain tiling's [128, 256] stage: the transfer got
+~27% slower (qwen3-like EP 4, 4x H200: 1.16 -> 1.47 ms per call for the two
+dispatches), eating the gathers' 0.25 ms.
 
 Synchronisation contract
 ------------------------
@@ -116,14 +121,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
+from pallas_kernels.row_gather import column_blocking
 from pallas_kernels.tma import ladder_store, store_first_copy_loop, two_stage_copy_loop
 from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
 from uniep_jax.ragged import enumerate_runs
 
 
-# Gathered loads (`src_index`): row loads issued per loop iteration; the index reads of
-# one iteration are independent, so their latencies overlap (a fully unrolled 128-row
+# Gathered loads (`src_index`): rows per work item (the store ladder's largest step;
+# min(chunk_rows, this)), and row loads issued per loop iteration (the index reads of one
+# iteration are independent, so their latencies overlap; v1's fully unrolled 128-row
 # chunk took 185 s to compile for the qwen3-like layer against 76 s without it)
+GATHER_ITEM_ROWS = 16
 GATHER_UNROLL = 16
 
 
@@ -160,12 +168,15 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   Shared by this kernel and the fused dispatch + GEMM kernel.
 
   index_base: None: an item's rows are src rows src_row .. src_row + rows - 1, one
-  [item_rows, col_tile] TMA load. Else the rows are gathered: item row i is src row
-  work_gmem[index_base + src_row + i], one [1, col_tile] TMA load per row,
-  GATHER_UNROLL per loop iteration (item_rows loads per step, rows past the item's end load its last row again and are
-  never stored; load_barrier must count item_rows arrivals)."""
-  ns, hidden = src_gmem.shape
-  n_col = hidden // col_tile
+  [item_rows, col_tile] TMA load (2-D refs; col_tile: columns per step). Else the rows
+  are gathered (3-D refs: src/dst [rows, H / ct, ct], the stage [2, item_rows, nb, ct],
+  `col_tile` = nb, boxes per step): item row i is src row
+  work_gmem[index_base + src_row + i], one [1, nb, ct] TMA load per row (all nb * ct
+  columns of a column block in one box), GATHER_UNROLL per loop iteration (item_rows
+  loads per step; rows past the item's end load its last row again and are never
+  stored; load_barrier must count item_rows arrivals)."""
+  ns, width = src_gmem.shape[:2]      # width: columns (2-D) or boxes (3-D) per row
+  n_col = width // col_tile
   steps = (jnp.maximum(count - cta + num_ctas - 1, 0) // num_ctas) * n_col
 
   def item_col(s):
@@ -226,8 +237,6 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
   local form (every offset's rows land in this device's `out`). Kernels that embed
   it (`wgrad_return.py`) run it on CTAs [0, num_ctas) of their `cta_axis` and pass
   `sems` (`transfer_semaphores`, allocated at the kernel's top level)."""
-  ns, hidden = src_gmem.shape
-  n_col = hidden // col_tile
   c = lax.axis_index(cta_axis)
   stride = 3 * w + 1
 
@@ -274,12 +283,22 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
   gathered rows first.
   """
   ns, hidden = src.shape
+  itemsize = jnp.dtype(src.dtype).itemsize
   num_peers = seg_len.shape[0]
-  col_tile = config.col_tile_for(hidden, itemsize=jnp.dtype(src.dtype).itemsize,
-                                 smem_bytes=device_lib.smem_capacity())
-  chunk = config.chunk_rows
-  if src_index is None and ns < chunk:  # the load box must fit inside src
-    src = jnp.pad(src, ((0, chunk - ns), (0, 0)))
+  if src_index is None:
+    chunk = config.chunk_rows
+    col_tile = config.col_tile_for(hidden, itemsize=itemsize,
+                                   smem_bytes=device_lib.smem_capacity())
+    if ns < chunk:  # the load box must fit inside src
+      src = jnp.pad(src, ((0, chunk - ns), (0, 0)))
+    stage, step_width, arrivals = (chunk, col_tile), col_tile, 1
+    out_shape = (out_rows, hidden)
+  else:   # whole rows (or column blocks of nb boxes of ct) per TMA, 3-D views
+    chunk = min(config.chunk_rows, GATHER_ITEM_ROWS)
+    ct, nb = column_blocking(hidden, itemsize, chunk, max_col_tile=config.col_tile)
+    src = src.reshape(ns, hidden // ct, ct)
+    stage, step_width, arrivals = (chunk, nb, ct), nb, chunk
+    out_shape = (out_rows, hidden // ct, ct)
   num_ctas = min(config.num_ctas, device_lib.num_sms())
   if axis_name is not None:
     rank = lax.axis_index(axis_name)
@@ -291,7 +310,7 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
   if src_index is not None:   # the index rides behind the work lists in one int32 array
     index_base = work.shape[0]
     work = jnp.concatenate([work, src_index.astype(jnp.int32)])
-  body = functools.partial(_transfer_body, w=w, chunk_rows=chunk, col_tile=col_tile,
+  body = functools.partial(_transfer_body, w=w, chunk_rows=chunk, col_tile=step_width,
                            num_ctas=num_ctas, axis_name=axis_name, num_peers=num_peers,
                            index_base=index_base)
   if interpret is None:
@@ -302,12 +321,11 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
   kernel = plgpu.kernel(
       body,
       kernel_name="ep_transfer",
-      out_type=jax.ShapeDtypeStruct((out_rows, hidden), src.dtype),
-      scratch_types=[plgpu.SMEM((2, chunk, col_tile), src.dtype),
-                     plgpu.Barrier(num_arrivals=1 if src_index is None else chunk,
-                                   num_barriers=2)],
+      out_type=jax.ShapeDtypeStruct(out_shape, src.dtype),
+      scratch_types=[plgpu.SMEM((2, *stage), src.dtype),
+                     plgpu.Barrier(num_arrivals=arrivals, num_barriers=2)],
       grid=(num_ctas,),
       grid_names=("cta",),
       interpret=interpret,
   )
-  return kernel(work, src)
+  return kernel(work, src).reshape(out_rows, hidden)

@@ -111,15 +111,17 @@ STAGE_BUDGET_BYTES = 160 * 1024
 
 
 def column_blocking(hidden: int, itemsize: int, rows_per_tile: int,
-                    budget: int = STAGE_BUDGET_BYTES) -> tuple[int, int]:
+                    budget: int = STAGE_BUDGET_BYTES, *,
+                    max_col_tile: int = 256) -> tuple[int, int]:
   """(ct, nb): columns per TMA box and boxes per column block. ct is the widest
-  multiple of 8 <= 256 dividing `hidden`; nb the most boxes (a divisor of
-  hidden / ct) whose two stages of `rows_per_tile` rows fit in `budget` bytes."""
-  ct = next((t for t in range(min(256, hidden), 7, -1) if hidden % t == 0 and t % 8 == 0),
-            None)
+  multiple of 8 <= max_col_tile (<= 256, the TMA box limit) dividing `hidden`; nb the
+  most boxes (a divisor of hidden / ct) whose two stages of `rows_per_tile` rows fit in
+  `budget` bytes. Shared with ep_transfer.py's gathered loads."""
+  ct = next((t for t in range(min(max_col_tile, 256, hidden), 7, -1)
+             if hidden % t == 0 and t % 8 == 0), None)
   if ct is None:
-    raise ValueError(f"hidden={hidden} has no divisor that is a multiple of 8 and <= 256 "
-                     f"(the TMA box limit)")
+    raise ValueError(f"hidden={hidden} has no divisor that is a multiple of 8 and <= "
+                     f"{min(max_col_tile, 256)} (the TMA box limit, col_tile)")
   boxes = hidden // ct
   for nb in range(boxes, 0, -1):
     if boxes % nb == 0 and 2 * rows_per_tile * nb * ct * itemsize <= budget:

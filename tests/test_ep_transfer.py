@@ -2,6 +2,8 @@
 lists, the load/store pipeline and the TMA store ladder (rows outside segments
 are never written)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,18 +57,26 @@ def test_local_transfer_matches_numpy(chunk, src_rows, peers, per_peer, num_ctas
   assert (~covered).any() and np.isnan(out[~covered]).all()
 
 
-@pytest.mark.parametrize("chunk,src_rows,index_rows,peers,per_peer,num_ctas",
-                         [(32, 40, 90, 2, 3, 3), (4, 9, 30, 3, 2, 2)])
+@pytest.mark.parametrize("chunk,src_rows,index_rows,peers,per_peer,num_ctas,h,budget",
+                         [(32, 40, 90, 2, 3, 3, 256, 8192), (4, 9, 30, 3, 2, 2, 128, None)])
 def test_local_gathered_transfer_equals_transfer_of_gathered_rows(
-    chunk, src_rows, index_rows, peers, per_peer, num_ctas):
-  """src_index (TransferConfig.gather_rows): the loads read src[index[i]] row by row;
-  the output equals the plain transfer of the gathered rows bit for bit, nothing
-  outside a segment written (short chunks reload their last row into stage rows the
-  store ladder never stores), no race. chunk 32: two loop iterations of
-  GATHER_UNROLL row loads per step."""
-  assert chunk in (4, 2 * ep_transfer.GATHER_UNROLL)
+    monkeypatch, chunk, src_rows, index_rows, peers, per_peer, num_ctas, h, budget):
+  """src_index (TransferConfig.gather_rows): the loads read src[index[i]] row by row,
+  [1, nb, ct] boxes; the output equals the plain transfer of the gathered rows bit for
+  bit, nothing outside a segment written (short chunks reload their last row into stage
+  rows the store ladder never stores), no race. Case 1: chunk_rows 32 -> items of
+  GATHER_ITEM_ROWS (16) rows, loaded 8 per loop iteration (two iterations), rows of 4
+  boxes in two column blocks of 2 (a small stage budget); case 2: 4-row items, one
+  block."""
+  from pallas_kernels import row_gather
+  if budget is not None:
+    monkeypatch.setattr(ep_transfer, "GATHER_UNROLL", 8)
+    monkeypatch.setattr(ep_transfer, "column_blocking",
+                        functools.partial(row_gather.column_blocking, budget=budget))
+    assert ep_transfer.column_blocking(h, 2, ep_transfer.GATHER_ITEM_ROWS,
+                                       max_col_tile=64) == (64, 2)
   rng = np.random.default_rng(index_rows)
-  h, out_rows = 128, index_rows + 3 * peers * per_peer
+  out_rows = index_rows + 3 * peers * per_peer
   x = jax.random.normal(jax.random.key(1), (src_rows, h), jnp.float32).astype(jnp.bfloat16)
   index = jnp.asarray(rng.integers(0, src_rows, index_rows), jnp.int32)  # repeats too
   seg_src, seg_dst, seg_len = _segments(rng, index_rows, out_rows, peers, per_peer)
