@@ -5,6 +5,26 @@
 The order is fixed (a Python loop over K, not a reduction XLA may reorder), so
 every backend that produces the same y produces the same bits.
 
+Owner partials (`UniEPConfig.slot_reduction="owner_partials"`, EXPERIMENTAL): the
+slots of a token that one EP rank owns are summed first, so that a return can carry
+one row per (token, owner rank) instead of one per slot:
+
+    term[t, k]    = round(weight[t, k] * f32(y[t, k]))              (activation dtype)
+    partial[t, r] = round(fold, in slot order, of f32(term[t, k]) over the slots k
+                          whose expert rank r owns)                  (activation dtype)
+    out[t]        = out_dtype(fold, in rank order, of f32(partial[t, r]) over the
+                          ranks r that own at least one of t's slots)
+A fold starts from its first term (no + 0.0: the sign of a zero is kept). Every
+rounding is explicit (`lax.reduce_precision`, which XLA keeps, where a convert pair
+may be dropped as excess precision), and the folds add rounded values only, so no
+compiler can contract a multiply into an add: any kernel that rounds and adds in this
+order gives these bits (the owner-side fold of a future return, one row per (token,
+owner)). The bits depend on the EP degree (the owner of expert e at R ranks is
+e // (E / R)); at one rank the sum is of rounded terms, so not the plain combine's
+bits either. The backward treats every rounding as the identity: the plain combine's
+backward (d y_k = dtype(w_k * f32(dy)), d w_k = <f32(dy), f32(y_k)>), so the
+de-duplicated dy dispatch is unchanged.
+
 Backward: autodiff's transpose of that loop, with one rule of our own: the output's
 cotangent dy is rounded to its dtype and materialised (`optimization_barrier`) before
 each slot's row dy_k = dtype(w[t, k] * f32(dy[t])) is formed. Without it XLA's GPU
@@ -21,6 +41,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from uniep_jax.dispatch import int_cotangent
 
 
 def _weighted_sum(y: jax.Array, weights: jax.Array, out_dtype) -> jax.Array:
@@ -62,6 +84,77 @@ def _bwd(out_dtype, res, dy):
 _weighted_topk_sum.defvjp(_fwd, _bwd)
 
 
-def weighted_topk_sum(y: jax.Array, weights: jax.Array, out_dtype=None) -> jax.Array:
-  """y [T, K, H] (any float dtype), weights [T, K] f32 -> [T, H] in `out_dtype`."""
-  return _weighted_topk_sum(y, weights, jnp.dtype(out_dtype or y.dtype))
+def round_to(x32: jax.Array, dtype) -> jax.Array:
+  """float32 x rounded (to nearest even) to `dtype`'s precision and range, kept in
+  float32: an explicit op, never elided as excess precision."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32:
+    return x32
+  fi = jnp.finfo(dtype)
+  return jax.lax.reduce_precision(x32, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
+def owner_partial_sum(terms: jax.Array, owners: jax.Array, partial_dtype, out_dtype) -> jax.Array:
+  """The two-level sum (module docstring): terms [T, K, H] float32 (already rounded as
+  the caller's mode says), owners [T, K] int (each slot's owner rank) -> [T, H] in
+  out_dtype: per owner a fold in slot order rounded to partial_dtype, then a fold of the
+  partials in ascending rank order.
+
+  The slots are first put in (owner, slot) order (an argsort of owner * K + k: unique
+  keys, so the order is a function of `owners` alone); each owner's slots are then a
+  run, folded left to right, and each run's rounded sum joins the outer fold at the
+  run's end: K steps whatever the EP degree."""
+  t, k, h = terms.shape
+  slot = jnp.arange(k, dtype=jnp.int32)
+  order = jnp.argsort(owners.astype(jnp.int32) * k + slot[None, :], axis=1)
+  own = jnp.take_along_axis(owners.astype(jnp.int32), order, axis=1)          # [T, K]
+  terms = jnp.take_along_axis(terms, order[:, :, None], axis=1)               # [T, K, H]
+  inner = outer = have = None
+  for j in range(k):
+    if j == 0:
+      inner = terms[:, 0]
+    else:
+      starts = (own[:, j] != own[:, j - 1])[:, None]
+      inner = jnp.where(starts, terms[:, j], inner + terms[:, j])
+    ends = (own[:, j] != own[:, j + 1])[:, None] if j + 1 < k else jnp.ones((t, 1), bool)
+    partial = round_to(inner, partial_dtype)
+    if j == 0:
+      outer, have = partial, ends
+    else:
+      outer = jnp.where(ends, jnp.where(have, outer + partial, partial), outer)
+      have = have | ends
+  return outer.astype(out_dtype)
+
+
+def _owner_weighted_sum(y, weights, owners, out_dtype):
+  terms = round_to(weights[:, :, None] * y.astype(jnp.float32), y.dtype)
+  return owner_partial_sum(terms, owners, y.dtype, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _owner_topk_sum(y, weights, owners, out_dtype):
+  return _owner_weighted_sum(y, weights, owners, out_dtype)
+
+
+def _owner_fwd(y, weights, owners, out_dtype):
+  return _owner_weighted_sum(y, weights, owners, out_dtype), (y, weights, owners)
+
+
+def _owner_bwd(out_dtype, res, dy):
+  y, weights, owners = res
+  d_y, d_w = weighted_topk_sum_vjp(y, weights, round_cotangent(dy), out_dtype)
+  return d_y, d_w, int_cotangent(owners)
+
+
+_owner_topk_sum.defvjp(_owner_fwd, _owner_bwd)
+
+
+def weighted_topk_sum(y: jax.Array, weights: jax.Array, out_dtype=None,
+                      owners: jax.Array | None = None) -> jax.Array:
+  """y [T, K, H] (any float dtype), weights [T, K] f32 -> [T, H] in `out_dtype`.
+  owners [T, K] int (each slot's owner rank): the owner-partials sum (module
+  docstring); None: the plain slot-order sum."""
+  out_dtype = jnp.dtype(out_dtype or y.dtype)
+  if owners is None:
+    return _weighted_topk_sum(y, weights, out_dtype)
+  return _owner_topk_sum(y, weights, owners, out_dtype)

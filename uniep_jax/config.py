@@ -15,6 +15,7 @@ BACKENDS = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep"
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOGITS_MATMULS = ("bf16x3", "float32")
 TRANSPORTS = ("ragged", "padded", "nvlink")
+SLOT_REDUCTIONS = ("slot_order", "owner_partials")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +333,18 @@ class UniEPConfig:
     (`use_dedup_tokens`). Measured on 4x H200, layer fwd+bwd (runs 18, 19): 43.87
     -> 42.04 ms deepseek-like, 13.26 -> 11.73 qwen3-like, mixtral-like level (30.67 vs
     30.69); 2x H200 (runs 15, 16) the same way. False: the v1 dispatch.
+  slot_reduction: how a token's K slot rows become one row, in the forward combine
+    (y = sum_k w_k y_k) and in the dispatch's backward (dx = sum_k dx_k).
+    "slot_order" (default): one float32 fold over k = 0..K-1 at home, rounded once.
+    "owner_partials" (EXPERIMENTAL): the slots one EP rank owns summed first (each
+    term w_k y_k rounded to the activation dtype, a float32 fold in slot order rounded
+    to it), then the partials in rank order (`uniep_jax/combine.py`): the arithmetic of
+    a return that carries one row per (token, owner rank) instead of one per slot
+    (6 -> ~2.7 off-rank rows per token at K 8, EP 4; the owner-side fold that sends
+    them is not built yet: every backend computes these bits at home). The bits depend
+    on the EP degree; the dropless backends give the same bits as each other at the
+    same EP degree, as in "slot_order". "dense_reference" (the float32 oracle) ignores
+    it. Not with `fused`.
   """
 
   backend: str = "xla_dropless"
@@ -344,8 +357,15 @@ class UniEPConfig:
   fused: Optional[FusedConfig] = None
   swiglu_grad_in_kernel: Optional[bool] = None
   dedup_tokens: Optional[bool] = None
+  slot_reduction: str = "slot_order"
 
   def __post_init__(self):
+    if self.slot_reduction not in SLOT_REDUCTIONS:
+      raise ValueError(f"slot_reduction={self.slot_reduction!r} is unknown; expected one of "
+                       f"{SLOT_REDUCTIONS}")
+    if self.slot_reduction != "slot_order" and self.fused is not None:
+      raise ValueError(f"slot_reduction={self.slot_reduction!r} is not built into the fused "
+                       f"kernels (fused); use fused=None")
     if self.receive_capacity_factor is not None and not self.receive_capacity_factor > 0:
       raise ValueError(f"receive_capacity_factor={self.receive_capacity_factor} must be > 0 or None")
     if self.transport is not None and self.transport not in TRANSPORTS:

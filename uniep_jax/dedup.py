@@ -297,7 +297,7 @@ def _combine_unique_fwd(y_recv, weights, plan, dplan, top_k, axis_name, num_loca
                         transport, transfer, out_dtype):
   y_assign = collect(y_recv, plan, top_k=top_k, axis_name=axis_name,
                      num_local_experts=num_local_experts, transport=transport, transfer=transfer)
-  y = weighted_topk_sum(y_assign, weights, out_dtype=out_dtype)
+  y = weighted_topk_sum(y_assign, weights, out_dtype=out_dtype, owners=plan.slot_owners)
   return y, (y_assign, weights, plan, dplan, y_recv[:0])
 
 

@@ -49,16 +49,53 @@ def default_transport(platform: str, process_count: int = 1) -> str:
 
 # ---------------------------------------------------------------------------
 # Token -> slots. Forward: copy each token row to its K slots. Backward: the K
-# slot cotangents of a token summed in slot order, in float32.
+# slot cotangents of a token summed in slot order, in float32 (with owners, the
+# owner-partials sum of uniep_jax/combine.py: each owner rank's slots first).
 # ---------------------------------------------------------------------------
+def replicate_slots(x: jax.Array, top_k: int, owners: jax.Array | None = None) -> jax.Array:
+  """x [T, H] -> [T*K, H], each row copied to its K slots. Backward: the slot
+  cotangents summed in slot order in float32 (owners None), or by
+  `combine.owner_partial_sum` (owners [T, K] int, each slot's owner rank)."""
+  if owners is None:
+    return _replicate_slots(x, top_k)
+  return _replicate_slots_owners(x, owners, top_k)
+
+
+def replicate_slots_transpose(ct: jax.Array, top_k: int,
+                              owners: jax.Array | None = None) -> jax.Array:
+  """`replicate_slots`' backward at cotangent ct [T*K, H]: [T, H] in ct's dtype."""
+  if owners is None:
+    return _replicate_bwd(top_k, None, ct)[0]
+  from uniep_jax.combine import owner_partial_sum
+  t = ct.shape[0] // top_k
+  terms = ct.reshape(t, top_k, -1).astype(jnp.float32)
+  return owner_partial_sum(terms, owners, ct.dtype, ct.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def replicate_slots(x: jax.Array, top_k: int) -> jax.Array:
+def _replicate_slots(x: jax.Array, top_k: int) -> jax.Array:
   t, h = x.shape
   return jnp.broadcast_to(x[:, None, :], (t, top_k, h)).reshape(t * top_k, h)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _replicate_slots_owners(x: jax.Array, owners: jax.Array, top_k: int) -> jax.Array:
+  return _replicate_slots(x, top_k)
+
+
+def _replicate_owners_fwd(x, owners, top_k):
+  return _replicate_slots(x, top_k), owners
+
+
+def _replicate_owners_bwd(top_k, owners, ct):
+  return replicate_slots_transpose(ct, top_k, owners), int_cotangent(owners)
+
+
+_replicate_slots_owners.defvjp(_replicate_owners_fwd, _replicate_owners_bwd)
+
+
 def _replicate_fwd(x, top_k):
-  return replicate_slots(x, top_k), None
+  return _replicate_slots(x, top_k), None
 
 
 def _replicate_bwd(top_k, _, ct):
@@ -70,7 +107,7 @@ def _replicate_bwd(top_k, _, ct):
   return (acc.astype(ct.dtype),)
 
 
-replicate_slots.defvjp(_replicate_fwd, _replicate_bwd)
+_replicate_slots.defvjp(_replicate_fwd, _replicate_bwd)
 
 
 def varying_axes(x: jax.Array) -> frozenset:
@@ -329,17 +366,17 @@ return_rows.defvjp(_return_fwd, _return_bwd)
 
 def sort_rows(x, plan: DispatchPlan, top_k: int) -> jax.Array:
   """x [T, H] -> its K slot copies in the plan's sorted order [T*K, H]."""
-  return permute_rows(replicate_slots(x, top_k), plan.sort_order, plan.sorted_position)
+  return permute_rows(replicate_slots(x, top_k, plan.slot_owners), plan.sort_order,
+                      plan.sorted_position)
 
 
 def sort_rows_transpose(rows_sorted, plan: DispatchPlan, top_k: int, x_like) -> jax.Array:
   """`sort_rows`' backward pass at cotangent rows_sorted [T*K, H], op for op: the gather
-  by the inverse permutation (`permute_rows`), then each token's K slots summed in slot
-  order (`replicate_slots`). x_like: an empty slice of x (its type)."""
+  by the inverse permutation (`permute_rows`), then each token's K slots summed
+  (`replicate_slots`). x_like: an empty slice of x (its type)."""
   every = jnp.ones(plan.sorted_position.shape, bool)
   slots = sum_to_type_of(_take_rows(rows_sorted, plan.sorted_position, every), x_like)
-  (dx,) = _replicate_bwd(top_k, None, slots)
-  return dx
+  return replicate_slots_transpose(slots, top_k, plan.slot_owners)
 
 
 def unsort_rows(rows_sorted, plan: DispatchPlan, top_k: int) -> jax.Array:

@@ -83,6 +83,9 @@ class DispatchPlan:
   kept_counts: jax.Array         # [R, R, El] int32: rows (src, dst, le) that are sent;
                                  #   = C without a receive bound
   dropped: jax.Array             # int32: rows this rank did not receive (receive bound)
+  # --- how a token's slot rows are summed (UniEPConfig.slot_reduction) ---
+  slot_owners: jax.Array | None = None  # [T, K] int32: each slot's owner rank
+                                 #   ("owner_partials"); None: slot order
 
   @property
   def num_received(self) -> jax.Array:

@@ -179,12 +179,15 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
   num_tokens = t * math.prod(jax.lax.axis_size(a) for a in token_axes)
   lb, z = routing_lib.aux_losses(counts, prob_sum, z_sum, num_tokens, top_k)
 
+  # "owner_partials": each slot's owner rank, for the two-level sums (combine.py)
+  owners = (out.topk_experts.astype(jnp.int32) // el
+            if config.slot_reduction == "owner_partials" else None)
   if config.backend == "xla_capacity":
     y_assign, dropped = capacity_moe_shard(
         x, out.topk_experts, params, top_k=top_k,
-        capacity_factor=config.capacity_factor, axis_name=expert_axis)
+        capacity_factor=config.capacity_factor, axis_name=expert_axis, owners=owners)
     dropped = jax.lax.psum(dropped, token_axes)
-    y = weighted_topk_sum(y_assign, out.topk_weights, out_dtype=x.dtype)
+    y = weighted_topk_sum(y_assign, out.topk_weights, out_dtype=x.dtype, owners=owners)
   elif config.backend in ("xla_dropless", "pallas", "uniep"):
     transport = transport or config.transport or "padded"
     if config.backend == "uniep":
@@ -201,6 +204,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
           local_group_sizes(out.topk_experts, num_experts), expert_axis)   # [R, E]
       plan = make_plan(out.topk_experts, count_matrix, jax.lax.axis_index(expert_axis),
                        recv_rows=recv_rows)
+    plan = plan.replace(slot_owners=owners)
     if config.fused is not None:   # "uniep" with the v2 fused kernels (uniep_jax/fused.py)
       from uniep_jax.fused import fused_expert_ffn, fused_expert_ffn_combine
       fkw = dict(axis_name=expert_axis, num_local_experts=el, kernel=config.kernel,
@@ -238,7 +242,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
                            transport, config.transfer, x.dtype)
       else:
         y = weighted_topk_sum(collect(y_recv, plan, **kw), out.topk_weights,
-                              out_dtype=x.dtype)                         # [T, K, H] -> [T, H]
+                              out_dtype=x.dtype, owners=plan.slot_owners)  # [T, K, H] -> [T, H]
     dropped = jax.lax.psum(plan.dropped, token_axes)
   else:
     raise ValueError(f"config.backend={config.backend!r} has no per-shard form")

@@ -1,0 +1,158 @@
+"""`UniEPConfig.slot_reduction="owner_partials"`: a token's slots summed per owner rank
+first (uniep_jax/combine.py): the two-level arithmetic bit for bit against a numpy
+emulation, its backward, and the layer's backends agreeing bit for bit in the mode."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import uniep_jax
+from conftest import make_mesh
+from moe_testlib import make_params, make_x, rel_err
+from uniep_jax import UniEPConfig
+from uniep_jax.combine import owner_partial_sum, weighted_topk_sum
+from uniep_jax.dispatch import replicate_slots
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _round(a):
+  """float32 -> bfloat16 -> float32 (to nearest even)."""
+  return np.asarray(a, np.float32).astype(BF16).astype(np.float32)
+
+
+def _emulated(terms, owners):
+  """The module docstring's sum, token by token: per owner (ascending), a float32 fold
+  of its terms in slot order starting from the first, rounded to bf16; then a float32
+  fold of the partials, rounded to bf16."""
+  t, k, h = terms.shape
+  out = np.zeros((t, h), np.float32)
+  for i in range(t):
+    outer = None
+    for r in sorted(set(owners[i].tolist())):
+      inner = None
+      for j in range(k):
+        if owners[i, j] == r:
+          inner = terms[i, j].copy() if inner is None else np.float32(inner + terms[i, j])
+      partial = _round(inner)
+      outer = partial if outer is None else np.float32(outer + partial)
+    out[i] = _round(outer)
+  return out
+
+
+def _inputs(seed, t=24, k=6, h=16, owners_max=4):
+  rng = np.random.default_rng(seed)
+  y = rng.standard_normal((t, k, h)).astype(np.float32).astype(BF16)
+  y[0, :, :3] = -0.0                             # signed zeros: a fold must not add +0.0
+  w = rng.random((t, k)).astype(np.float32)
+  owners = rng.integers(0, owners_max, (t, k)).astype(np.int32)
+  owners[1] = 2                                  # one owner holds every slot
+  owners[2] = np.arange(k) % owners_max          # every owner present
+  return y, w, owners
+
+
+def test_owner_partial_sum_matches_numpy_bitwise():
+  y, w, owners = _inputs(0)
+  terms = _round(w[:, :, None] * y.astype(np.float32))
+  got = jax.jit(lambda a, o: owner_partial_sum(a, o, jnp.bfloat16, jnp.bfloat16))(
+      jnp.asarray(terms), jnp.asarray(owners))
+  want = _emulated(terms, owners)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.astype(BF16).view(np.uint16))
+  assert np.signbit(want[0, :3]).all()            # the emulation kept -0.0; so did the sum
+
+
+def test_owner_weighted_sum_forward_and_backward():
+  """The combine in the mode: terms bf16(w * f32(y)) then the two-level sum (numpy);
+  its backward is the plain combine's (roundings taken as identity), bit for bit; and
+  it differs from the plain slot-order sum (the mode changes bits)."""
+  y, w, owners = _inputs(1)
+  yj, wj, oj = jnp.asarray(y), jnp.asarray(w), jnp.asarray(owners)
+  got = jax.jit(lambda a, b, o: weighted_topk_sum(a, b, jnp.bfloat16, owners=o))(yj, wj, oj)
+  want = _emulated(_round(w[:, :, None] * y.astype(np.float32)), owners)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.astype(BF16).view(np.uint16))
+  plain = weighted_topk_sum(yj, wj, jnp.bfloat16)
+  assert not np.array_equal(np.asarray(plain).view(np.uint16), np.asarray(got).view(np.uint16))
+
+  def loss(a, b, o):
+    out = weighted_topk_sum(a, b, jnp.bfloat16, owners=o)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+  def loss_plain(a, b):
+    return jnp.sum(jnp.sin(weighted_topk_sum(a, b, jnp.bfloat16).astype(jnp.float32)))
+
+  g = jax.jit(jax.grad(loss, argnums=(0, 1)))(yj, wj, oj)
+  # the same cotangent (cos of the mode's output) through the plain combine's backward
+  dy = jnp.cos(got.astype(jnp.float32)).astype(jnp.bfloat16)
+  _, vjp = jax.vjp(lambda a, b: weighted_topk_sum(a, b, jnp.bfloat16), yj, wj)
+  chex.assert_trees_all_equal(g, vjp(dy))
+  assert jax.grad(loss_plain)(yj, wj).shape == y.shape
+
+
+def test_replicate_slots_backward_sums_by_owner():
+  """The dispatch's backward (dx = sum of a token's slot cotangents) in the mode: the
+  two-level sum of the (already bf16) slot rows, bit for bit."""
+  _, _, owners = _inputs(2)
+  t, k = owners.shape
+  x = jnp.zeros((t, 16), jnp.bfloat16)
+  ct = jnp.asarray(np.random.default_rng(3).standard_normal((t * k, 16)), jnp.bfloat16)
+  _, vjp = jax.vjp(lambda a: replicate_slots(a, k, jnp.asarray(owners)), x)
+  (dx,) = vjp(ct)
+  want = _emulated(np.asarray(ct, np.float32).reshape(t, k, 16), owners)
+  np.testing.assert_array_equal(np.asarray(dx).view(np.uint16), want.astype(BF16).view(np.uint16))
+
+
+def _fns(mesh, cfg, top_k):
+  fwd = jax.jit(lambda x, p: uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=top_k, config=cfg)[0])
+
+  def loss(x, p):
+    y = fwd(x, p)
+    w = jnp.sin(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+    return jnp.sum(y.astype(jnp.float32) * w)
+
+  return fwd, jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def test_layer_backends_agree_bitwise_in_owner_mode():
+  """EP 4 (data 2): the dropless dispatch, the de-duplicated one and the capacity path
+  (capacity large enough to drop nothing) give the same output and gradients bit for
+  bit in the mode, as they do in slot order; within bf16 error of the float32 oracle;
+  and different bits from slot order (forward and x's gradient: both sums changed)."""
+  e, h, f, k = 8, 32, 24, 3
+  mesh = make_mesh(2, 4)
+  kx, kp = jax.random.split(jax.random.key(11))
+  p = make_params(kp, experts=e, hidden=h, ffn=f, dtype=jnp.bfloat16)
+  x = make_x(kx, 64, h, jnp.bfloat16)
+  outs = {}
+  for name, cfg in {
+      "dropless": UniEPConfig(backend="xla_dropless", slot_reduction="owner_partials"),
+      "dedup": UniEPConfig(backend="xla_dropless", dedup_tokens=True,
+                           slot_reduction="owner_partials"),
+      "capacity": UniEPConfig(backend="xla_capacity", capacity_factor=float(e),
+                              slot_reduction="owner_partials"),
+      "slot_order": UniEPConfig(backend="xla_dropless")}.items():
+    fwd, grad = _fns(mesh, cfg, k)
+    outs[name] = (fwd(x, p), grad(x, p))
+  chex.assert_trees_all_equal(outs["dedup"], outs["dropless"])
+  chex.assert_trees_all_equal(outs["capacity"][0], outs["dropless"][0])
+  chex.assert_trees_all_equal(outs["capacity"][1][0], outs["dropless"][1][0])
+  y, (gx, _) = outs["dropless"]
+  y0, (gx0, _) = outs["slot_order"]
+  assert not np.array_equal(np.asarray(y).view(np.uint16), np.asarray(y0).view(np.uint16))
+  assert not np.array_equal(np.asarray(gx).view(np.uint16), np.asarray(gx0).view(np.uint16))
+  y_ref, _ = uniep_jax.moe_ffn(x.astype(jnp.float32), jax.tree.map(
+      lambda a: a.astype(jnp.float32), p), mesh=None, top_k=k,
+      config=UniEPConfig(backend="dense_reference"))
+  assert rel_err(y, y_ref) < 2e-2
+  assert rel_err(y, y0) < 2e-2
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(slot_reduction="per_rank"), "slot_reduction"),
+    (dict(backend="uniep", slot_reduction="owner_partials",
+          fused=uniep_jax.FusedConfig(return_in_kernel=False)), "fused")])
+def test_slot_reduction_config_errors(bad, match):
+  with pytest.raises(ValueError, match=match):
+    UniEPConfig(**bad)
