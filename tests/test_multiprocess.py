@@ -166,16 +166,43 @@ def test_distributed_spec_from_flags_and_env():
     resolve(coordinator="h:1", num_processes=2, process_id=2, local_devices=None, mesh_devices=8, env={})
 
 
-def test_launcher_timeout_kills_all(tmp_path):
-  """Past --timeout the launcher has every process print its stacks, kills them all and exits 124."""
-  # 8 s (was 20: the two processes compiled the training program for all of it, CPU the
-  # other pytest worker needs): each process registers the SIGUSR1 stack dump in its first
-  # ~0.1 s (train.cli -> train.distributed.initialize, before jax is imported), so 8 s
-  # leaves it 80x that on a loaded machine; the 100000 steps outlast any timeout
-  r = _run("-m", "train.launch", "--processes", "2", "--timeout", "8", "--log-dir", str(tmp_path / "logs"),
-           "--", "--steps", "100000", "--out", str(tmp_path / "out"), "--no-progress", timeout=90)
-  assert r.returncode == 124, r.stdout + r.stderr
-  assert "timeout after 8.0 s; their stacks (SIGUSR1), then stopping all processes" in r.stderr
+def test_launcher_timeout_kills_all(tmp_path, monkeypatch, capsys):
+  """Past --timeout the launcher has every process print its stacks, kills them all and
+  returns 124.
+
+  `train.launch.launch` in this process (the CLI flags reach it as in the other tests'
+  `_launch`), so that the test can see the processes it started and check that each is
+  dead when it returns, and shorten the launcher's two waits, which were most of this
+  test's time (16.3 s, 2026-11-28) while the two processes compiled and trained on the CPU
+  the other pytest worker needs:
+    * the timeout, 4 s (was 8): each process registers the SIGUSR1 stack dump in its
+      first ~0.1 s (train.cli -> train.distributed.initialize, before jax is imported),
+      so 4 s leaves it 40x that on a loaded machine; the 100000 steps outlast any timeout
+    * the stack dump's wait, 1 s (was 3: faulthandler writes from the signal handler)
+      and the SIGTERM grace, 1 s (was 5): a jax process catches SIGTERM (its preemption
+      notifier logs it and runs on), so every process here is still alive after the grace
+      and the SIGKILL path runs; the dump still has 2 s before that
+  """
+  import functools
+
+  import train.launch as L
+  monkeypatch.chdir(REPO)          # `python -m train` from the repository's root
+  started = []
+
+  class Popen(subprocess.Popen):
+    def __init__(self, *a, **kw):
+      super().__init__(*a, **kw)
+      started.append(self)
+
+  monkeypatch.setattr(L.subprocess, "Popen", Popen)
+  monkeypatch.setattr(L, "_dump_stacks", functools.partial(L._dump_stacks, wait_s=1.0))
+  monkeypatch.setattr(L, "_kill", functools.partial(L._kill, grace_s=1.0))
+  rc = L.launch(2, ["--steps", "100000", "--out", str(tmp_path / "out"), "--no-progress"],
+                log_dir=str(tmp_path / "logs"), timeout=4.0, env=_env())
+  out, err = capsys.readouterr()
+  assert rc == 124, out + err
+  assert len(started) == 2 and all(p.poll() is not None for p in started), [p.poll() for p in started]
+  assert "timeout after 4.0 s; their stacks (SIGUSR1), then stopping all processes" in err
   for i in range(2):  # faulthandler's dump, from inside the training program
-    assert re.search(rf"\[p{i}\] .*most recent call first", r.stderr), r.stderr[-3000:]
+    assert re.search(rf"\[p{i}\] .*most recent call first", err), err[-3000:]
   assert sorted(os.listdir(tmp_path / "logs")) == ["process_0.log", "process_1.log"]

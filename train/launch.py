@@ -54,15 +54,16 @@ def _dump_stacks(procs: list[subprocess.Popen], wait_s: float = 3.0) -> None:
   time.sleep(wait_s)
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
-  """SIGTERM the process groups we started that still run, then SIGKILL after 5 s."""
+def _kill(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+  """SIGTERM the process groups we started that still run, then SIGKILL after `grace_s`
+  (a jax process catches SIGTERM: its preemption notifier logs it and runs on)."""
   live = [p for p in procs if p.poll() is None]
   for p in live:
     try:
       os.killpg(p.pid, signal.SIGTERM)
     except ProcessLookupError:
       pass
-  deadline = time.monotonic() + 5
+  deadline = time.monotonic() + grace_s
   for p in live:
     try:
       p.wait(timeout=max(0.0, deadline - time.monotonic()))
