@@ -200,10 +200,14 @@ def test_cli_rejects_impossible_mesh():
 
 
 def test_cli_end_to_end(tmp_path):
+  """The CLI's plumbing: flags (a mesh other than the default), the text corpus, the
+  metrics' steps, the held-out evaluations, loss.png, summary.json, the printed lines.
+  One block (was 2: nothing here depends on the depth, which the in-process tests above
+  cover; the compile, most of the test's time, shrinks)."""
   text = tmp_path / "corpus.txt"
   text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(4000)))
   out = tmp_path / "out"
-  r = _cli("--mesh", "data=4,expert=2", "--n-layers", "2", "--steps", "4", "--warmup", "1",
+  r = _cli("--mesh", "data=4,expert=2", "--n-layers", "1", "--steps", "4", "--warmup", "1",
            "--batch", "8", "--seq", "32", "--eval-every", "2", "--eval-batches", "1", "--data", str(text),
            "--out", str(out), "--no-progress")
   assert r.returncode == 0, r.stdout + r.stderr
