@@ -109,7 +109,10 @@ def test_training_two_processes_match_one_with_resume(tmp_path):
   # is checked is the state a resumed run restores and the batches it continues with. Only
   # process 0 writes the cache. The single-process run compiles its own (another device
   # topology: no program is shared with it), so the bitwise comparisons below still hold
-  # between programs compiled separately.
+  # between programs compiled separately. (Measured 2026-11-28, jax 0.11.2: only process 0
+  # loads them. Process 1's programs have cache keys of their own, e.g. jit_train_step's
+  # differs between the two processes, and jax writes entries from process 0 only, so
+  # process 1 compiles its programs again in the resumed half.)
   cache = _compilation_cache_env(tmp_path / "programs")
   r = _launch(2, "train", *common, "--out", str(multi), "--ckpt-dir", ckpt, "--ckpt-every", "2",
               "--stop-after", "2", env=cache)
