@@ -115,8 +115,9 @@ def main(argv=None):
       for backend in args.backends.split(","):
         # "<backend>_dd": the same backend with token de-duplication (dedup_tokens);
         # "<backend>_dd_gx": and the send rows gathered in the transfer's loads
-        # (TransferConfig.gather_rows)
-        base, gather = (backend[:-3], True) if backend.endswith("_gx") else (backend, False)
+        # (TransferConfig.gather_rows); "<name>_op": slot_reduction="owner_partials"
+        base, owner = (backend[:-3], True) if backend.endswith("_op") else (backend, False)
+        base, gather = (base[:-3], True) if base.endswith("_gx") else (base, False)
         base, dedup = (base[:-3], True) if base.endswith("_dd") else (base, False)
         if base in ("pallas", "uniep") and dtype == jnp.float32:
           continue  # the Pallas kernels take bf16 operands
@@ -125,7 +126,8 @@ def main(argv=None):
         for tr in transports:
           cfg = uniep_jax.UniEPConfig(backend=base, transport=tr, capacity_factor=100.0,
                                       dedup_tokens=dedup,
-                                      transfer=uniep_jax.TransferConfig(gather_rows=gather))
+                                      transfer=uniep_jax.TransferConfig(gather_rows=gather),
+                                      slot_reduction="owner_partials" if owner else "slot_order")
           tag = f"{backend}/{tr}/{jnp.dtype(dtype).name}/data={data},ep={ep}"
           try:
             f_fwd, f_grad = _fns(mesh, top_k, cfg)
@@ -159,6 +161,11 @@ def main(argv=None):
           # de-duplication sends fewer rows and changes no bit
           record(f"{backend}_equals_{backend[:-3]}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
                  common.same_bits(by_backend[backend], by_backend[backend[:-3]]))
+      for backend in [b for b in by_backend if b.endswith("_op") and b.startswith("uniep")]:
+        if "pallas_op" in by_backend:
+          # the mode's guarantee: the owner-side pre-sum and return change no bit
+          record(f"{backend}_equals_pallas_op_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
+                 common.same_bits(by_backend[backend], by_backend["pallas_op"]))
       if "uniep" in by_backend and "pallas" in by_backend:
         # The UniEP guarantee: the NVLink transport changes no bit.
         record(f"uniep_equals_pallas_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",

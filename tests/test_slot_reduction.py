@@ -1,5 +1,5 @@
 """`UniEPConfig.slot_reduction="owner_partials"`: a token's slots summed per owner rank
-first (uniep_jax/combine.py): the two-level arithmetic bit for bit against a numpy
+first, in expert order (uniep_jax/combine.py): the two-level arithmetic bit for bit against a numpy
 emulation, its backward, and the layer's backends agreeing bit for bit in the mode."""
 
 import chex
@@ -13,7 +13,7 @@ import uniep_jax
 from conftest import make_mesh
 from moe_testlib import make_params, make_x, rel_err
 from uniep_jax import UniEPConfig
-from uniep_jax.combine import owner_partial_sum, weighted_topk_sum
+from uniep_jax.combine import SlotOwners, owner_partial_sum, weighted_topk_sum
 from uniep_jax.dispatch import replicate_slots
 
 BF16 = ml_dtypes.bfloat16
@@ -24,18 +24,18 @@ def _round(a):
   return np.asarray(a, np.float32).astype(BF16).astype(np.float32)
 
 
-def _emulated(terms, owners):
+def _emulated(terms, experts, per_owner):
   """The module docstring's sum, token by token: per owner (ascending), a float32 fold
-  of its terms in slot order starting from the first, rounded to bf16; then a float32
-  fold of the partials, rounded to bf16."""
+  of its terms in ascending expert order starting from the first, rounded to bf16; then
+  a float32 fold of the partials, rounded to bf16."""
   t, k, h = terms.shape
   out = np.zeros((t, h), np.float32)
   for i in range(t):
     outer = None
-    for r in sorted(set(owners[i].tolist())):
+    for r in sorted(set((experts[i] // per_owner).tolist())):
       inner = None
-      for j in range(k):
-        if owners[i, j] == r:
+      for j in np.argsort(experts[i]):
+        if experts[i, j] // per_owner == r:
           inner = terms[i, j].copy() if inner is None else np.float32(inner + terms[i, j])
       partial = _round(inner)
       outer = partial if outer is None else np.float32(outer + partial)
@@ -43,35 +43,48 @@ def _emulated(terms, owners):
   return out
 
 
-def _inputs(seed, t=24, k=6, h=16, owners_max=4):
+PER_OWNER = 8      # 32 experts over 4 owner ranks
+
+
+def _inputs(seed, t=24, k=6, h=16):
   rng = np.random.default_rng(seed)
   y = rng.standard_normal((t, k, h)).astype(np.float32).astype(BF16)
   y[0, :, :3] = -0.0                             # signed zeros: a fold must not add +0.0
   w = rng.random((t, k)).astype(np.float32)
-  owners = rng.integers(0, owners_max, (t, k)).astype(np.int32)
-  owners[1] = 2                                  # one owner holds every slot
-  owners[2] = np.arange(k) % owners_max          # every owner present
-  return y, w, owners
+  experts = np.stack([rng.permutation(4 * PER_OWNER)[:k] for _ in range(t)]).astype(np.int32)
+  experts[1] = 2 * PER_OWNER + np.arange(k)[::-1]   # one owner holds every slot, reversed
+  experts[2] = np.arange(k) * PER_OWNER // 2 + 1    # every owner present
+  # token 3, column 0: three slots of owner 0 whose sum depends on the order: in expert
+  # order (slots 0, 2, 1) (1 - 1) + 2^-24 = 2^-24, in slot order (1 + 2^-24) - 1 = 0
+  experts[3] = [5, 7, 6, 9, 17, 25]
+  y[3, :, 0] = ORDER_COLUMN
+  w[3] = 1.0
+  return y, w, experts
+
+
+ORDER_COLUMN = np.array([1.0, 2.0 ** -24, -1.0, 0.0, 0.0, 0.0], np.float32)
 
 
 def test_owner_partial_sum_matches_numpy_bitwise():
-  y, w, owners = _inputs(0)
+  y, w, experts = _inputs(0)
   terms = _round(w[:, :, None] * y.astype(np.float32))
-  got = jax.jit(lambda a, o: owner_partial_sum(a, o, jnp.bfloat16, jnp.bfloat16))(
-      jnp.asarray(terms), jnp.asarray(owners))
-  want = _emulated(terms, owners)
+  got = jax.jit(lambda a, e: owner_partial_sum(a, e, PER_OWNER, jnp.bfloat16, jnp.bfloat16))(
+      jnp.asarray(terms), jnp.asarray(experts))
+  want = _emulated(terms, experts, PER_OWNER)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.astype(BF16).view(np.uint16))
   assert np.signbit(want[0, :3]).all()            # the emulation kept -0.0; so did the sum
+  assert want[3, 0] == 2.0 ** -24                 # expert order inside the owner
 
 
 def test_owner_weighted_sum_forward_and_backward():
   """The combine in the mode: terms bf16(w * f32(y)) then the two-level sum (numpy);
   its backward is the plain combine's (roundings taken as identity), bit for bit; and
   it differs from the plain slot-order sum (the mode changes bits)."""
-  y, w, owners = _inputs(1)
-  yj, wj, oj = jnp.asarray(y), jnp.asarray(w), jnp.asarray(owners)
+  y, w, experts = _inputs(1)
+  yj, wj = jnp.asarray(y), jnp.asarray(w)
+  oj = SlotOwners(jnp.asarray(experts), PER_OWNER)
   got = jax.jit(lambda a, b, o: weighted_topk_sum(a, b, jnp.bfloat16, owners=o))(yj, wj, oj)
-  want = _emulated(_round(w[:, :, None] * y.astype(np.float32)), owners)
+  want = _emulated(_round(w[:, :, None] * y.astype(np.float32)), experts, PER_OWNER)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.astype(BF16).view(np.uint16))
   plain = weighted_topk_sum(yj, wj, jnp.bfloat16)
   assert not np.array_equal(np.asarray(plain).view(np.uint16), np.asarray(got).view(np.uint16))
@@ -94,13 +107,17 @@ def test_owner_weighted_sum_forward_and_backward():
 def test_replicate_slots_backward_sums_by_owner():
   """The dispatch's backward (dx = sum of a token's slot cotangents) in the mode: the
   two-level sum of the (already bf16) slot rows, bit for bit."""
-  _, _, owners = _inputs(2)
-  t, k = owners.shape
+  _, _, experts = _inputs(2)
+  t, k = experts.shape
   x = jnp.zeros((t, 16), jnp.bfloat16)
-  ct = jnp.asarray(np.random.default_rng(3).standard_normal((t * k, 16)), jnp.bfloat16)
-  _, vjp = jax.vjp(lambda a: replicate_slots(a, k, jnp.asarray(owners)), x)
+  ct = np.random.default_rng(3).standard_normal((t, k, 16)).astype(np.float32)
+  ct[3, :, 0] = ORDER_COLUMN                      # the order-sensitive token
+  ct = jnp.asarray(ct.reshape(t * k, 16), jnp.bfloat16)
+  owners = SlotOwners(jnp.asarray(experts), PER_OWNER)
+  _, vjp = jax.vjp(lambda a: replicate_slots(a, k, owners), x)
   (dx,) = vjp(ct)
-  want = _emulated(np.asarray(ct, np.float32).reshape(t, k, 16), owners)
+  want = _emulated(np.asarray(ct, np.float32).reshape(t, k, 16), experts, PER_OWNER)
+  assert want[3, 0] == 2.0 ** -24
   np.testing.assert_array_equal(np.asarray(dx).view(np.uint16), want.astype(BF16).view(np.uint16))
 
 
@@ -147,6 +164,41 @@ def test_layer_backends_agree_bitwise_in_owner_mode():
       config=UniEPConfig(backend="dense_reference"))
   assert rel_err(y, y_ref) < 2e-2
   assert rel_err(y, y0) < 2e-2
+
+
+def test_nvlink_owner_presum_plumbing_equals_padded_bitwise(monkeypatch):
+  """The "nvlink" transport in the mode, with the NVLink transfer and the live-rows
+  gather replaced by their contracts (tests/test_dedup.py's plumbing test): the
+  backward's partials go back over `_dedup_nvlink`'s segments reversed and home folds
+  them; output and gradients equal the padded transport's home-side sum bit for bit."""
+  import pallas_kernels.ep_transfer as ep
+  import pallas_kernels.row_gather as rg
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from test_dedup import _simulated_gather_live_rows
+  from test_moe import _simulated_transfer
+  monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
+  monkeypatch.setattr(rg, "gather_live_rows", _simulated_gather_live_rows)
+  e, h, f, k = 8, 32, 24, 3
+  mesh = make_mesh(1, 4)
+  axes = ("data", "expert")
+  kx, kp = jax.random.split(jax.random.key(29))
+  p = make_params(kp, experts=e, hidden=h, ffn=f, dtype=jnp.bfloat16)
+  x = make_x(kx, 64, h, jnp.bfloat16)
+  specs = uniep_jax.param_specs(p)
+  x = jax.device_put(x, NamedSharding(mesh, P(axes)))
+  p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
+
+  def run(transport, dedup):
+    cfg = UniEPConfig(backend="xla_dropless", dedup_tokens=dedup,
+                      slot_reduction="owner_partials")
+    fn = jax.shard_map(
+        lambda xl, pl: uniep_jax.moe_ffn_shard(xl, pl, top_k=k, config=cfg, token_axes=axes,
+                                               transport=transport)[0],
+        mesh=mesh, in_specs=(P(axes), specs), out_specs=P(axes), check_vma=False)
+    loss = lambda x, p: jnp.sum(jnp.sin(fn(x, p).astype(jnp.float32)))  # noqa: E731
+    return jax.jit(fn)(x, p), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
+
+  chex.assert_trees_all_equal(run("nvlink", True), run("padded", False))
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -27,8 +27,8 @@ def capacity_per_expert(tokens: int, top_k: int, num_experts: int, capacity_fact
 def capacity_moe_shard(x, topk_experts, params, *, top_k, capacity_factor, axis_name,
                        owners=None):
   """Returns (y_assign [T, K, H] with dropped slots zero, dropped count (local)).
-  owners [T, K] int: each slot's owner rank; x's gradient then sums a token's slots by
-  owner first (`UniEPConfig.slot_reduction="owner_partials"`)."""
+  owners: a `combine.SlotOwners`; x's gradient then sums a token's slots by owner first
+  (`UniEPConfig.slot_reduction="owner_partials"`)."""
   t, h = x.shape
   e = params.router.shape[1]
   el = params.w_gate_up.shape[0]

@@ -10,10 +10,14 @@ slots of a token that one EP rank owns are summed first, so that a return can ca
 one row per (token, owner rank) instead of one per slot:
 
     term[t, k]    = round(weight[t, k] * f32(y[t, k]))              (activation dtype)
-    partial[t, r] = round(fold, in slot order, of f32(term[t, k]) over the slots k
-                          whose expert rank r owns)                  (activation dtype)
+    partial[t, r] = round(fold, in ascending expert order, of f32(term[t, k]) over
+                          the slots k whose expert rank r owns)      (activation dtype)
     out[t]        = out_dtype(fold, in rank order, of f32(partial[t, r]) over the
                           ranks r that own at least one of t's slots)
+(Expert order, not slot order, inside an owner: the owner's receive layout holds a
+token's rows in local-expert order, so its fold reads them in place; a token's experts
+are distinct, and rank r owns experts [r * E/R, (r + 1) * E/R), so sorting a token's
+slots by expert sorts them by (owner, expert).)
 A fold starts from its first term (no + 0.0: the sign of a zero is kept). Every
 rounding is explicit (`lax.reduce_precision`, which XLA keeps, where a convert pair
 may be dropped as excess precision), and the folds add rounded values only, so no
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -94,20 +99,21 @@ def round_to(x32: jax.Array, dtype) -> jax.Array:
   return jax.lax.reduce_precision(x32, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
 
 
-def owner_partial_sum(terms: jax.Array, owners: jax.Array, partial_dtype, out_dtype) -> jax.Array:
+def owner_partial_sum(terms: jax.Array, experts: jax.Array, experts_per_owner: int,
+                      partial_dtype, out_dtype) -> jax.Array:
   """The two-level sum (module docstring): terms [T, K, H] float32 (already rounded as
-  the caller's mode says), owners [T, K] int (each slot's owner rank) -> [T, H] in
-  out_dtype: per owner a fold in slot order rounded to partial_dtype, then a fold of the
-  partials in ascending rank order.
+  the caller's mode says), experts [T, K] int (each slot's expert, distinct within a
+  token), owner rank = expert // experts_per_owner -> [T, H] in out_dtype: per owner a
+  fold in ascending expert order rounded to partial_dtype, then a fold of the partials
+  in ascending rank order.
 
-  The slots are first put in (owner, slot) order (an argsort of owner * K + k: unique
-  keys, so the order is a function of `owners` alone); each owner's slots are then a
-  run, folded left to right, and each run's rounded sum joins the outer fold at the
-  run's end: K steps whatever the EP degree."""
+  The slots are first sorted by expert (unique keys within a token, so the order is a
+  function of `experts` alone); each owner's slots are then a run, folded left to right,
+  and each run's rounded sum joins the outer fold at the run's end: K steps whatever the
+  EP degree."""
   t, k, h = terms.shape
-  slot = jnp.arange(k, dtype=jnp.int32)
-  order = jnp.argsort(owners.astype(jnp.int32) * k + slot[None, :], axis=1)
-  own = jnp.take_along_axis(owners.astype(jnp.int32), order, axis=1)          # [T, K]
+  order = jnp.argsort(experts.astype(jnp.int32), axis=1)
+  own = jnp.take_along_axis(experts.astype(jnp.int32), order, axis=1) // experts_per_owner
   terms = jnp.take_along_axis(terms, order[:, :, None], axis=1)               # [T, K, H]
   inner = outer = have = None
   for j in range(k):
@@ -126,35 +132,47 @@ def owner_partial_sum(terms: jax.Array, owners: jax.Array, partial_dtype, out_dt
   return outer.astype(out_dtype)
 
 
-def _owner_weighted_sum(y, weights, owners, out_dtype):
+def _owner_weighted_sum(y, weights, experts, experts_per_owner, out_dtype):
   terms = round_to(weights[:, :, None] * y.astype(jnp.float32), y.dtype)
-  return owner_partial_sum(terms, owners, y.dtype, out_dtype)
+  return owner_partial_sum(terms, experts, experts_per_owner, y.dtype, out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _owner_topk_sum(y, weights, owners, out_dtype):
-  return _owner_weighted_sum(y, weights, owners, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _owner_topk_sum(y, weights, experts, experts_per_owner, out_dtype):
+  return _owner_weighted_sum(y, weights, experts, experts_per_owner, out_dtype)
 
 
-def _owner_fwd(y, weights, owners, out_dtype):
-  return _owner_weighted_sum(y, weights, owners, out_dtype), (y, weights, owners)
+def _owner_fwd(y, weights, experts, experts_per_owner, out_dtype):
+  return (_owner_weighted_sum(y, weights, experts, experts_per_owner, out_dtype),
+          (y, weights, experts))
 
 
-def _owner_bwd(out_dtype, res, dy):
-  y, weights, owners = res
+def _owner_bwd(experts_per_owner, out_dtype, res, dy):
+  y, weights, experts = res
   d_y, d_w = weighted_topk_sum_vjp(y, weights, round_cotangent(dy), out_dtype)
-  return d_y, d_w, int_cotangent(owners)
+  return d_y, d_w, int_cotangent(experts)
 
 
 _owner_topk_sum.defvjp(_owner_fwd, _owner_bwd)
 
 
+@flax.struct.dataclass
+class SlotOwners:
+  """Where a token's slots are reduced first ("owner_partials"): each slot's expert
+  [T, K] and the experts per owner rank (E / R, static). presum_on_owner: the
+  de-duplicated dispatch's backward sums a token's slots on their owner and returns one
+  row per (token, owner) (`dedup.owner_partials`; the same bits as summing at home);
+  off with a receive bound, whose dropped slots the home sum adds as zeros."""
+  experts: jax.Array
+  experts_per_owner: int = flax.struct.field(pytree_node=False)
+  presum_on_owner: bool = flax.struct.field(pytree_node=False, default=False)
+
+
 def weighted_topk_sum(y: jax.Array, weights: jax.Array, out_dtype=None,
-                      owners: jax.Array | None = None) -> jax.Array:
+                      owners: SlotOwners | None = None) -> jax.Array:
   """y [T, K, H] (any float dtype), weights [T, K] f32 -> [T, H] in `out_dtype`.
-  owners [T, K] int (each slot's owner rank): the owner-partials sum (module
-  docstring); None: the plain slot-order sum."""
+  owners: the owner-partials sum (module docstring); None: the plain slot-order sum."""
   out_dtype = jnp.dtype(out_dtype or y.dtype)
   if owners is None:
     return _weighted_topk_sum(y, weights, out_dtype)
-  return _owner_topk_sum(y, weights, owners, out_dtype)
+  return _owner_topk_sum(y, weights, owners.experts, owners.experts_per_owner, out_dtype)

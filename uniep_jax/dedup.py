@@ -235,16 +235,112 @@ def _dispatch_unique_fwd(x, plan, dplan, top_k, axis_name, num_local_experts, tr
 
 
 def _dispatch_unique_bwd(top_k, axis_name, num_local_experts, transport, transfer, res, ct):
-  # The plain dispatch's backward pass, op for op: the return of every slot's row
-  # (`send_rows`' transpose), the inverse permutation (`sort_rows`' `permute_rows`),
-  # then the K slots of a token summed in slot order (`replicate_slots`).
   plan, dplan, x_like = res
-  rows_sorted = _RETURN[transport](ct, plan, axis_name, num_local_experts, transfer)
-  dx = sort_rows_transpose(rows_sorted, plan, top_k, x_like)
+  owners = plan.slot_owners
+  if owners is not None and owners.presum_on_owner and transport in _PARTIAL_RETURN:
+    # "owner_partials": each owner sums its slots of a token (its own receive rows, in
+    # local-expert order) and returns one row per (token, owner); home folds them in
+    # rank order: the bits of the home-side two-level sum (combine.owner_partial_sum)
+    partials = owner_partials(ct, plan, dplan, axis_name)
+    back = _PARTIAL_RETURN[transport](partials, plan, dplan, axis_name, transfer)
+    dx = sum_to_type_of(home_fold(back, dplan, owners, axis_name), x_like)
+  else:
+    # The plain dispatch's backward pass, op for op: the return of every slot's row
+    # (`send_rows`' transpose), the inverse permutation (`sort_rows`' `permute_rows`),
+    # then the K slots of a token summed (`replicate_slots`: in slot order, or by owner).
+    rows_sorted = _RETURN[transport](ct, plan, axis_name, num_local_experts, transfer)
+    dx = sort_rows_transpose(rows_sorted, plan, top_k, x_like)
   return (dx, _zero_plan_cotangent(plan), _zero_plan_cotangent(dplan))
 
 
 dispatch_unique.defvjp(_dispatch_unique_fwd, _dispatch_unique_bwd)
+
+
+# ---------------------------------------------------------------------------
+# "owner_partials": the dispatch's backward returns one row per (token, owner).
+# ---------------------------------------------------------------------------
+def owner_partials(ct, plan: DispatchPlan, dplan: DedupPlan, axis_name) -> jax.Array:
+  """[R*T, H] in ct's dtype, packed like the forward's unique receive buffer (source
+  s's rows from unique_recv_offsets[s], in its unique send order): row g = round(float32
+  fold of the cotangent rows ct[p] of g's receive rows p, in receive-layout order =
+  ascending local expert), the owner's half of `combine.owner_partial_sum`. Rows past
+  the live ones are garbage (never returned). XLA's form: it reads [R*T, J] rows
+  (J = min(K, El), a token's rows on one owner), the worst case, not the live ones."""
+  t, k = plan.slot_owners.experts.shape
+  rows = jax.lax.axis_size(axis_name) * t
+  j_max = min(k, plan.recv_group_sizes.shape[0])
+  group = jnp.where(plan.recv_valid,
+                    dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position,
+                    jnp.int32(rows))                               # dead rows: past every g
+  order = jnp.argsort(group, stable=True).astype(jnp.int32)     # each group in p order
+  sorted_group = group[order]
+  g = jnp.arange(rows, dtype=jnp.int32)
+  start = jnp.searchsorted(sorted_group, g, side="left").astype(jnp.int32)
+  count = jnp.searchsorted(sorted_group, g, side="right").astype(jnp.int32) - start
+  acc = None
+  for j in range(j_max):
+    term = jnp.take(ct, order[jnp.minimum(start + j, order.shape[0] - 1)],
+                    axis=0).astype(jnp.float32)
+    acc = term if j == 0 else jnp.where((j < count)[:, None], acc + term, acc)
+  return acc.astype(ct.dtype)
+
+
+def _partial_return_padded(partials, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
+  """Owner -> home, `_dedup_padded` reversed: source s's block of partials (U[s, me] rows
+  from unique_recv_offsets[s]) goes back to s in one fixed slot of T rows; home lays
+  owner d's rows at its unique send offset for d ([T*min(R,K), H], the unique send order)."""
+  t = plan.slot_owners.experts.shape[0]
+  r, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+  q = jnp.arange(t, dtype=jnp.int32)
+  incoming = jax.lax.dynamic_index_in_dim(dplan.unique_counts, me, axis=1, keepdims=False)
+  at = dplan.unique_recv_offsets[:, None] + q[None, :]                        # [R, T]
+  buf = _take_rows(partials, at.reshape(-1), (q[None, :] < incoming[:, None]).reshape(-1))
+  got = jax.lax.all_to_all(buf.reshape(r, t, -1), axis_name, 0, 0, tiled=True)  # [R(owner), T, H]
+  u = dplan.unique_tokens.shape[0]
+  slot = jnp.arange(u, dtype=jnp.int32)
+  d = jnp.clip(jnp.searchsorted(dplan.unique_send_offsets, slot, side="right") - 1, 0, r - 1)
+  return got.reshape(r * t, -1)[d * t + (slot - dplan.unique_send_offsets[d])]
+
+
+def _partial_return_nvlink(partials, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):
+  """Owner -> home over NVLink: `_dedup_nvlink`'s segments reversed (source s's packed
+  block of partials to s's unique send offset for this rank, sum_{d < me} U[s, d])."""
+  from pallas_kernels.ep_transfer import transfer_segments  # GPU kernels, lazy
+  me = jax.lax.axis_index(axis_name)
+  u = dplan.unique_counts                                                     # [src, dst]
+  column = lambda a: a[:, None]  # noqa: E731  one segment per source
+  before_me = jnp.sum(jnp.where(jnp.arange(u.shape[1])[None, :] < me, u, 0), axis=1)
+  incoming = jax.lax.dynamic_index_in_dim(u, me, axis=1, keepdims=False)
+  return transfer_segments(partials, column(dplan.unique_recv_offsets), column(before_me),
+                           column(incoming), out_rows=dplan.unique_tokens.shape[0],
+                           config=transfer, axis_name=axis_name)
+
+
+_PARTIAL_RETURN = {"padded": _partial_return_padded, "nvlink": _partial_return_nvlink}
+
+
+def home_fold(back, dplan: DedupPlan, owners, axis_name) -> jax.Array:
+  """[T, H]: each token's partials (back: [T*min(R,K), H] in the unique send order, the
+  partial from owner d of token t at unique_send_offsets[d] + its position among d's
+  tokens) folded in ascending owner order in float32, rounded to back's dtype: the
+  outer fold of `combine.owner_partial_sum`."""
+  experts = owners.experts
+  t = experts.shape[0]
+  r = jax.lax.axis_size(axis_name)
+  dest = experts // owners.experts_per_owner                                  # [T, K]
+  present = jnp.any(dest[:, :, None] == jnp.arange(r, dtype=jnp.int32), axis=1)   # [T, R]
+  position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present
+  acc = have = None
+  for d in range(r):
+    term = jnp.take(back, dplan.unique_send_offsets[d] + position[:, d], axis=0,
+                    mode="clip").astype(jnp.float32)
+    here = present[:, d:d + 1]
+    if d == 0:
+      acc, have = term, here
+    else:
+      acc = jnp.where(here, jnp.where(have, acc + term, term), acc)
+      have = have | here
+  return acc.astype(back.dtype)
 
 
 def plan_with_dedup(topk_experts: jax.Array, topk_weights: jax.Array, *, num_experts: int,

@@ -52,24 +52,27 @@ def default_transport(platform: str, process_count: int = 1) -> str:
 # slot cotangents of a token summed in slot order, in float32 (with owners, the
 # owner-partials sum of uniep_jax/combine.py: each owner rank's slots first).
 # ---------------------------------------------------------------------------
-def replicate_slots(x: jax.Array, top_k: int, owners: jax.Array | None = None) -> jax.Array:
+def replicate_slots(x: jax.Array, top_k: int, owners=None) -> jax.Array:
   """x [T, H] -> [T*K, H], each row copied to its K slots. Backward: the slot
   cotangents summed in slot order in float32 (owners None), or by
-  `combine.owner_partial_sum` (owners [T, K] int, each slot's owner rank)."""
+  `combine.owner_partial_sum` (owners: a `combine.SlotOwners`)."""
   if owners is None:
     return _replicate_slots(x, top_k)
-  return _replicate_slots_owners(x, owners, top_k)
+  return _replicate_slots_owners(x, owners.experts, top_k, owners.experts_per_owner)
 
 
-def replicate_slots_transpose(ct: jax.Array, top_k: int,
-                              owners: jax.Array | None = None) -> jax.Array:
+def replicate_slots_transpose(ct: jax.Array, top_k: int, owners=None) -> jax.Array:
   """`replicate_slots`' backward at cotangent ct [T*K, H]: [T, H] in ct's dtype."""
   if owners is None:
     return _replicate_bwd(top_k, None, ct)[0]
+  return _owner_slot_sum(ct, top_k, owners.experts, owners.experts_per_owner)
+
+
+def _owner_slot_sum(ct, top_k, experts, experts_per_owner):
   from uniep_jax.combine import owner_partial_sum
   t = ct.shape[0] // top_k
   terms = ct.reshape(t, top_k, -1).astype(jnp.float32)
-  return owner_partial_sum(terms, owners, ct.dtype, ct.dtype)
+  return owner_partial_sum(terms, experts, experts_per_owner, ct.dtype, ct.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -78,17 +81,18 @@ def _replicate_slots(x: jax.Array, top_k: int) -> jax.Array:
   return jnp.broadcast_to(x[:, None, :], (t, top_k, h)).reshape(t * top_k, h)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _replicate_slots_owners(x: jax.Array, owners: jax.Array, top_k: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _replicate_slots_owners(x: jax.Array, experts: jax.Array, top_k: int,
+                            experts_per_owner: int) -> jax.Array:
   return _replicate_slots(x, top_k)
 
 
-def _replicate_owners_fwd(x, owners, top_k):
-  return _replicate_slots(x, top_k), owners
+def _replicate_owners_fwd(x, experts, top_k, experts_per_owner):
+  return _replicate_slots(x, top_k), experts
 
 
-def _replicate_owners_bwd(top_k, owners, ct):
-  return replicate_slots_transpose(ct, top_k, owners), int_cotangent(owners)
+def _replicate_owners_bwd(top_k, experts_per_owner, experts, ct):
+  return (_owner_slot_sum(ct, top_k, experts, experts_per_owner), int_cotangent(experts))
 
 
 _replicate_slots_owners.defvjp(_replicate_owners_fwd, _replicate_owners_bwd)

@@ -84,8 +84,8 @@ class DispatchPlan:
                                  #   = C without a receive bound
   dropped: jax.Array             # int32: rows this rank did not receive (receive bound)
   # --- how a token's slot rows are summed (UniEPConfig.slot_reduction) ---
-  slot_owners: jax.Array | None = None  # [T, K] int32: each slot's owner rank
-                                 #   ("owner_partials"); None: slot order
+  slot_owners: object = None    # combine.SlotOwners ("owner_partials": each slot's
+                                 #   expert and E / R); None: slot order
 
   @property
   def num_received(self) -> jax.Array:

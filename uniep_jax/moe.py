@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from uniep_jax import routing as routing_lib
 from uniep_jax.capacity import capacity_moe_shard
-from uniep_jax.combine import weighted_topk_sum
+from uniep_jax.combine import SlotOwners, weighted_topk_sum
 from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
 from uniep_jax.config import TRANSPORTS
 from uniep_jax.dedup import combine_unique, dispatch_unique, plan_with_dedup
@@ -180,7 +180,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
   lb, z = routing_lib.aux_losses(counts, prob_sum, z_sum, num_tokens, top_k)
 
   # "owner_partials": each slot's owner rank, for the two-level sums (combine.py)
-  owners = (out.topk_experts.astype(jnp.int32) // el
+  owners = (SlotOwners(out.topk_experts.astype(jnp.int32), el,
+                       presum_on_owner=config.receive_capacity_factor is None)
             if config.slot_reduction == "owner_partials" else None)
   if config.backend == "xla_capacity":
     y_assign, dropped = capacity_moe_shard(
