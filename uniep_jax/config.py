@@ -337,11 +337,13 @@ class UniEPConfig:
     (y = sum_k w_k y_k) and in the dispatch's backward (dx = sum_k dx_k).
     "slot_order" (default): one float32 fold over k = 0..K-1 at home, rounded once.
     "owner_partials" (EXPERIMENTAL): the slots one EP rank owns summed first (each
-    term w_k y_k rounded to the activation dtype, a float32 fold in slot order rounded
+    term w_k y_k rounded to the activation dtype, a float32 fold in expert order rounded
     to it), then the partials in rank order (`uniep_jax/combine.py`): the arithmetic of
     a return that carries one row per (token, owner rank) instead of one per slot
-    (6 -> ~2.7 off-rank rows per token at K 8, EP 4; the owner-side fold that sends
-    them is not built yet: every backend computes these bits at home). The bits depend
+    (6 -> ~2.7 off-rank rows per token at K 8, EP 4). Built for the dispatch's backward
+    with `dedup_tokens` (the owner folds in XLA, then one row per (token, owner) goes
+    back; uniep_jax/dedup.py), not yet for the forward's return (home has every slot
+    row, needed for the weights' gradient, and sums them in this order). The bits depend
     on the EP degree; the dropless backends give the same bits as each other at the
     same EP degree, as in "slot_order". "dense_reference" (the float32 oracle) ignores
     it. Not with `fused`.

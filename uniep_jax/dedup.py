@@ -16,7 +16,14 @@ with the slot's weight, which the plan's all_gather delivered: the same multiply
 and the same rounding, so the same bits. The dispatch's backward (the return of each
 slot's dX row, then the sum over the K slots at home in slot order) is the plain
 dispatch's: a pre-sum on the owner would change the sum order that the determinism
-contract fixes.
+contract fixes. Except under `UniEPConfig.slot_reduction="owner_partials"`, whose sum
+order IS the pre-sum's (combine.py): there each owner folds a token's slot rows (its
+receive rows, in local-expert order; `owner_partials`) and returns one row per (token,
+owner) over the forward's unique segments reversed (`_PARTIAL_RETURN`, "padded" and
+"nvlink"; "ragged" returns every slot row and folds at home, the same bits), and home
+folds the partials in rank order (`home_fold`): at K 8 over 4 ranks ~2.7 off-rank rows
+per token cross back instead of 6. (Not with a receive bound: the home-side sum adds
+its dropped slots as zeros, which can turn a -0.0 partial into +0.0.)
 
 Notation as in `layout.py` (this rank `me`, R ranks, T tokens, K slots, El local
 experts). Orders:
