@@ -130,7 +130,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   `@f32router` the router's logits as one float32 GEMM (`RoutingConfig.logits_matmul`,
   the routing until 2026-11-27) instead of bf16 pieces; `@gx` the de-duplicated
   dispatches' send rows read by index in the transfer's loads
-  (`TransferConfig.gather_rows`); `@chunk<N>` the transfer's chunk_rows."""
+  (`TransferConfig.gather_rows`); `@op` slot_reduction="owner_partials" (other bits:
+  its checksums differ from slot order's); `@chunk<N>` the transfer's chunk_rows."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -141,6 +142,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, num_sms=int(m.group(1))))
     elif suffix == "f32router":
       cfg = dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, logits_matmul="float32"))
+    elif suffix == "op":
+      cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
     elif suffix == "gx":
       cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer, gather_rows=True))
     elif (m := re.fullmatch(r"chunk(\d+)", suffix)) is not None:
@@ -148,7 +151,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @chunk<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @op, @chunk<N>)")
   return cfg
 
 

@@ -271,8 +271,10 @@ def owner_partials(ct, plan: DispatchPlan, dplan: DedupPlan, axis_name) -> jax.A
   s's rows from unique_recv_offsets[s], in its unique send order): row g = round(float32
   fold of the cotangent rows ct[p] of g's receive rows p, in receive-layout order =
   ascending local expert), the owner's half of `combine.owner_partial_sum`. Rows past
-  the live ones are garbage (never returned). XLA's form: it reads [R*T, J] rows
-  (J = min(K, El), a token's rows on one owner), the worst case, not the live ones."""
+  the live ones are garbage (never returned). XLA's form over [R*T, J] entries (J =
+  min(K, El), a token's rows on one owner): an unused entry reads its group's first row
+  again (masked out; a cache hit on a GPU, as in bench/fold_check.py's XLA form), so the
+  HBM traffic follows the live rows."""
   t, k = plan.slot_owners.experts.shape
   rows = jax.lax.axis_size(axis_name) * t
   j_max = min(k, plan.recv_group_sizes.shape[0])
@@ -286,9 +288,10 @@ def owner_partials(ct, plan: DispatchPlan, dplan: DedupPlan, axis_name) -> jax.A
   count = jnp.searchsorted(sorted_group, g, side="right").astype(jnp.int32) - start
   acc = None
   for j in range(j_max):
-    term = jnp.take(ct, order[jnp.minimum(start + j, order.shape[0] - 1)],
+    used = j < count
+    term = jnp.take(ct, order[jnp.minimum(start + jnp.where(used, j, 0), order.shape[0] - 1)],
                     axis=0).astype(jnp.float32)
-    acc = term if j == 0 else jnp.where((j < count)[:, None], acc + term, acc)
+    acc = term if j == 0 else jnp.where(used[:, None], acc + term, acc)
   return acc.astype(ct.dtype)
 
 
