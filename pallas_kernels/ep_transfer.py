@@ -59,7 +59,7 @@ unless two stages of [16, nb, ct] would not fit in 160 KiB: bf16 H 2048 -> one b
 (GATHER_UNROLL per loop iteration; a short item loads its last row again into the
 unused stage rows, which the ladder never stores), one ladder of [rows, nb, ct] stores.
 A step's stores (one bulk-async group) are issued before the next step's loads
-(`tma.store_first_copy_loop`: the loads take long to issue; the stores stay in flight
+(`tma.two_stage_copy_loop(stores_first=True)`: the loads take long to issue; the stores stay in flight
 meanwhile). It saves the de-duplicated dispatch's separate gather into a contiguous
 send buffer (`row_gather.gather_live_rows`: one HBM write and read of every send row).
 History (NOTES_ep_transfer.md): v1/v2 loaded [1, col_tile] boxes, 8 TMA loads per row
@@ -122,7 +122,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.row_gather import column_blocking
-from pallas_kernels.tma import ladder_store, store_first_copy_loop, two_stage_copy_loop
+from pallas_kernels.tma import ladder_store, two_stage_copy_loop
 from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
 from uniep_jax.ragged import enumerate_runs
 
@@ -217,10 +217,8 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
     if index_base is not None:
       plgpu.commit_smem_to_gmem_group()
 
-  if index_base is None:
-    two_stage_copy_loop(steps, load, store, load_barrier)
-  else:   # the gathered loads take long to issue: keep the previous stores in flight
-    store_first_copy_loop(steps, load, store, load_barrier)
+  # the gathered loads take long to issue: keep the previous stores in flight meanwhile
+  two_stage_copy_loop(steps, load, store, load_barrier, stores_first=index_base is not None)
 
 
 def transfer_semaphores(num_ctas: int):

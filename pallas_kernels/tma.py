@@ -7,7 +7,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def two_stage_copy_loop(steps, load, store, load_barrier):
+def two_stage_copy_loop(steps, load, store, load_barrier, *, stores_first: bool = False):
   """Steps 0 .. steps-1 of a GMEM -> SMEM -> GMEM copy through two SMEM stages:
   `load(s, stage)` issues step s's TMA loads into `stage` (arriving on
   load_barrier[stage]); `store(s, stage)` issues its stores from that stage.
@@ -17,7 +17,16 @@ def two_stage_copy_loop(steps, load, store, load_barrier):
   s + 1 into the other stage, `wait_smem_to_gmem(0, wait_read_only=True)`: the store
   of step s - 1 (the only one issued from that stage) has finished reading it. The
   first load waits the same way for stores issued before the loop. The caller waits
-  for its stores to land (`wait_smem_to_gmem(0)`) when it needs them complete."""
+  for its stores to land (`wait_smem_to_gmem(0)`) when it needs them complete.
+
+  stores_first: step s's stores are issued BEFORE step s + 1's loads, for loads that
+  take long to issue (a gather's one TMA per row): the CTA's stores stay in flight while
+  it issues the next loads, where the default issues them between the previous store's
+  end and this one's start. `store(s, stage)` must then issue step s's stores as ONE
+  bulk-async group (`ladder_store(..., commit_group=False)`, then
+  `plgpu.commit_smem_to_gmem_group()`), and the wait before loading step s + 1 is
+  `wait_smem_to_gmem(1, wait_read_only=True)`: at most one group (step s's) still reads
+  SMEM, so step s - 1's, the only one issued from that stage, has finished."""
   @pl.when(steps > 0)
   def _():
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
@@ -26,46 +35,17 @@ def two_stage_copy_loop(steps, load, store, load_barrier):
   def step(s, carry):
     stage = lax.rem(s, 2)
     plgpu.barrier_wait(load_barrier.at[stage])
+    if stores_first:
+      store(s, stage)
 
     @pl.when(s + 1 < steps)
     def _():
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stage 1 - s is free
+      # stage 1 - s is free (step s's own group may still read its stage)
+      plgpu.wait_smem_to_gmem(1 if stores_first else 0, wait_read_only=True)
       load(s + 1, 1 - stage)
 
-    store(s, stage)
-    return carry
-
-  lax.fori_loop(0, steps, step, 0)
-
-
-def store_first_copy_loop(steps, load, store, load_barrier):
-  """`two_stage_copy_loop` with step s's stores issued BEFORE step s + 1's loads, for
-  loads that take long to issue (a gather's one TMA per row): the CTA's stores stay in
-  flight while it issues the next loads, where `two_stage_copy_loop` issues them
-  between the previous store's end and this one's start. `store(s, stage)` must issue
-  step s's stores as ONE bulk-async group (`ladder_store(..., commit_group=False)`,
-  then `plgpu.commit_smem_to_gmem_group()`).
-
-  Synchronisation: step s waits for its loads (`barrier_wait`), issues its stores, then,
-  before loading step s + 1 into the other stage, `wait_smem_to_gmem(1,
-  wait_read_only=True)`: at most one group (step s's) still reads SMEM, so step s - 1's
-  store, the only one issued from that stage, has finished reading it. The first load
-  waits for every store issued before the loop."""
-  @pl.when(steps > 0)
-  def _():
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
-    load(0, 0)
-
-  def step(s, carry):
-    stage = lax.rem(s, 2)
-    plgpu.barrier_wait(load_barrier.at[stage])
-    store(s, stage)
-
-    @pl.when(s + 1 < steps)
-    def _():
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # stage 1 - s is free
-      load(s + 1, 1 - stage)
-
+    if not stores_first:
+      store(s, stage)
     return carry
 
   lax.fori_loop(0, steps, step, 0)

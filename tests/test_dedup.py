@@ -136,16 +136,16 @@ def _simulated_gather_live_rows(src, index, live, *, out_rows, scale=None, garba
   return jnp.where((p < live)[:, None], rows, jnp.asarray(garbage, src.dtype))
 
 
-def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
-  """The "nvlink" transport's de-duplicated dispatch (one segment per owner into a
-  packed unique buffer, the live-rows gather, the zeroed window) with the NVLink
-  transfer and the gather kernel replaced by their contracts (the kernel itself:
-  test_gather_live_rows_kernel): the same outputs and gradients as the padded
-  transport without de-duplication. (Interpreted kernels run at EP = 1 only: on
-  several virtual devices at once the interpreter stalls.) In bfloat16, the kernels'
-  dtype: with float32 activations XLA on the CPU recomputes the f32 top-k sum y inside
-  the loss's backward fusions, differently contracted in the two programs, so dy
-  itself (cos(y) here) differs by an ulp before any dispatch (seen 2026-11-27)."""
+def nvlink_plumbing(monkeypatch, seed: int, *, experts=E, hidden=H, ffn=F, top_k=3):
+  """run(transport, **config) -> (y, gradients of x and the params) of the xla_dropless
+  layer at EP 4 (mesh 1x4), bfloat16, 64 tokens, with the NVLink transfer and the
+  live-rows gather replaced by their contracts (`_simulated_transfer`,
+  `_simulated_gather_live_rows`): the "nvlink" transport's plumbing on the CPU.
+  (Interpreted kernels run at EP = 1 only: on several virtual devices at once the
+  interpreter stalls.) In bfloat16, the kernels' dtype: with float32 activations XLA
+  on the CPU recomputes the f32 top-k sum y inside the loss's backward fusions,
+  differently contracted in the two programs, so dy itself (cos(y) here) differs by
+  an ulp before any dispatch (seen 2026-11-27)."""
   import pallas_kernels.ep_transfer as ep
   import pallas_kernels.row_gather as rg
   from test_moe import _simulated_transfer
@@ -153,19 +153,18 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   monkeypatch.setattr(rg, "gather_live_rows", _simulated_gather_live_rows)
   mesh = make_mesh(1, 4)
   axes = ("data", "expert")
-  kx, kp = jax.random.split(jax.random.key(73))
-  p = make_params(kp, experts=E, hidden=H, ffn=F, dtype=jnp.bfloat16)
-  x = make_x(kx, 64, H, jnp.bfloat16)
+  kx, kp = jax.random.split(jax.random.key(seed))
+  p = make_params(kp, experts=experts, hidden=hidden, ffn=ffn, dtype=jnp.bfloat16)
+  x = make_x(kx, 64, hidden, jnp.bfloat16)
   specs = uniep_jax.param_specs(p)
   x = jax.device_put(x, NamedSharding(mesh, P(axes)))
   p = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), p, specs)
 
-  def run(transport, dedup, gather_rows=False):
-    cfg = UniEPConfig(backend="xla_dropless", dedup_tokens=dedup,
-                      transfer=uniep_jax.TransferConfig(gather_rows=gather_rows))
+  def run(transport, **config):
+    cfg = UniEPConfig(backend="xla_dropless", **config)
 
     def body(xl, pl):
-      y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=3, config=cfg, token_axes=axes,
+      y, _ = uniep_jax.moe_ffn_shard(xl, pl, top_k=top_k, config=cfg, token_axes=axes,
                                      transport=transport)
       return y
 
@@ -174,13 +173,24 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
     loss = lambda x, p: jnp.sum(jnp.sin(fn(x, p)))  # noqa: E731
     return jax.jit(fn)(x, p), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
 
-  y_n, g_n = run("nvlink", True)
-  y_p, g_p = run("padded", False)
+  return run
+
+
+def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
+  """The "nvlink" transport's de-duplicated dispatch (one segment per owner into a
+  packed unique buffer, the live-rows gather, the zeroed window) with the NVLink
+  transfer and the gather kernel replaced by their contracts (the kernel itself:
+  test_gather_live_rows_kernel): the same outputs and gradients as the padded
+  transport without de-duplication (`nvlink_plumbing`)."""
+  run = nvlink_plumbing(monkeypatch, 73)
+  y_n, g_n = run("nvlink", dedup_tokens=True)
+  y_p, g_p = run("padded", dedup_tokens=False)
   chex.assert_trees_all_equal(y_n, y_p)
   chex.assert_trees_all_equal(g_n, g_p)
   # TransferConfig.gather_rows: x (and dy) and the unique-token index go to the transfer,
   # which gathers in its loads; no send buffer
-  y_g, g_g = run("nvlink", True, gather_rows=True)
+  y_g, g_g = run("nvlink", dedup_tokens=True,
+                 transfer=uniep_jax.TransferConfig(gather_rows=True))
   chex.assert_trees_all_equal((y_g, g_g), (y_p, g_p))
 
 
