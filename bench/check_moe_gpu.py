@@ -161,11 +161,13 @@ def main(argv=None):
           # de-duplication sends fewer rows and changes no bit
           record(f"{backend}_equals_{backend[:-3]}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
                  common.same_bits(by_backend[backend], by_backend[backend[:-3]]))
-      for backend in [b for b in by_backend if b.endswith("_op") and b.startswith("uniep")]:
-        if "pallas_op" in by_backend:
-          # the mode's guarantee: the owner-side pre-sum and return change no bit
-          record(f"{backend}_equals_pallas_op_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
-                 common.same_bits(by_backend[backend], by_backend["pallas_op"]))
+      for backend in [b for b in by_backend if b.endswith("_op")]:
+        # the mode's guarantees: the owner-side pre-sum (the de-duplicated backward) and
+        # the NVLink transport change no bit
+        others = [backend.replace("_dd_", "_")] + (["pallas_op"] if backend.startswith("uniep") else [])
+        for other in [o for o in others if o != backend and o in by_backend]:
+          record(f"{backend}_equals_{other}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
+                 common.same_bits(by_backend[backend], by_backend[other]))
       if "uniep" in by_backend and "pallas" in by_backend:
         # The UniEP guarantee: the NVLink transport changes no bit.
         record(f"uniep_equals_pallas_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",

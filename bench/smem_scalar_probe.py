@@ -104,8 +104,14 @@ def main(argv=None):
   meta = common.run_metadata()
   results = []
   for variant in args.variants.split(","):
-    p = subprocess.run([sys.executable, "-m", "bench.smem_scalar_probe", "--one", variant],
-                       capture_output=True, text=True, timeout=300)
+    try:
+      p = subprocess.run([sys.executable, "-m", "bench.smem_scalar_probe", "--one", variant],
+                         capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:   # a hang is a finding too
+      row = dict(variant=variant, returncode=None, error_tail=f"timeout after {e.timeout} s")
+      print(row, flush=True)
+      results.append(row)
+      continue
     last = (p.stdout.strip().splitlines() or [""])[-1]
     row = dict(variant=variant, returncode=p.returncode)
     if p.returncode == 0 and last.startswith("{"):

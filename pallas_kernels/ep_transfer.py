@@ -80,8 +80,8 @@ Synchronisation contract
       it the first remote signal or store could hit memory a slower peer has
       not yet zero-filled or still uses for something else.
   load_barrier[s]  (SMEM barrier, one per stage): producer the TMA load of
-      step i into stage s = i % 2 (gathered: its chunk_rows row loads, each one
-      arrival; num_arrivals = chunk_rows); consumer the same CTA's store of step i,
+      step i into stage s = i % 2 (gathered: its item's 16 row loads, each one
+      arrival; num_arrivals = the item rows); consumer the same CTA's store of step i,
       after `barrier_wait`. Every load is waited exactly once (phase flips).
   stage reuse: before loading step i + 1 into stage 1 - s, and before the
       first load of the next peer offset, the CTA waits
@@ -198,6 +198,8 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
       return
     first, last = index_base + work_gmem[at], work_gmem[at + 2 * w] - 1
     unroll = min(item_rows, GATHER_UNROLL)
+    # every row loads (the barrier counts item_rows arrivals): no remainder
+    assert item_rows % unroll == 0, (item_rows, unroll)
 
     def rows(g, carry):   # `unroll` independent index reads and row loads at a time
       for u in range(unroll):

@@ -44,7 +44,11 @@ if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
   # a current pip: the one fresh-clone CI run with the venv's own (23.2 with Python
   # 3.12.1) spent 92 s in set-up against 78 s the run before (2026-11-27)
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]" 2>&1 | grep -v "is ignored: it is neither" || true
+  # pip byte-compiles every installed file on one core; compileall on every core instead
+  # (2-core machine, 2026-11-28: 29.7 s -> 11.6 + 8.8 s). The .pyc files must exist: with
+  # PYTHONDONTWRITEBYTECODE set (as here) every process would compile its imports again
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile -e "$ROOT[test]" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
   "$VENV/bin/python" -c 'import jax, flax, optax, chex, orbax.checkpoint, pytest, xdist' \
     || { echo "setup: install failed" >&2; exit 1; }
   touch "$STAMP"

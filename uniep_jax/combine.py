@@ -19,11 +19,13 @@ token's rows in local-expert order, so its fold reads them in place; a token's e
 are distinct, and rank r owns experts [r * E/R, (r + 1) * E/R), so sorting a token's
 slots by expert sorts them by (owner, expert).)
 A fold starts from its first term (no + 0.0: the sign of a zero is kept). Every
-rounding is explicit (`lax.reduce_precision`, which XLA keeps, where a convert pair
-may be dropped as excess precision), and the folds add rounded values only, so no
-compiler can contract a multiply into an add: any kernel that rounds and adds in this
-order gives these bits (the owner-side fold of a future return, one row per (token,
-owner)). The bits depend on the EP degree (the owner of expert e at R ranks is
+rounding is explicit (`round_to`: never dropped as excess precision, subnormals kept as
+a conversion keeps them), and with 16-bit activations the folds add rounded values only,
+so no compiler can contract a multiply into an add: any kernel that rounds and adds in
+this order gives these bits (the owner-side pre-sum of uniep_jax/dedup.py, one row per
+(token, owner)). With float32 activations the terms are not rounded, and a compiler
+may contract w * y into the fold's add (an FMA): bitwise agreement across backends is
+then not guaranteed (the Pallas kernels take 16-bit operands). The bits depend on the EP degree (the owner of expert e at R ranks is
 e // (E / R)); at one rank the sum is of rounded terms, so not the plain combine's
 bits either. The backward treats every rounding as the identity: the plain combine's
 backward (d y_k = dtype(w_k * f32(dy)), d w_k = <f32(dy), f32(y_k)>), so the
@@ -90,13 +92,19 @@ _weighted_topk_sum.defvjp(_fwd, _bwd)
 
 
 def round_to(x32: jax.Array, dtype) -> jax.Array:
-  """float32 x rounded (to nearest even) to `dtype`'s precision and range, kept in
-  float32: an explicit op, never elided as excess precision."""
+  """float32 x rounded (to nearest even) to `dtype`, kept in float32: the value of
+  x32.astype(dtype).astype(float32), subnormals of `dtype` kept (a kernel's cvt.rn),
+  never elided as excess precision. bfloat16 (float32's exponent range):
+  `lax.reduce_precision`, an explicit op; other dtypes (float16, whose narrower range
+  reduce_precision would flush to zero below 6.1e-5): the conversion, materialised
+  (`optimization_barrier`). float32: unchanged."""
   dtype = jnp.dtype(dtype)
   if dtype == jnp.float32:
     return x32
   fi = jnp.finfo(dtype)
-  return jax.lax.reduce_precision(x32, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+  if fi.nexp == jnp.finfo(jnp.float32).nexp:
+    return jax.lax.reduce_precision(x32, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+  return jax.lax.optimization_barrier(x32.astype(dtype)).astype(jnp.float32)
 
 
 def owner_partial_sum(terms: jax.Array, experts: jax.Array, experts_per_owner: int,

@@ -141,9 +141,10 @@ class TransferConfig:
   gather_rows: EXPERIMENTAL. The de-duplicated dispatches (`dedup_tokens`) send
     each (token, owner) row once; False: the rows are first gathered into a
     contiguous send buffer (`row_gather.gather_live_rows`), then transferred; True:
-    the transfer reads them by index in its loads (one TMA per row and column
-    tile), with no send buffer. The same bits either way (rows are moved, not
-    computed).
+    the transfer reads them by index in its loads (one TMA per row and column block
+    of up to H columns), with no send buffer; its items are then min(chunk_rows, 16)
+    rows (ep_transfer.GATHER_ITEM_ROWS). The same bits either way (rows are moved,
+    not computed).
   """
 
   chunk_rows: int = 128

@@ -56,9 +56,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.combine import round_cotangent, weighted_topk_sum, weighted_topk_sum_vjp
+from uniep_jax.combine import (round_cotangent, round_to, weighted_topk_sum,
+                               weighted_topk_sum_vjp)
 from uniep_jax.dispatch import (_RETURN, _take_rows, _zero_plan_cotangent, _zeros_varying_like,
-                                as_received, collect, sort_rows_transpose, sum_to_type_of)
+                                as_received, collect, sort_rows_transpose, sum_to_type_of,
+                                varying_axes)
 from uniep_jax.layout import DispatchPlan, _exclusive_cumsum, make_plan, sort_assignments
 from uniep_jax.ragged import SEARCH_METHOD, enumerate_runs
 
@@ -244,7 +246,10 @@ def _dispatch_unique_fwd(x, plan, dplan, top_k, axis_name, num_local_experts, tr
 def _dispatch_unique_bwd(top_k, axis_name, num_local_experts, transport, transfer, res, ct):
   plan, dplan, x_like = res
   owners = plan.slot_owners
-  if owners is not None and owners.presum_on_owner and transport in _PARTIAL_RETURN:
+  # (the plain path sums a cotangent over mesh axes x does not vary over BEFORE its fold,
+  # `sort_rows_transpose`; none in the meshes moe_ffn builds, else the plain path)
+  if (owners is not None and owners.presum_on_owner and transport in _PARTIAL_RETURN
+      and not varying_axes(ct) - varying_axes(x_like)):
     # "owner_partials": each owner sums its slots of a token (its own receive rows, in
     # local-expert order) and returns one row per (token, owner); home folds them in
     # rank order: the bits of the home-side two-level sum (combine.owner_partial_sum)
@@ -292,7 +297,7 @@ def owner_partials(ct, plan: DispatchPlan, dplan: DedupPlan, axis_name) -> jax.A
     term = jnp.take(ct, order[jnp.minimum(start + jnp.where(used, j, 0), order.shape[0] - 1)],
                     axis=0).astype(jnp.float32)
     acc = term if j == 0 else jnp.where(used[:, None], acc + term, acc)
-  return acc.astype(ct.dtype)
+  return round_to(acc, ct.dtype).astype(ct.dtype)   # the home-side sum's rounding
 
 
 def _partial_return_padded(partials, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer):

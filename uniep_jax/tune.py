@@ -1248,9 +1248,11 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
   # an explicit dedup_tokens=True takes a fused winner only if it has no fused backward
   # (which moves the dy dispatch itself), an explicit False only one with Kernel A (the
   # point without it de-duplicates its forward dispatch); otherwise v1's kernels
+  # (slot_reduction="owner_partials" has no fused form: v1's kernels)
   f = cand.fused
   allowed = f is None or not ((config.dedup_tokens is True and f.backward)
-                              or (config.dedup_tokens is False and not f.dispatch_in_kernel))
+                              or (config.dedup_tokens is False and not f.dispatch_in_kernel)
+                              or config.slot_reduction != "slot_order")
   fused = f if take_tuned and allowed else config.fused
   # a tuned winner with de-duplication turns it on; otherwise an explicit choice stays,
   # and None stays auto (on for "uniep" unless its fused backward moves dy itself)
