@@ -9,7 +9,9 @@ forward output and the gradients of x and every parameter with:
     with the v2 fused kernels (`FUSED`: n_comm, recv_chunk_rows; swept right after
     the default transfer), and with the v1 dispatch (dedup_tokens=False; every other
     point runs uniep's default, the de-duplicated dispatch, or the v1 one where a
-    fused backward moves dy itself),
+    fused backward moves dy itself), then the gathered transfer (`GATHERED`:
+    TransferConfig.gather_rows; per tiling the point after the fused ones: at one
+    tiling, --start 8 begins with it),
   * each "uniep" point three times,
 and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`). The
 points go round-robin over the tilings (`sweep_order`), so that a run cut by
@@ -60,6 +62,8 @@ TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/
            uniep_jax.KernelConfig(raster_rows=4)]   # tiles in bands (auto is row-major here)
 TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
              for c, n, t in itertools.product((32, 128), (16, 64), (128, 256))]
+# the de-duplicated dispatches' send rows read by index in the transfer (EXPERIMENTAL)
+GATHERED = uniep_jax.TransferConfig(gather_rows=True)
 # the v2 fused kernels (EXPERIMENTAL), with the default transfer: B a multiple of every
 # tiling's block_m
 FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
@@ -190,7 +194,7 @@ def main(argv=None):
   # (transfer, fused, dedup_tokens): None is uniep's default (auto: de-duplicated unless
   # a fused backward moves dy), False the v1 dispatch
   transfer_points = ([(default_t, None, None), (default_t, None, False)]
-                     + [(default_t, fc, None) for fc in FUSED]
+                     + [(default_t, fc, None) for fc in FUSED] + [(GATHERED, None, None)]
                      + [(tc, None, None) for tc in TRANSFERS if tc != default_t])
   order = sweep_order(tilings, transfer_points)[args.start:]
   # compiles run at most 2 x workers points ahead (a run cut by its budget then
@@ -228,6 +232,7 @@ def main(argv=None):
       job.cancel()
       continue
     row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
+               gather_rows=tc.gather_rows,
                fused=None if fc is None else dataclasses.asdict(fc),   # every field
                dedup_tokens=uniep_jax.UniEPConfig(backend="uniep", fused=fc,
                                                   dedup_tokens=dd).use_dedup_tokens)
