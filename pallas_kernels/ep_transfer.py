@@ -122,7 +122,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.row_gather import column_blocking
-from pallas_kernels.tma import ladder_store, two_stage_copy_loop
+from pallas_kernels.tma import ladder_store, load_rows_by_index, two_stage_copy_loop
 from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
 from uniep_jax.ragged import enumerate_runs
 
@@ -197,19 +197,9 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
                               stage_smem.at[stage], load_barrier.at[stage])
       return
     first, last = index_base + work_gmem[at], work_gmem[at + 2 * w] - 1
-    unroll = min(item_rows, GATHER_UNROLL)
-    # every row loads (the barrier counts item_rows arrivals): no remainder
-    assert item_rows % unroll == 0, (item_rows, unroll)
-
-    def rows(g, carry):   # `unroll` independent index reads and row loads at a time
-      for u in range(unroll):
-        i = g * unroll + u
-        row = work_gmem[first + jnp.minimum(i, last)]
-        plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(col, col_tile)],
-                                stage_smem.at[stage, pl.ds(i, 1)], load_barrier.at[stage])
-      return carry
-
-    lax.fori_loop(0, item_rows // unroll, rows, 0)
+    load_rows_by_index(lambda i: work_gmem[first + jnp.minimum(i, last)], src_gmem,
+                       stage_smem.at[stage], load_barrier.at[stage], rows=item_rows,
+                       col=col, width=col_tile, unroll=GATHER_UNROLL)
 
   def store(s, stage):
     at, col = item_col(s)

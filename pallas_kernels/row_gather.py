@@ -103,7 +103,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
-from pallas_kernels.tma import ladder_store, two_stage_copy_loop
+from pallas_kernels.tma import ladder_store, load_rows_by_index, two_stage_copy_loop
 
 ROWS_PER_TILE = 16
 # Two stages per CTA must fit with room to spare (Hopper: 227 KiB per block).
@@ -163,10 +163,8 @@ def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
 
   def load(s, stage):
     p0, b0 = tile_of(s)
-    for i in range(g):
-      row = table_gmem[1 + jnp.minimum(p0 + i, live - 1)]
-      plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row, 1), pl.ds(b0, nb)],
-                              stage_smem.at[stage, pl.ds(i, 1)], load_barrier.at[stage])
+    load_rows_by_index(lambda i: table_gmem[1 + jnp.minimum(p0 + i, live - 1)], src_gmem,
+                       stage_smem.at[stage], load_barrier.at[stage], rows=g, col=b0, width=nb)
     if scaled:   # the tile's G weights, one TMA on the same barrier (scale is padded)
       plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(p0, scale_smem.shape[1])],
                               scale_smem.at[stage], load_barrier.at[stage])

@@ -51,6 +51,30 @@ def two_stage_copy_loop(steps, load, store, load_barrier, *, stores_first: bool 
   lax.fori_loop(0, steps, step, 0)
 
 
+def load_rows_by_index(row_of, src_gmem, stage_smem, barrier, *, rows: int, col, width: int,
+                       unroll: int | None = None):
+  """TMA-load stage rows 0 .. rows-1: stage row i <- src_gmem[row_of(i)], dimension-1
+  slice [col, col + width) (columns of a 2-D src, boxes of a 3-D one), one [1, ...] box
+  per row, each arriving once on `barrier` (which must count `rows` arrivals). `unroll`
+  rows per loop iteration, their index reads independent (None or >= rows: one static
+  loop). Shared by the live-rows gather (row_gather.py) and the transfer's gathered
+  loads (ep_transfer.py)."""
+  unroll = rows if unroll is None else min(rows, unroll)
+  assert rows % unroll == 0, (rows, unroll)   # every row loads: no remainder
+
+  def group(g, carry):
+    for u in range(unroll):
+      i = g * unroll + u
+      plgpu.copy_gmem_to_smem(src_gmem.at[pl.ds(row_of(i), 1), pl.ds(col, width)],
+                              stage_smem.at[pl.ds(i, 1)], barrier)
+    return carry
+
+  if unroll == rows:
+    group(0, 0)
+  else:
+    lax.fori_loop(0, rows // unroll, group, 0)
+
+
 def ladder_store(src_smem, dst_gmem, smem_start, gmem_start, count, max_rows: int, *,
                  commit_group: bool = True):
   """TMA-store rows [smem_start, smem_start + count) of src_smem to

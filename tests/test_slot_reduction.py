@@ -12,6 +12,7 @@ import pytest
 import uniep_jax
 from conftest import make_mesh
 from moe_testlib import make_params, make_x, rel_err
+from test_dedup import _moe_fns
 from uniep_jax import UniEPConfig
 from uniep_jax.combine import SlotOwners, owner_partial_sum, weighted_topk_sum
 from uniep_jax.dispatch import replicate_slots
@@ -134,17 +135,6 @@ def test_replicate_slots_backward_sums_by_owner():
   np.testing.assert_array_equal(np.asarray(dx).view(np.uint16), want.astype(BF16).view(np.uint16))
 
 
-def _fns(mesh, cfg, top_k):
-  fwd = jax.jit(lambda x, p: uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=top_k, config=cfg)[0])
-
-  def loss(x, p):
-    y = fwd(x, p)
-    w = jnp.sin(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
-    return jnp.sum(y.astype(jnp.float32) * w)
-
-  return fwd, jax.jit(jax.grad(loss, argnums=(0, 1)))
-
-
 def test_layer_backends_agree_bitwise_in_owner_mode():
   """EP 4: the dropless dispatch, the de-duplicated one and the capacity path
   (capacity large enough to drop nothing) give the same output and gradients bit for
@@ -163,13 +153,13 @@ def test_layer_backends_agree_bitwise_in_owner_mode():
       "capacity": UniEPConfig(backend="xla_capacity", capacity_factor=float(e),
                               slot_reduction="owner_partials"),
       "slot_order": UniEPConfig(backend="xla_dropless")}.items():
-    fwd, grad = _fns(mesh, cfg, k)
-    outs[name] = (fwd(x, p), grad(x, p))
+    fwd, grad = _moe_fns(mesh, cfg, k)
+    outs[name] = (fwd(x, p), grad(x, p))       # ((y, aux), gradients of x and params)
   chex.assert_trees_all_equal(outs["dedup"], outs["dropless"])
   chex.assert_trees_all_equal(outs["capacity"][0], outs["dropless"][0])
   chex.assert_trees_all_equal(outs["capacity"][1][0], outs["dropless"][1][0])
-  y, (gx, _) = outs["dropless"]
-  y0, (gx0, _) = outs["slot_order"]
+  (y, _), (gx, _) = outs["dropless"]
+  (y0, _), (gx0, _) = outs["slot_order"]
   assert not np.array_equal(np.asarray(y).view(np.uint16), np.asarray(y0).view(np.uint16))
   assert not np.array_equal(np.asarray(gx).view(np.uint16), np.asarray(gx0).view(np.uint16))
   y_ref, _ = uniep_jax.moe_ffn(x.astype(jnp.float32), jax.tree.map(
@@ -190,7 +180,7 @@ def test_owner_presum_when_every_slot_sits_on_one_owner():
   x = make_x(kx, 32, 32, jnp.bfloat16)
   outs = []
   for dedup in (False, True):
-    fwd, grad = _fns(mesh, UniEPConfig(backend="xla_dropless", dedup_tokens=dedup,
+    fwd, grad = _moe_fns(mesh, UniEPConfig(backend="xla_dropless", dedup_tokens=dedup,
                                        slot_reduction="owner_partials"), 3)
     outs.append((fwd(x, p), grad(x, p)))
   chex.assert_trees_all_equal(outs[1], outs[0])

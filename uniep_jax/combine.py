@@ -25,8 +25,8 @@ so no compiler can contract a multiply into an add: any kernel that rounds and a
 this order gives these bits (the owner-side pre-sum of uniep_jax/dedup.py, one row per
 (token, owner)). With float32 activations the terms are not rounded, and a compiler
 may contract w * y into the fold's add (an FMA): bitwise agreement across backends is
-then not guaranteed (the Pallas kernels take 16-bit operands). The bits depend on the EP degree (the owner of expert e at R ranks is
-e // (E / R)); at one rank the sum is of rounded terms, so not the plain combine's
+then not guaranteed (the Pallas kernels take 16-bit operands). The bits depend on the
+EP degree (the owner of expert e at R ranks is e // (E / R)); at one rank the sum is of rounded terms, so not the plain combine's
 bits either. The backward treats every rounding as the identity: the plain combine's
 backward (d y_k = dtype(w_k * f32(dy)), d w_k = <f32(dy), f32(y_k)>), so the
 de-duplicated dy dispatch is unchanged.
@@ -107,6 +107,16 @@ def round_to(x32: jax.Array, dtype) -> jax.Array:
   return jax.lax.optimization_barrier(x32.astype(dtype)).astype(jnp.float32)
 
 
+def fold_present(acc, have, term, here):
+  """One step of a float32 fold over the present terms only: (acc, have) after `term`
+  where `here` [T, 1] (the first present term starts the fold: no + 0.0, a zero's sign
+  kept). acc None: the first step. The outer fold of `owner_partial_sum` and the home
+  fold of the owner-side pre-sum (`dedup.home_fold`) both step with it."""
+  if acc is None:
+    return term, here
+  return jnp.where(here, jnp.where(have, acc + term, term), acc), have | here
+
+
 def owner_partial_sum(terms: jax.Array, experts: jax.Array, experts_per_owner: int,
                       partial_dtype, out_dtype) -> jax.Array:
   """The two-level sum (module docstring): terms [T, K, H] float32 (already rounded as
@@ -131,12 +141,7 @@ def owner_partial_sum(terms: jax.Array, experts: jax.Array, experts_per_owner: i
       starts = (own[:, j] != own[:, j - 1])[:, None]
       inner = jnp.where(starts, terms[:, j], inner + terms[:, j])
     ends = (own[:, j] != own[:, j + 1])[:, None] if j + 1 < k else jnp.ones((t, 1), bool)
-    partial = round_to(inner, partial_dtype)
-    if j == 0:
-      outer, have = partial, ends
-    else:
-      outer = jnp.where(ends, jnp.where(have, outer + partial, partial), outer)
-      have = have | ends
+    outer, have = fold_present(outer, have, round_to(inner, partial_dtype), ends)
   return outer.astype(out_dtype)
 
 

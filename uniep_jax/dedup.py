@@ -56,7 +56,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.combine import (round_cotangent, round_to, weighted_topk_sum,
+from uniep_jax.combine import (fold_present, round_cotangent, round_to, weighted_topk_sum,
                                weighted_topk_sum_vjp)
 from uniep_jax.dispatch import (_RETURN, _take_rows, _zero_plan_cotangent, _zeros_varying_like,
                                 as_received, collect, sort_rows_transpose, sum_to_type_of,
@@ -94,6 +94,15 @@ def unique_receive_bytes(tokens_per_shard: int, hidden: int, ep: int, itemsize: 
   return ep * tokens_per_shard * hidden * itemsize
 
 
+def token_destinations(topk_experts: jax.Array, num_ranks: int, num_local_experts: int):
+  """(present [T, R] bool: token t has an expert on rank d; position [T, R] int32: t's
+  index among the tokens present for d, i.e. its row in d's unique block)."""
+  dest = topk_experts.astype(jnp.int32) // num_local_experts                  # [T, K]
+  present = jnp.any(dest[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32), axis=1)
+  position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present           # exclusive
+  return present, position
+
+
 def local_unique_routing(topk_experts: jax.Array, sort_order: jax.Array,
                          sorted_experts: jax.Array, num_ranks: int, num_local_experts: int):
   """This rank's part of the de-duplication, before the all_gather.
@@ -103,11 +112,8 @@ def local_unique_routing(topk_experts: jax.Array, sort_order: jax.Array,
   int32 for the all_gather: U[me, :] then, for every sorted row q, the position of
   its (token, destination) pair inside the destination's unique block)."""
   k = topk_experts.shape[1]
-  r = num_ranks
-  dest = topk_experts.astype(jnp.int32) // num_local_experts                  # [T, K]
-  present = jnp.any(dest[:, :, None] == jnp.arange(r, dtype=jnp.int32), axis=1)  # [T, R]
+  present, position = token_destinations(topk_experts, num_ranks, num_local_experts)
   counts = jnp.sum(present, axis=0, dtype=jnp.int32)                          # [R]
-  position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present           # [T, R] exclusive
   token_of_sorted = sort_order // k
   dest_of_sorted = sorted_experts // num_local_experts
   unique_position = position[token_of_sorted, dest_of_sorted]                 # [T*K]
@@ -339,22 +345,13 @@ def home_fold(back, dplan: DedupPlan, owners, axis_name) -> jax.Array:
   partial from owner d of token t at unique_send_offsets[d] + its position among d's
   tokens) folded in ascending owner order in float32, rounded to back's dtype: the
   outer fold of `combine.owner_partial_sum`."""
-  experts = owners.experts
-  t = experts.shape[0]
   r = jax.lax.axis_size(axis_name)
-  dest = experts // owners.experts_per_owner                                  # [T, K]
-  present = jnp.any(dest[:, :, None] == jnp.arange(r, dtype=jnp.int32), axis=1)   # [T, R]
-  position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present
+  present, position = token_destinations(owners.experts, r, owners.experts_per_owner)
   acc = have = None
   for d in range(r):
     term = jnp.take(back, dplan.unique_send_offsets[d] + position[:, d], axis=0,
                     mode="clip").astype(jnp.float32)
-    here = present[:, d:d + 1]
-    if d == 0:
-      acc, have = term, here
-    else:
-      acc = jnp.where(here, jnp.where(have, acc + term, term), acc)
-      have = have | here
+    acc, have = fold_present(acc, have, term, present[:, d:d + 1])
   return acc.astype(back.dtype)
 
 
