@@ -114,10 +114,11 @@ def main(argv=None):
       by_backend = {}
       for backend in args.backends.split(","):
         # "<backend>_dd": the same backend with token de-duplication (dedup_tokens);
-        # "<backend>_dd_gx": and the send rows gathered in the transfer's loads
-        # (TransferConfig.gather_rows); "<name>_op": slot_reduction="owner_partials"
+        # "<backend>_dd_sb": and the send rows gathered into a send buffer first
+        # (TransferConfig.gather_rows=False; the default reads them by index in the
+        # transfer's loads); "<name>_op": slot_reduction="owner_partials"
         base, owner = (backend[:-3], True) if backend.endswith("_op") else (backend, False)
-        base, gather = (base[:-3], True) if base.endswith("_gx") else (base, False)
+        base, gather = (base[:-3], False) if base.endswith("_sb") else (base, True)
         base, dedup = (base[:-3], True) if base.endswith("_dd") else (base, False)
         if base in ("pallas", "uniep") and dtype == jnp.float32:
           continue  # the Pallas kernels take bf16 operands
@@ -153,8 +154,8 @@ def main(argv=None):
         if outs:
           by_backend[backend] = next(iter(outs.values()))
       for backend in list(by_backend):
-        if backend.endswith("_gx") and backend[:-3] in by_backend:
-          # the transfer's gathered loads move the same rows
+        if backend.endswith("_sb") and backend[:-3] in by_backend:
+          # the send buffer and the transfer's gathered loads move the same rows
           record(f"{backend}_equals_{backend[:-3]}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
                  common.same_bits(by_backend[backend], by_backend[backend[:-3]]))
         if backend.endswith("_dd") and backend[:-3] in by_backend:

@@ -9,9 +9,11 @@ forward output and the gradients of x and every parameter with:
     with the v2 fused kernels (`FUSED`: n_comm, recv_chunk_rows; swept right after
     the default transfer), and with the v1 dispatch (dedup_tokens=False; every other
     point runs uniep's default, the de-duplicated dispatch, or the v1 one where a
-    fused backward moves dy itself), then the gathered transfer (`GATHERED`:
-    TransferConfig.gather_rows; per tiling the point after the fused ones: at one
-    tiling, --start 8 begins with it),
+    fused backward moves dy itself), then the send-buffer dispatch (`SEND_BUFFER`:
+    TransferConfig.gather_rows=False, the send rows gathered into a buffer before the
+    transfer, the default until 2026-11-28; every other point reads them by index in the
+    transfer's loads; per tiling the point after the fused ones: at one tiling,
+    --start 8 begins with it),
   * each "uniep" point three times,
 and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`). The
 points go round-robin over the tilings (`sweep_order`), so that a run cut by
@@ -62,8 +64,9 @@ TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/
            uniep_jax.KernelConfig(raster_rows=4)]   # tiles in bands (auto is row-major here)
 TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
              for c, n, t in itertools.product((32, 128), (16, 64), (128, 256))]
-# the de-duplicated dispatches' send rows read by index in the transfer (EXPERIMENTAL)
-GATHERED = uniep_jax.TransferConfig(gather_rows=True)
+# the de-duplicated dispatches' send rows gathered into a send buffer first (the other
+# points read them by index in the transfer's loads, TransferConfig's default)
+SEND_BUFFER = uniep_jax.TransferConfig(gather_rows=False)
 # the v2 fused kernels (EXPERIMENTAL), with the default transfer: B a multiple of every
 # tiling's block_m
 FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
@@ -194,7 +197,7 @@ def main(argv=None):
   # (transfer, fused, dedup_tokens): None is uniep's default (auto: de-duplicated unless
   # a fused backward moves dy), False the v1 dispatch
   transfer_points = ([(default_t, None, None), (default_t, None, False)]
-                     + [(default_t, fc, None) for fc in FUSED] + [(GATHERED, None, None)]
+                     + [(default_t, fc, None) for fc in FUSED] + [(SEND_BUFFER, None, None)]
                      + [(tc, None, None) for tc in TRANSFERS if tc != default_t])
   order = sweep_order(tilings, transfer_points)[args.start:]
   # compiles run at most 2 x workers points ahead (a run cut by its budget then

@@ -130,7 +130,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   `@f32router` the router's logits as one float32 GEMM (`RoutingConfig.logits_matmul`,
   the routing until 2026-11-27) instead of bf16 pieces; `@gx` the de-duplicated
   dispatches' send rows read by index in the transfer's loads
-  (`TransferConfig.gather_rows`); `@op` slot_reduction="owner_partials" (other bits:
+  (`TransferConfig.gather_rows`, the default since 2026-11-28), `@sb` gathered into a
+  contiguous send buffer first (gather_rows=False); `@op` slot_reduction="owner_partials" (other bits:
   its checksums differ from slot order's); `@chunk<N>` the transfer's chunk_rows."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
@@ -144,14 +145,15 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, logits_matmul="float32"))
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
-    elif suffix == "gx":
-      cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer, gather_rows=True))
+    elif suffix in ("gx", "sb"):
+      cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer,
+                                                                 gather_rows=suffix == "gx"))
     elif (m := re.fullmatch(r"chunk(\d+)", suffix)) is not None:
       cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer,
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @op, @chunk<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @op, @chunk<N>)")
   return cfg
 
 
@@ -255,6 +257,8 @@ def main(argv=None):
   ap.add_argument("--max-reps", type=int, default=20, help="calls per timed batch, at most")
   args = ap.parse_args(argv)
   t_start = time.time()
+  for backend in (b for b in args.backends.split(",") if b):
+    backend_config(backend)   # a bad name or combination fails now, not after others ran
   devs = jax.devices()
   ep = args.ep or len(devs)
   mesh = jax.make_mesh((1, ep), ("data", "expert"), devices=devs[:ep])

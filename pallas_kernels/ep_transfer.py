@@ -49,7 +49,7 @@ A chunk of `rows` < chunk_rows rows is stored with one TMA per set bit of
 `rows` (largest first), so rows outside the segment are never written: two
 sources write adjacent segments of one peer's buffer without overlap.
 
-Gathered sources (`src_index`, TransferConfig.gather_rows, EXPERIMENTAL): the segments
+Gathered sources (`src_index`, TransferConfig.gather_rows, the default): the segments
 index positions of an int32 index (appended behind the work lists in the same GMEM
 array) and item row i is src[index[src_row + i]]. v3 tiling: src and out viewed 3-D,
 [rows, H / ct, ct] (ct <= col_tile, `row_gather.column_blocking`), items of

@@ -10,6 +10,20 @@ import pytest
 from bench import moe_layer, train_step_diff, train_throughput
 
 
+def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatch):
+  """A bad suffix combination (owner_partials is not built into the fused kernels) fails
+  before the first backend compiles (on 4x H200 it failed after three had run)."""
+  monkeypatch.setattr(moe_layer.common, "dense_matmul_tflops",
+                      lambda: pytest.fail("ran before the backends were checked"))
+  with pytest.raises(ValueError, match="slot_reduction"):
+    moe_layer.main(["--shapes", "tiny", "--backends", "xla_capacity,uniep_dc_rbw_dd@op",
+                    "--out", str(tmp_path)])
+  assert not list(tmp_path.iterdir())
+  # @gx / @sb: the transfer's gathered loads (the default) or the send buffer
+  assert moe_layer.backend_config("uniep_dd@sb").transfer.gather_rows is False
+  assert moe_layer.backend_config("uniep_dd@sb@gx").transfer.gather_rows is True
+
+
 def test_moe_layer_records_times_and_checksums(tmp_path):
   moe_layer.main(["--shapes", "tiny", "--backends", "xla_capacity,xla_dropless_padded",
                   "--directions", "fwd", "--routings", "balanced,skewed", "--out", str(tmp_path),
@@ -109,12 +123,12 @@ def test_determinism_sweep_runs_every_point_and_reports_a_mismatch(tmp_path, mon
   sweep = _fake_sweep(monkeypatch, lambda cfg: ("same",))
   assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--out", str(tmp_path)]) == 0
   got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.json")).read_text())
-  # per tiling: the default transfer de-duplicated and not, the fused points, the gathered
-  # transfer, the others
+  # per tiling: the default transfer de-duplicated and not, the fused points, the send
+  # buffer, the others
   assert got["swept"] == len(sweep.TILINGS) * (3 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
-  assert sum(r["gather_rows"] for r in got["points"]) == len(sweep.TILINGS)
+  assert sum(not r["gather_rows"] for r in got["points"]) == len(sweep.TILINGS)
   dedup = [r["dedup_tokens"] for r in got["points"] if r["fused"] is None
-           and not r["gather_rows"]
+           and r["gather_rows"]
            and (r["chunk_rows"], r["num_ctas"], r["col_tile"]) == (128, 64, 256)]
   assert sorted(dedup) == [False] * len(sweep.TILINGS) + [True] * len(sweep.TILINGS)
   assert not got["mismatches"] and not got["skipped"]

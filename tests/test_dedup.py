@@ -183,15 +183,16 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   test_gather_live_rows_kernel): the same outputs and gradients as the padded
   transport without de-duplication (`nvlink_plumbing`)."""
   run = nvlink_plumbing(monkeypatch, 73)
-  y_n, g_n = run("nvlink", dedup_tokens=True)
   y_p, g_p = run("padded", dedup_tokens=False)
-  chex.assert_trees_all_equal(y_n, y_p)
-  chex.assert_trees_all_equal(g_n, g_p)
-  # TransferConfig.gather_rows: x (and dy) and the unique-token index go to the transfer,
-  # which gathers in its loads; no send buffer
+  # TransferConfig.gather_rows (the default): x (and dy) and the unique-token index go
+  # to the transfer, which gathers in its loads; no send buffer
   y_g, g_g = run("nvlink", dedup_tokens=True,
                  transfer=uniep_jax.TransferConfig(gather_rows=True))
   chex.assert_trees_all_equal((y_g, g_g), (y_p, g_p))
+  # gather_rows=False: the live rows first gathered into a contiguous send buffer
+  y_n, g_n = run("nvlink", dedup_tokens=True,
+                 transfer=uniep_jax.TransferConfig(gather_rows=False))
+  chex.assert_trees_all_equal((y_n, g_n), (y_p, g_p))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -320,13 +321,18 @@ def test_dedup_tokens_auto_is_on_for_uniep_only():
 def test_uniep_layer_with_dedup_lowers_for_cuda():
   """backend "uniep" at its defaults (dedup_tokens auto: on) lowers for CUDA on this
   CPU-only machine: v1's 10 Mosaic GPU kernels plus, for each of the two de-duplicated
-  dispatches (the forward's x, the backward's dy), the gather of the unique send rows
-  and the owner's live-rows copy (weighted in the backward). dedup_tokens=False lowers
-  v1's 10 (tests/test_moe.py)."""
+  dispatches (the forward's x, the backward's dy), the owner's live-rows copy (weighted
+  in the backward); the transfers read the unique send rows by index
+  (TransferConfig.gather_rows). gather_rows=False adds the two gathers of the send rows
+  into a send buffer. dedup_tokens=False lowers v1's 10 (tests/test_moe.py)."""
   from test_moe import lower_uniep_layer_for_cuda
   text = lower_uniep_layer_for_cuda(UniEPConfig(backend="uniep"), 128)
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == 14
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 12
   assert text.count("gather_live_rows_scaled") >= 1
+  send_buffer = UniEPConfig(backend="uniep",
+                            transfer=uniep_jax.TransferConfig(gather_rows=False))
+  text = lower_uniep_layer_for_cuda(send_buffer, 128)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 14
 
 
 def test_unique_receive_bytes_counts_every_token_of_every_rank_once():

@@ -341,7 +341,7 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     # v1's dispatch (dedup_tokens=False) with a receive bound (the XLA glue) and tiles
     # walked in bands (the kernels' tile order): independent, so one lowering covers all
     # three. The default config (de-duplicated: v1's 10 kernels, the same kernel configs,
-    # plus 2 gathers per dispatch) lowers in tests/test_dedup.py
+    # plus the owner's live-rows copy per dispatch) lowers in tests/test_dedup.py
     (1.5, None, uniep_jax.KernelConfig(raster_rows=8), False, True),
     # Kernels A and B; the forward only: its backward is v1's (the default's lowering
     # has those kernels), and each Mosaic GPU kernel costs ~1.7 CPU-s to lower
@@ -349,7 +349,8 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     # Kernel A, v1's down GEMM and return; the fused backward (dy dispatch + da in one launch)
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  backward=True), None, False, True),
-    # the forward's dispatch de-duplicated (v1's transfer, the live-rows copy, v1's gate/up
+    # the forward's dispatch de-duplicated (v1's transfer reading the unique send rows by
+    # index, TransferConfig.gather_rows, the live-rows copy, v1's gate/up
     # launch instead of Kernel A) + Kernel C + the dX return beside the wgrad + the
     # de-duplicated dy dispatch. Kernel A with de-duplication (fac_rbw_dd) is not a case of
     # its own: its forward kernels are Kernel A (the cases above) and this case's Kernel C,
@@ -372,17 +373,19 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
   # (2 transfers + 4 GEMM kernels) or the fused one (dy dispatch + da in one launch, dx,
   # 2 wgrads, the return; with wgrad_return_ctas the return rides in the dw_gate_up launch);
-  # dedup with fused: the dy dispatch gathers its unique send rows, sends them, then the
-  # owner's weighted live-rows copy (+2); without Kernel A (dispatch_in_kernel=False): the
-  # unique send rows' gather, their transfer, the live-rows copy and v1's gate/up launch
-  # in its place (+3)
+  # dedup with fused: the dy dispatch sends its unique send rows (read by index in the
+  # transfer; with gather_rows=False first gathered into a send buffer, one launch more),
+  # then the owner's weighted live-rows copy (+1); without Kernel A
+  # (dispatch_in_kernel=False): the unique send rows' transfer, the live-rows copy and
+  # v1's gate/up launch in its place (+3 with the send buffer's gather)
+  send_buffer = 0 if cfg.transfer.gather_rows else 1
   if fused is None:
     expected = 10
   else:
-    forward = ((1 if fused.dispatch_in_kernel else 4)
+    forward = ((1 if fused.dispatch_in_kernel else 3 + send_buffer)
                + (1 if fused.return_in_kernel or fused.down_return_ctas else 2))
     backward = ((5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0)
-                + (2 if dedup else 0))
+                + (1 + send_buffer if dedup else 0))
     expected = forward + (backward if grad else 0)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
   assert ("gather_live_rows_scaled" in text) == dedup
