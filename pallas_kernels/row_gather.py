@@ -104,6 +104,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.tma import ladder_store, load_rows_by_index, two_stage_copy_loop
+from uniep_jax.ragged import SEARCH_METHOD
 
 ROWS_PER_TILE = 16
 # Two stages per CTA must fit with room to spare (Hopper: 227 KiB per block).
@@ -248,7 +249,8 @@ def fold_tiles(count, live, *, fold: int, slots_per_tile: int):
   terms = jnp.where(jnp.arange(n) < live, jnp.clip(count.astype(jnp.int32), 1, fold), 0)
   offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(terms, dtype=jnp.int32)])
   starts = jnp.arange(pl.cdiv(n * fold, slots_per_tile) + 1, dtype=jnp.int32) * slots_per_tile
-  first_row = jnp.minimum(jnp.searchsorted(offsets[:n], starts, side="left").astype(jnp.int32),
+  first_row = jnp.minimum(jnp.searchsorted(offsets[:n], starts, side="left",
+                                           method=SEARCH_METHOD).astype(jnp.int32),
                           live)
   return offsets, first_row
 

@@ -295,8 +295,11 @@ def owner_partials(ct, plan: DispatchPlan, dplan: DedupPlan, axis_name) -> jax.A
   order = jnp.argsort(group, stable=True).astype(jnp.int32)     # each group in p order
   sorted_group = group[order]
   g = jnp.arange(rows, dtype=jnp.int32)
-  start = jnp.searchsorted(sorted_group, g, side="left").astype(jnp.int32)
-  count = jnp.searchsorted(sorted_group, g, side="right").astype(jnp.int32) - start
+  # (unrolled bisection, ragged.SEARCH_METHOD: the default "scan" is a host-driven while
+  # loop on XLA:GPU; 4x H200, qwen3-like EP 4: +0.77 ms of idle GPU per fwd+bwd)
+  start = jnp.searchsorted(sorted_group, g, side="left", method=SEARCH_METHOD).astype(jnp.int32)
+  count = (jnp.searchsorted(sorted_group, g, side="right", method=SEARCH_METHOD)
+           .astype(jnp.int32) - start)
   acc = None
   for j in range(j_max):
     used = j < count
@@ -319,7 +322,8 @@ def _partial_return_padded(partials, plan: DispatchPlan, dplan: DedupPlan, axis_
   got = jax.lax.all_to_all(buf.reshape(r, t, -1), axis_name, 0, 0, tiled=True)  # [R(owner), T, H]
   u = dplan.unique_tokens.shape[0]
   slot = jnp.arange(u, dtype=jnp.int32)
-  d = jnp.clip(jnp.searchsorted(dplan.unique_send_offsets, slot, side="right") - 1, 0, r - 1)
+  d = jnp.clip(jnp.searchsorted(dplan.unique_send_offsets, slot, side="right",
+                                method=SEARCH_METHOD) - 1, 0, r - 1)
   return got.reshape(r * t, -1)[d * t + (slot - dplan.unique_send_offsets[d])]
 
 
