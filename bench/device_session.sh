@@ -47,7 +47,7 @@
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 #   xfer     one GPU: the send side of the de-duplicated dispatch, gather + transfer against
 #            the transfer's gathered loads (bench/transfer_check.py; $XFER_ARGS extra flags)
-#   probe    one GPU: which SMEM scalar reads fault (bench/smem_scalar_probe.py, each
+#   smem     one GPU: which SMEM scalar reads fault (bench/smem_scalar_probe.py, each
 #            variant in its own process)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
@@ -152,7 +152,7 @@ run_phase() {  # name seconds
                bash bench/multiprocess_gpu.sh > "$dir/log" 2>&1 ;;
     xfer)    timeout "$secs" python3 -m bench.transfer_check --out "$dir" ${XFER_ARGS:-} \
                > "$dir/log" 2>&1 ;;
-    probe)   timeout "$secs" python3 -m bench.smem_scalar_probe --out "$dir" > "$dir/log" 2>&1 ;;
+    smem)    timeout "$secs" python3 -m bench.smem_scalar_probe --out "$dir" > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;
   esac
   rc=$?

@@ -265,3 +265,17 @@ def test_profile_of_a_training_step_on_cpu(tmp_path, monkeypatch):
   dev = next(iter(payload["devices"].values()))
   assert dev["kernels"] and dev["span_per_call_us"] > 0
   assert payload["settings"]["train_model"] == "tiny"
+
+
+def test_device_session_phases_are_unique_and_documented():
+  """bench/device_session.sh dispatches on the phase name with a bash `case`: a second
+  label of the same name never runs (the SMEM-scalar probe, once named "probe" beside the
+  training-loop probe, did not run on 4x H200, 2026-11-28). Every label is in the header."""
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).parent.parent / "bench" / "device_session.sh").read_text()
+  body = text[text.index('case "$name" in'):text.index("    *)")]   # to the catch-all
+  labels = re.findall(r"^    ([a-z_]+)\)", body, flags=re.M)
+  assert len(labels) > 10 and len(labels) == len(set(labels)), labels
+  header = {m for m in re.findall(r"^#   ([a-z_]+) ", text, flags=re.M)}
+  assert set(labels) <= header, set(labels) - header
