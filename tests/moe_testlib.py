@@ -1,5 +1,7 @@
 """Shared helpers for the MoE tests: random params and inputs."""
 
+import re
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -69,3 +71,27 @@ def float_scatter_adds(jaxpr, width: int | None = None) -> list[str]:
         and (width is None or (aval.shape and aval.shape[-1] == width))):
       found.append(str(eqn.outvars[0].aval))
   return found
+
+
+def host_stepped_loops(stablehlo_text: str) -> list[str]:
+  """The while loops of a lowered program that run more than once, each as its loop line
+  (XLA:GPU steps a while loop from the host: a round trip per step; jnp.searchsorted's
+  default "scan" method is one, `uniep_jax.ragged.SEARCH_METHOD` unrolls it). A loop whose
+  condition is `counter < 1` (a scan of one step, e.g. a bisection over one entry, left
+  to XLA's loop simplifier) is not one."""
+  lines = stablehlo_text.split("\n")
+  loops = []
+  for i, line in enumerate(lines):
+    if "stablehlo.while" not in line:
+      continue
+    cond = []
+    for nxt in lines[i + 1:]:
+      if "} do {" in nxt:
+        break
+      cond.append(nxt)
+    bound = [int(m) for c in cond for m in re.findall(r"stablehlo\.constant dense<(\d+)> : tensor<i32>", c)]
+    one_step = len(bound) == 1 and bound[0] <= 1 and any("compare  LT" in c or "compare LT" in c
+                                                         for c in cond)
+    if not one_step:
+      loops.append(line.strip()[:200])
+  return loops

@@ -17,7 +17,7 @@ from uniep_jax.dedup import (local_unique_routing, make_dedup_plan, sorted_weigh
                              unique_send_rows)
 from uniep_jax.layout import local_group_sizes, make_plan
 from conftest import make_mesh
-from moe_testlib import make_params, make_x
+from moe_testlib import host_stepped_loops, make_params, make_x
 
 E, H, F = 8, 32, 48
 
@@ -329,6 +329,7 @@ def test_uniep_layer_with_dedup_lowers_for_cuda():
   text = lower_uniep_layer_for_cuda(UniEPConfig(backend="uniep"), 128)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 12
   assert text.count("gather_live_rows_scaled") >= 1
+  assert not host_stepped_loops(text)   # (ragged.SEARCH_METHOD)
   send_buffer = UniEPConfig(backend="uniep",
                             transfer=uniep_jax.TransferConfig(gather_rows=False))
   text = lower_uniep_layer_for_cuda(send_buffer, 128)

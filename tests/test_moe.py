@@ -16,7 +16,7 @@ import pytest
 import uniep_jax
 from uniep_jax import RoutingConfig, UniEPConfig
 from conftest import make_mesh
-from moe_testlib import capacity_keep_mask, make_params, make_x, rel_err
+from moe_testlib import capacity_keep_mask, host_stepped_loops, make_params, make_x, rel_err
 
 E, H, F = 8, 32, 48
 BIG_CF = 1e3  # capacity large enough that nothing is dropped
@@ -389,6 +389,9 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
     expected = forward + (backward if grad else 0)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
   assert ("gather_live_rows_scaled" in text) == dedup
+  # no host-stepped loop between the kernels (XLA:GPU drives a while loop from the host;
+  # ragged.SEARCH_METHOD)
+  assert not host_stepped_loops(text)
 
 
 def lower_uniep_layer_for_cuda(cfg, hidden, grad=True):
