@@ -131,7 +131,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   the routing until 2026-11-27) instead of bf16 pieces; `@gx` the de-duplicated
   dispatches' send rows read by index in the transfer's loads
   (`TransferConfig.gather_rows`, the default since 2026-11-28), `@sb` gathered into a
-  contiguous send buffer first (gather_rows=False); `@op` slot_reduction="owner_partials" (other bits:
+  contiguous send buffer first (gather_rows=False); `@te` the owner's expansion of the
+  unique rows inside the transfer's launch (`TransferConfig.expand_in_transfer`); `@op` slot_reduction="owner_partials" (other bits:
   its checksums differ from slot order's); `@chunk<N>` the transfer's chunk_rows."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
@@ -145,6 +146,9 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, logits_matmul="float32"))
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
+    elif suffix == "te":
+      cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(
+          cfg.transfer, gather_rows=True, expand_in_transfer=True))
     elif suffix in ("gx", "sb"):
       cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer,
                                                                  gather_rows=suffix == "gx"))
@@ -153,7 +157,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @op, @chunk<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @op, @chunk<N>)")
   return cfg
 
 

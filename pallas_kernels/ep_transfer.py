@@ -135,15 +135,18 @@ GATHER_ITEM_ROWS = 16
 GATHER_UNROLL = 16
 
 
-def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: int):
-  """Per peer offset j (row j: peer (rank + j) mod R), the chunk items.
+def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: int,
+               sign: int = 1):
+  """Per peer offset j (row j: peer (rank + sign * j) mod R), the chunk items.
 
   seg_*: [R, El] int32 indexed by (peer, local expert). Returns int32
-  [R, 3 * W + 1]: src_row[W], dst_row[W], rows[W], live item count.
+  [R, 3 * W + 1]: src_row[W], dst_row[W], rows[W], live item count. sign -1: row j
+  is the peer that sends to this rank at offset j (`transfer_expand`'s copy lists).
   """
   r, el = seg_len.shape
   w = pl.cdiv(src_rows, chunk_rows) + el
-  rot = lambda a: jnp.roll(a.astype(jnp.int32), -rank, axis=0)  # noqa: E731  row j: peer rank+j
+  peer_of_row = lax.rem(rank + sign * jnp.arange(r, dtype=jnp.int32) + r * r, r)
+  rot = lambda a: jnp.take(a.astype(jnp.int32), peer_of_row, axis=0)  # noqa: E731
   seg_src, seg_dst, seg_len = rot(seg_src), rot(seg_dst), rot(seg_len)
 
   def one(src, dst, length):
@@ -159,7 +162,7 @@ def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: in
 
 def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base, first_item,
                count, w: int, cta, num_ctas: int, item_rows: int, col_tile: int,
-               index_base: int | None = None):
+               index_base: int | None = None, scale=None):
   """One CTA's share of `count` items of a work list: items first_item + cta,
   first_item + cta + num_ctas, ... of the list at work_gmem[base:] (layout of
   `work_lists`: src_row at [base + i], dst_row at [base + w + i], rows at
@@ -174,7 +177,14 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   work_gmem[index_base + src_row + i], one [1, nb, ct] TMA load per row (all nb * ct
   columns of a column block in one box), GATHER_UNROLL per loop iteration (item_rows
   loads per step; rows past the item's end load its last row again and are never
-  stored; load_barrier must count item_rows arrivals)."""
+  stored; load_barrier must count item_rows arrivals).
+  scale (gathered only): None, or (scale_gmem, scale_smem): item row i is stored as
+  (scale[src_row + i] * f32(row)).astype(dtype), `row_gather.gather_live_rows`'s
+  weighted copy, bit for bit (the same expression); the item's box of weights
+  (scale_smem [2, box], scale padded by box past its end) is one more TMA on the
+  stage's barrier (item_rows + 1 arrivals)."""
+  if scale is not None and index_base is None:
+    raise ValueError("move_items: scale needs the gathered form (index_base)")
   ns, width = src_gmem.shape[:2]      # width: columns (2-D) or boxes (3-D) per row
   n_col = width // col_tile
   steps = (jnp.maximum(count - cta + num_ctas - 1, 0) // num_ctas) * n_col
@@ -200,9 +210,19 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
     load_rows_by_index(lambda i: work_gmem[first + jnp.minimum(i, last)], src_gmem,
                        stage_smem.at[stage], load_barrier.at[stage], rows=item_rows,
                        col=col, width=col_tile, unroll=GATHER_UNROLL)
+    if scale is not None:
+      scale_gmem, scale_smem = scale
+      plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(work_gmem[at], scale_smem.shape[1])],
+                              scale_smem.at[stage], load_barrier.at[stage])
 
   def store(s, stage):
     at, col = item_col(s)
+    if scale is not None:
+      scale_smem = scale[1]
+      for i in range(item_rows):
+        row = stage_smem[stage, i]
+        stage_smem[stage, i] = (row.astype(jnp.float32) * scale_smem[stage, i]).astype(row.dtype)
+      plgpu.commit_smem()
     ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
                  work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
                  item_rows, commit_group=index_base is None)
@@ -211,6 +231,14 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
 
   # the gathered loads take long to issue: keep the previous stores in flight meanwhile
   two_stage_copy_loop(steps, load, store, load_barrier, stores_first=index_base is not None)
+
+
+def peer_ref(out_gmem, j: int, *, me, axis_name, num_peers: int):
+  """The buffer that peer offset j writes into: peer (me + j)'s `out_gmem` (a remote
+  ref), this device's own for j == 0 or in the local form (axis_name=None)."""
+  if axis_name is None or j == 0:
+    return out_gmem
+  return plgpu.remote_ref(out_gmem, {axis_name: lax.rem(me + j, num_peers)})
 
 
 def transfer_semaphores(num_ctas: int):
@@ -229,9 +257,9 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
   `sems` (`transfer_semaphores`, allocated at the kernel's top level)."""
   c = lax.axis_index(cta_axis)
   stride = 3 * w + 1
+  me = lax.axis_index(axis_name) if axis_name is not None else None
 
   if axis_name is not None:
-    me = lax.axis_index(axis_name)
     ready_sem, done_sem = transfer_semaphores(num_ctas) if sems is None else sems
     for p in range(num_peers):
       pl.semaphore_signal(ready_sem.at[c], device_id={axis_name: p})
@@ -239,11 +267,7 @@ def _transfer_body(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, *,
 
   for j in list(range(1, num_peers)) + [0]:   # static: remote peers first, own rows last
     base = j * stride
-    if axis_name is None or j == 0:
-      dst_gmem = out_gmem
-    else:
-      peer = lax.rem(me + j, num_peers)
-      dst_gmem = plgpu.remote_ref(out_gmem, {axis_name: peer})
+    dst_gmem = peer_ref(out_gmem, j, me=me, axis_name=axis_name, num_peers=num_peers)
     move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
                first_item=0, count=work_gmem[base + 3 * w], w=w, cta=c, num_ctas=num_ctas,
                item_rows=chunk_rows, col_tile=col_tile, index_base=index_base)

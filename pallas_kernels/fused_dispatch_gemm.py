@@ -141,7 +141,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
-from pallas_kernels.ep_transfer import move_items
+from pallas_kernels.ep_transfer import move_items, peer_ref
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig  # noqa: F401 (FusedConfig re-exported)
 from uniep_jax.ragged import SEARCH_METHOD, block_pieces, enumerate_runs
 
@@ -249,16 +249,12 @@ def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chu
   stride = work_row_length(w, num_chunks)
   starts, deals = 3 * w, 3 * w + num_chunks + 1
   live_chunks = work_gmem[stride - 1]          # the same on every rank and every row
-  if axis_name is not None:
-    me = lax.axis_index(axis_name)
+  me = lax.axis_index(axis_name) if axis_name is not None else None
 
   def chunk_body(kc, carry):
     for j in transfer_order(num_peers):         # static: the TMA peer id must be host-computable
       base = j * stride
-      if axis_name is None or j == 0:
-        dst_gmem = recv_gmem
-      else:
-        dst_gmem = plgpu.remote_ref(recv_gmem, {axis_name: lax.rem(me + j, num_peers)})
+      dst_gmem = peer_ref(recv_gmem, j, me=me, axis_name=axis_name, num_peers=num_peers)
       first_item = work_gmem[base + starts + kc]
       # round robin over the sender's whole walk: item i of this (k, j) list has walk
       # rank deal_start + i and goes to CTA (deal_start + i) mod n_comm

@@ -124,11 +124,12 @@ def test_determinism_sweep_runs_every_point_and_reports_a_mismatch(tmp_path, mon
   assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--out", str(tmp_path)]) == 0
   got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.json")).read_text())
   # per tiling: the default transfer de-duplicated and not, the fused points, the send
-  # buffer, the others
-  assert got["swept"] == len(sweep.TILINGS) * (3 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
+  # buffer, the expansion in the transfer's launch, the others
+  assert got["swept"] == len(sweep.TILINGS) * (4 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
+  assert sum(r["expand_in_transfer"] for r in got["points"]) == len(sweep.TILINGS)
   assert sum(not r["gather_rows"] for r in got["points"]) == len(sweep.TILINGS)
   dedup = [r["dedup_tokens"] for r in got["points"] if r["fused"] is None
-           and r["gather_rows"]
+           and r["gather_rows"] and not r["expand_in_transfer"]
            and (r["chunk_rows"], r["num_ctas"], r["col_tile"]) == (128, 64, 256)]
   assert sorted(dedup) == [False] * len(sweep.TILINGS) + [True] * len(sweep.TILINGS)
   assert not got["mismatches"] and not got["skipped"]

@@ -136,6 +136,25 @@ def _simulated_gather_live_rows(src, index, live, *, out_rows, scale=None, garba
   return jnp.where((p < live)[:, None], rows, jnp.asarray(garbage, src.dtype))
 
 
+def _simulated_transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index, *,
+                               src_index, unique_rows, out_rows, scale=None, config,
+                               copy_ctas, axis_name, rank=0, interpret=None):
+  """`transfer_expand.transfer_expand`'s contract in plain JAX: the transfer
+  (`_simulated_transfer`), then the weighted copy of exactly the rows the copy blocks
+  cover; every other row holds garbage (the kernel leaves it unwritten), so blocks that
+  miss a live row change the layer's output."""
+  from test_moe import _simulated_transfer
+  unique = _simulated_transfer(src, seg_src, seg_dst, seg_len, out_rows=unique_rows,
+                               config=config, axis_name=axis_name, src_index=src_index)
+  p = jnp.arange(out_rows)[:, None]
+  start, length = copy_start.reshape(1, -1), copy_len.reshape(1, -1)
+  covered = jnp.any((p >= start) & (p < start + length), axis=1)
+  return jnp.where(covered[:, None],
+                   _simulated_gather_live_rows(unique, index, out_rows, out_rows=out_rows,
+                                               scale=scale),
+                   jnp.asarray(jnp.nan, src.dtype))
+
+
 def nvlink_plumbing(monkeypatch, seed: int, *, experts=E, hidden=H, ffn=F, top_k=3):
   """run(transport, **config) -> (y, gradients of x and the params) of the xla_dropless
   layer at EP 4 (mesh 1x4), bfloat16, 64 tokens, with the NVLink transfer and the
@@ -148,9 +167,11 @@ def nvlink_plumbing(monkeypatch, seed: int, *, experts=E, hidden=H, ffn=F, top_k
   an ulp before any dispatch (seen 2026-11-27)."""
   import pallas_kernels.ep_transfer as ep
   import pallas_kernels.row_gather as rg
+  import pallas_kernels.transfer_expand as te
   from test_moe import _simulated_transfer
   monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
   monkeypatch.setattr(rg, "gather_live_rows", _simulated_gather_live_rows)
+  monkeypatch.setattr(te, "transfer_expand", _simulated_transfer_expand)
   mesh = make_mesh(1, 4)
   axes = ("data", "expert")
   kx, kp = jax.random.split(jax.random.key(seed))
@@ -193,6 +214,11 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   y_n, g_n = run("nvlink", dedup_tokens=True,
                  transfer=uniep_jax.TransferConfig(gather_rows=False))
   chex.assert_trees_all_equal((y_n, g_n), (y_p, g_p))
+  # expand_in_transfer: the transfer and the owner's expansion (weighted in the
+  # backward) in one launch, over the receive layout's (local expert, source) blocks
+  y_e, g_e = run("nvlink", dedup_tokens=True,
+                 transfer=uniep_jax.TransferConfig(expand_in_transfer=True))
+  chex.assert_trees_all_equal((y_e, g_e), (y_p, g_p))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -334,6 +360,14 @@ def test_uniep_layer_with_dedup_lowers_for_cuda():
                             transfer=uniep_jax.TransferConfig(gather_rows=False))
   text = lower_uniep_layer_for_cuda(send_buffer, 128)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 14
+  # expand_in_transfer (forward only: the backward's dy dispatch takes the same path):
+  # the transfer and the live-rows copy in one launch, then the forward's 2 GEMM
+  # kernels and the return
+  expand = UniEPConfig(backend="uniep",
+                       transfer=uniep_jax.TransferConfig(expand_in_transfer=True))
+  text = lower_uniep_layer_for_cuda(expand, 128, grad=False)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 4
+  assert "transfer_expand" in text and "gather_live_rows" not in text
 
 
 def test_unique_receive_bytes_counts_every_token_of_every_rank_once():

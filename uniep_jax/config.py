@@ -147,12 +147,20 @@ class TransferConfig:
     are moved, not computed). On by default since 2026-11-28: EP 4, 4x H200, fwd+bwd
     median (bench/results/moe_layer_NVIDIA_H200_ep4_run34_*.json, _run35_*.json):
     uniep_dc_rbw_dd 10.00 -> 9.79 ms on qwen3-like, 37.69 -> 37.42 on deepseek-like.
+  expand_in_transfer: EXPERIMENTAL, not yet run on a GPU (needs gather_rows). The
+    de-duplicated dispatches' second launch, the owner's expansion of the unique rows
+    into the receive layout (`row_gather.gather_live_rows`, weighted in the backward),
+    runs inside the transfer's launch on `copy_ctas` more CTAs, source by source as
+    each one's rows land (`pallas_kernels/transfer_expand.py`). The same bits.
+  copy_ctas: CTAs of that expansion (num_ctas + copy_ctas must fit on the SMs).
   """
 
   chunk_rows: int = 128
   col_tile: int = 256
   num_ctas: int = 64
   gather_rows: bool = True
+  expand_in_transfer: bool = False
+  copy_ctas: int = 64
 
   def __post_init__(self):
     if self.chunk_rows < 1 or self.chunk_rows & (self.chunk_rows - 1):
@@ -162,6 +170,11 @@ class TransferConfig:
                        f"(the TMA box limit)")
     if self.num_ctas < 1:
       raise ValueError(f"num_ctas={self.num_ctas} must be >= 1")
+    if self.copy_ctas < 1:
+      raise ValueError(f"copy_ctas={self.copy_ctas} must be >= 1")
+    if self.expand_in_transfer and not self.gather_rows:
+      raise ValueError("expand_in_transfer=True needs gather_rows=True (the launch reads "
+                       "the send rows by index)")
 
   def smem_bytes(self, itemsize: int = 2) -> int:
     return 2 * self.chunk_rows * self.col_tile * itemsize

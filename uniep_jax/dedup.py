@@ -61,7 +61,8 @@ from uniep_jax.combine import (fold_present, round_cotangent, round_to, weighted
 from uniep_jax.dispatch import (_RETURN, _take_rows, _zero_plan_cotangent, _zeros_varying_like,
                                 as_received, collect, sort_rows_transpose, sum_to_type_of,
                                 varying_axes)
-from uniep_jax.layout import DispatchPlan, _exclusive_cumsum, make_plan, sort_assignments
+from uniep_jax.layout import (DispatchPlan, _exclusive_cumsum, make_plan, return_segments,
+                              sort_assignments)
 from uniep_jax.ragged import SEARCH_METHOD, enumerate_runs
 
 
@@ -215,6 +216,15 @@ def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
   column = lambda a: a[:, None]  # noqa: E731  one segment per destination
   segments = (column(dplan.unique_send_offsets), column(dplan.unique_output_offsets),
               column(dplan.unique_send_counts))
+  index = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
+  if transfer.expand_in_transfer:   # transfer and expansion in one launch
+    from pallas_kernels.transfer_expand import transfer_expand
+    blocks = return_segments(plan, jax.lax.axis_index(axis_name))   # [source, le] mine
+    recv = transfer_expand(x, *segments, blocks.src_start, blocks.rows, index,
+                           src_index=dplan.unique_tokens, unique_rows=r * t,
+                           out_rows=plan.recv_valid.shape[0], scale=scale, config=transfer,
+                           copy_ctas=transfer.copy_ctas, axis_name=axis_name)
+    return as_received(recv, plan)
   if transfer.gather_rows:   # the transfer's loads read x[unique_tokens[i]] themselves
     unique = transfer_segments(x, *segments, out_rows=r * t, config=transfer,
                                axis_name=axis_name, src_index=dplan.unique_tokens)
@@ -226,7 +236,6 @@ def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
                             out_rows=dplan.unique_tokens.shape[0])           # [T*min(R,K), H]
     unique = transfer_segments(rows, *segments, out_rows=r * t, config=transfer,
                                axis_name=axis_name)                          # [R*T, H] packed
-  index = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
   recv = gather_live_rows(unique, index, plan.num_received, out_rows=plan.recv_valid.shape[0],
                           scale=scale)   # the weighted copy: the same multiply as _scale_rows
   return as_received(recv, plan)

@@ -1,0 +1,264 @@
+"""EXPERIMENTAL: the de-duplicated dispatch's NVLink transfer and the owner's expansion
+of the unique rows into the receive layout, in one launch.
+
+The de-duplicated dispatch (`uniep_jax/dedup.py`, `_dedup_nvlink`) runs two launches:
+
+  unique = ep_transfer.transfer_segments(src -> owners, src_index=unique_tokens)
+           each (token, owner) row once into the owner's unique buffer [R*T, H],
+           source s's rows packed at unique_recv_offsets[s]
+  recv   = row_gather.gather_live_rows(unique, index, live[, scale])
+           recv[p] = unique[index[p]] (weighted in the backward) for p < live
+
+The second is serial after the first (4x H200, qwen3-like EP 4, profile run 33: 0.27 ms
+forward, 0.29-0.35 ms backward; 3.5x that at H 7168). Here both run in one launch, and
+the expansion of source s's rows starts as soon as every transfer CTA of s has stored
+them, while the other sources' rows are still in flight: only the last source's
+expansion is exposed. Bits: the same rows moved and the same weighted copy expression
+as the two launches (`move_items`, `scale`), so the same output bit for bit.
+
+Roles (by CTA index c on "cta")
+-------------------------------
+  c <  num_ctas            transfer CTAs: `ep_transfer`'s gathered transfer, one peer
+                           offset j at a time (order `EXPAND_ORDER`: its own rows first,
+                           so their expansion overlaps every remote offset), then a
+                           signal to the receiving peer.
+  num_ctas <= c < +n_copy  copy CTAs: per offset j (the rows of source me - j), wait
+                           until they have landed, then copy them into the receive
+                           layout (items of up to GATHER_ITEM_ROWS rows of one
+                           (local expert, source) block, loaded by index from the
+                           unique buffer, weighted if `scale`, one store ladder each).
+
+Work lists (plain JAX, before the launch; one int32 array)
+----------------------------------------------------------
+  [R, 3 * Wt + 1] the transfer's (`ep_transfer.work_lists`, row j: peer me + j)
+  [R, 3 * Wc + 1] the copies' (`work_lists(sign=-1)`, row j: source me - j; items
+                  (p, p, rows) over the (local expert, source) blocks of the receive
+                  layout, `layout.return_segments`)
+  [Ni]            src_index (the transfer's gathered loads: unique_tokens)
+  [N]             index (the copies' loads: the unique-buffer row of receive row p)
+
+Buffers
+-------
+  unique [R*T, H/ct, ct]  kernel output; PEERS write into it (remote TMA stores).
+  recv   [out_rows, H/ct, ct] kernel output, this rank only; rows no copy item covers
+                          (>= the live rows) are undefined, as gather_live_rows'.
+  SMEM, per role (`pl.run_scoped` in each branch, so the roles share it): 2 stages of
+  [16, nb, ct] (`row_gather.column_blocking`, 160 KiB budget) + 2 barriers; the copy
+  role with `scale` also 2 x [32] float32 weights.
+
+Synchronisation contract
+------------------------
+  Launch ordering: as `ep_transfer` (Mosaic GPU's cross-device barrier before the
+      launch, skip_device_barrier=False kept): every peer is inside this launch, its
+      unique output and zero-filled semaphores exist, before any remote store or signal.
+      Semaphores do not persist across launches. Reset: none.
+  load_barrier[s] (each role its own): as `ep_transfer`'s gathered form (item rows
+      arrivals, + 1 for the weights' box); stage reuse as `two_stage_copy_loop`.
+  arrived[j] (`pl.get_global` REGULAR, [R]): after its items of offset j,
+      `wait_smem_to_gmem(0)` (its stores landed), each transfer CTA of rank s signals
+      arrived[j] on rank s + j, once per launch, empty or not (a signal orders the
+      NVLink writes issued before it):  expected(arrived[j]) = num_ctas, all from
+      source me - j.  Consumers: every copy CTA of this rank, before its items of
+      offset j, decrement=False (many waiters; a decrementing wait would take the
+      count from the others). Invariant when the wait returns: every row of source
+      me - j is in this rank's unique buffer.
+  Kernel end: every copy CTA has waited every offset, so every peer's stores into
+      this rank's unique buffer have landed, and the copy CTAs' own stores
+      (`wait_smem_to_gmem(0)`): recv is complete for the next XLA op.
+  Deadlock freedom: transfer CTAs never wait on anything but their own TMA; copy CTAs
+      wait only on signals every transfer CTA of every rank sends unconditionally. All
+      num_ctas + n_copy CTAs must be resident at once (1 per SM; kernels on other
+      streams must leave room: the default 64 + 64 of 132 SMs).
+  Open point for the bring-up (as Kernel A's): the copies read the unique buffer with
+      TMA loads (async proxy) after an acquire in the generic proxy (the semaphore
+      wait); `bench/check_moe_gpu.py` (`_te`) checks the bits on GPUs.
+
+CPU coverage: the local form (`axis_name=None`) runs the two roles as two launches of
+the same role bodies (no semaphores; interpret mode): the work lists, both pipelines
+and the weighted copy, bit for bit against transfer_segments + gather_live_rows
+(tests/test_transfer_expand.py); the communicating kernel's lowering for CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import device as device_lib
+from pallas_kernels.ep_transfer import GATHER_ITEM_ROWS, move_items, peer_ref, work_lists
+from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, _metadata_box, column_blocking
+from uniep_jax.config import TransferConfig
+
+
+def expand_order(num_peers: int) -> list[int]:
+  """The peer offsets in the order both roles walk them: own rows (0) first, so that
+  their expansion overlaps every remote offset's transfer."""
+  return list(range(num_peers))
+
+
+def _transfer_role(work_gmem, src_gmem, unique_gmem, arrived, *, t_w: int, item_rows: int,
+                   nb: int, num_ctas: int, index_base: int, axis_name, num_peers: int):
+  c = lax.axis_index("cta")
+  stride = 3 * t_w + 1
+  me = lax.axis_index(axis_name) if axis_name is not None else None
+
+  @functools.partial(pl.run_scoped,
+                     stage_smem=plgpu.SMEM((2, item_rows, nb, src_gmem.shape[2]),
+                                           src_gmem.dtype),
+                     load_barrier=plgpu.Barrier(num_arrivals=item_rows, num_barriers=2))
+  def _(stage_smem, load_barrier):
+    for j in expand_order(num_peers):   # static: the TMA peer id must be host-computable
+      base = j * stride
+      dst_gmem = peer_ref(unique_gmem, j, me=me, axis_name=axis_name, num_peers=num_peers)
+      move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
+                 first_item=0, count=work_gmem[base + 3 * t_w], w=t_w, cta=c,
+                 num_ctas=num_ctas, item_rows=item_rows, col_tile=nb, index_base=index_base)
+      plgpu.wait_smem_to_gmem(0)   # this CTA's rows of offset j landed
+      if axis_name is not None:
+        pl.semaphore_signal(arrived.at[j], device_id={axis_name: lax.rem(me + j, num_peers)})
+
+
+def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, c_base: int,
+               c_w: int, item_rows: int, nb: int, cta_offset: int, n_copy: int,
+               index_base: int, expected: int, num_peers: int):
+  c = lax.axis_index("cta") - cta_offset
+  stride = 3 * c_w + 1
+  scaled = scale_gmem is not None
+  scratch = dict(stage_smem=plgpu.SMEM((2, item_rows, nb, unique_gmem.shape[2]),
+                                       unique_gmem.dtype),
+                 load_barrier=plgpu.Barrier(num_arrivals=item_rows + scaled, num_barriers=2))
+  if scaled:
+    scratch["scale_smem"] = plgpu.SMEM((2, _metadata_box(item_rows)), jnp.float32)
+
+  @functools.partial(pl.run_scoped, **scratch)
+  def _(stage_smem, load_barrier, scale_smem=None):
+    for j in expand_order(num_peers):
+      if arrived is not None:   # every row of source me - j has landed
+        plgpu.semaphore_wait(arrived.at[j], expected, decrement=False)
+      base = c_base + j * stride
+      move_items(work_gmem, unique_gmem, recv_gmem, stage_smem, load_barrier, base=base,
+                 first_item=0, count=work_gmem[base + 3 * c_w], w=c_w, cta=c, num_ctas=n_copy,
+                 item_rows=item_rows, col_tile=nb, index_base=index_base,
+                 scale=(scale_gmem, scale_smem) if scaled else None)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _both_roles(work_gmem, src_gmem, *refs, scaled: bool, transfer_kw: dict, copy_kw: dict,
+                num_ctas: int, axis_name, num_peers: int):
+  scale_gmem, (unique_gmem, recv_gmem) = (refs[0], refs[1:]) if scaled else (None, refs)
+  arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((num_peers,)))
+  c = lax.axis_index("cta")
+
+  @pl.when(c < num_ctas)
+  def _():
+    _transfer_role(work_gmem, src_gmem, unique_gmem, arrived, num_ctas=num_ctas,
+                   axis_name=axis_name, num_peers=num_peers, **transfer_kw)
+
+  @pl.when(c >= num_ctas)
+  def _():
+    _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, cta_offset=num_ctas,
+               expected=num_ctas, num_peers=num_peers, **copy_kw)
+
+
+def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index, *,
+                    src_index, unique_rows: int, out_rows: int, scale=None,
+                    config: TransferConfig = TransferConfig(), copy_ctas: int = 64,
+                    axis_name=None, rank=0, interpret=None):
+  """recv [out_rows, H]: the transfer of `src[src_index]`'s segments into the peers'
+  [unique_rows, H] buffers, then recv[p] = unique[index[p]] (times scale[p] in float32,
+  rounded, if `scale`) for every receive row p a copy segment covers; other rows
+  undefined. The same as
+
+    unique = transfer_segments(src, seg_src, seg_dst, seg_len, out_rows=unique_rows,
+                               src_index=src_index, ...)
+    recv = gather_live_rows(unique, index, live, out_rows=out_rows, scale=scale)
+
+  when the copy segments cover exactly the rows p < live.
+
+  seg_*: [R, S] int32, the transfer's segments for peer p in row p (positions into
+  src_index). copy_start/copy_len: [R, El] int32, the receive-layout blocks of the rows
+  FROM source s in row s (`layout.return_segments`: src_start, rows). index [N] int32
+  (unique-buffer rows), scale [N] float32. axis_name=None: the local form (every segment
+  lands in this device's buffer, `rank` only rotates the order; two launches; runs in
+  the CPU interpret mode); otherwise inside a `shard_map` over `axis_name` (GPU only).
+  """
+  ns, hidden = src.shape
+  n = index.shape[0]
+  num_peers = seg_len.shape[0]
+  if (copy_start.ndim != 2 or copy_start.shape != copy_len.shape
+      or copy_start.shape[0] != num_peers):
+    raise ValueError(f"copy_start {copy_start.shape} and copy_len {copy_len.shape} must be "
+                     f"[R={num_peers}, El] (one row per source rank)")
+  if index.ndim != 1 or n > out_rows:
+    raise ValueError(f"index must be [N] with N <= out_rows={out_rows}, got {index.shape}")
+  if scale is not None and (scale.shape != (n,) or scale.dtype != jnp.float32):
+    raise ValueError(f"scale must be float32 [{n}] like index, got {scale.dtype} {scale.shape}")
+  if copy_ctas < 1:
+    raise ValueError(f"copy_ctas={copy_ctas} must be >= 1")
+  itemsize = jnp.dtype(src.dtype).itemsize
+  item_rows = min(config.chunk_rows, GATHER_ITEM_ROWS)
+  ct, nb = column_blocking(hidden, itemsize, item_rows,
+                           min(STAGE_BUDGET_BYTES, device_lib.smem_capacity()),
+                           max_col_tile=config.col_tile)
+  boxes = hidden // ct
+  num_ctas = min(config.num_ctas, device_lib.num_sms())
+  n_copy = min(copy_ctas, device_lib.num_sms())
+  if axis_name is not None:
+    rank = lax.axis_index(axis_name)
+    if num_ctas + n_copy > device_lib.num_sms():
+      raise ValueError(f"num_ctas={num_ctas} + copy_ctas={n_copy} CTAs must all be resident "
+                       f"(at most {device_lib.num_sms()} SMs)")
+  t_lists = work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=src_index.shape[0],
+                       chunk_rows=item_rows)
+  c_lists = work_lists(copy_start, copy_start, copy_len, rank=rank, src_rows=n,
+                       chunk_rows=item_rows, sign=-1)
+  t_w, c_w = (t_lists.shape[1] - 1) // 3, (c_lists.shape[1] - 1) // 3
+  c_base = t_lists.size
+  t_index_base = c_base + c_lists.size
+  c_index_base = t_index_base + src_index.shape[0]
+  work = jnp.concatenate([t_lists.reshape(-1), c_lists.reshape(-1),
+                          src_index.astype(jnp.int32), index.astype(jnp.int32)])
+  src3 = src.reshape(ns, boxes, ct)
+  scaled = scale is not None
+  scale_in = (jnp.pad(scale, (0, _metadata_box(item_rows))),) if scaled else ()
+  transfer_kw = dict(t_w=t_w, item_rows=item_rows, nb=nb, index_base=t_index_base)
+  copy_kw = dict(c_base=c_base, c_w=c_w, item_rows=item_rows, nb=nb, n_copy=n_copy,
+                 index_base=c_index_base)
+  unique_type = jax.ShapeDtypeStruct((unique_rows, boxes, ct), src.dtype)
+  recv_type = jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype)
+  name = "transfer_expand" + ("_scaled" if scaled else "")
+  if interpret is None:
+    interpret = device_lib.default_interpret()
+
+  if axis_name is None:   # two launches of the role bodies, no semaphores
+    def transfer_body(work_gmem, src_gmem, unique_gmem):
+      _transfer_role(work_gmem, src_gmem, unique_gmem, None, num_ctas=num_ctas,
+                     axis_name=None, num_peers=num_peers, **transfer_kw)
+
+    def copy_body(work_gmem, unique_gmem, *refs):
+      scale_gmem, (recv_gmem,) = (refs[0], refs[1:]) if scaled else (None, refs)
+      _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, None, cta_offset=0,
+                 expected=0, num_peers=num_peers, **copy_kw)
+
+    unique = plgpu.kernel(transfer_body, kernel_name=name + "_transfer", out_type=unique_type,
+                          grid=(num_ctas,), grid_names=("cta",), interpret=interpret)(work, src3)
+    recv = plgpu.kernel(copy_body, kernel_name=name + "_copy", out_type=recv_type,
+                        grid=(n_copy,), grid_names=("cta",), interpret=interpret)(
+                            work, unique, *scale_in)
+    return recv.reshape(out_rows, hidden)
+
+  if interpret:
+    raise ValueError("the communicating transfer_expand needs a GPU (remote refs and "
+                     "semaphores do not run in the interpret mode); use axis_name=None")
+  body = functools.partial(_both_roles, scaled=scaled, transfer_kw=transfer_kw,
+                           copy_kw=copy_kw, num_ctas=num_ctas, axis_name=axis_name,
+                           num_peers=num_peers)
+  _, recv = plgpu.kernel(body, kernel_name=name, out_type=(unique_type, recv_type),
+                         grid=(num_ctas + n_copy,), grid_names=("cta",),
+                         interpret=interpret)(work, src3, *scale_in)
+  return recv.reshape(out_rows, hidden)
