@@ -135,9 +135,11 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, c_base
   if scaled:
     scratch["scale_smem"] = plgpu.SMEM((2, _metadata_box(item_rows)), jnp.float32)
 
+  assert expand_order(num_peers) == list(range(num_peers))   # the loop below walks j = 0, 1, ..
+
   @functools.partial(pl.run_scoped, **scratch)
   def _(stage_smem, load_barrier, scale_smem=None):
-    for j in expand_order(num_peers):
+    def offset(j, carry):   # a loop, not unrolled: the copies need no static peer id
       if arrived is not None:   # every row of source me - j has landed
         plgpu.semaphore_wait(arrived.at[j], expected, decrement=False)
       base = c_base + j * stride
@@ -145,6 +147,9 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, c_base
                  first_item=0, count=work_gmem[base + 3 * c_w], w=c_w, cta=c, num_ctas=n_copy,
                  item_rows=item_rows, col_tile=nb, index_base=index_base,
                  scale=(scale_gmem, scale_smem) if scaled else None)
+      return carry
+
+    lax.fori_loop(0, num_peers, offset, 0)
     plgpu.wait_smem_to_gmem(0)
 
 

@@ -27,13 +27,16 @@ def _copy_blocks(rng, live, peers, el):
   return (jnp.asarray(as_src_le(start), jnp.int32), jnp.asarray(as_src_le(lens), jnp.int32))
 
 
-@pytest.mark.parametrize("chunk,peers,el,num_ctas,copy_ctas,rank,scaled", [
-    (16, 3, 2, 3, 2, 1, False),    # items of 16 rows, 3 sources, a rotated walk
-    (4, 2, 3, 2, 3, 0, True)])     # items of 4 rows, the weighted copy (the backward's)
+@pytest.mark.parametrize("chunk,peers,el,num_ctas,copy_ctas,rank,scaled,h", [
+    # items of 16 rows (the default), 3 sources, a rotated walk, the weighted copy (the
+    # backward's), rows of 12 boxes in 2 column blocks of 6 (as H 7168's 4 blocks of 7)
+    (128, 3, 2, 3, 2, 1, True, 3072),
+    (4, 2, 3, 2, 3, 0, False, 256)])   # items of 4 rows, one block, the plain copy
 def test_local_form_equals_transfer_then_gather(chunk, peers, el, num_ctas, copy_ctas, rank,
-                                                scaled):
+                                                scaled, h):
+  assert row_gather.column_blocking(h, 2, min(chunk, 16)) == ((256, 6) if h == 3072 else (256, 1))
   rng = np.random.default_rng(chunk)
-  h, src_rows, index_rows, live, out_rows = 256, 30, 70, 90, 100
+  src_rows, index_rows, live, out_rows = 30, 70, 90, 100
   unique_rows = index_rows + 3 * peers * el
   x = jax.random.normal(jax.random.key(2), (src_rows, h), jnp.float32).astype(jnp.bfloat16)
   src_index = jnp.asarray(rng.integers(0, src_rows, index_rows), jnp.int32)
@@ -84,6 +87,58 @@ def test_copy_lists_walk_the_sources_in_arrival_order():
   np.testing.assert_array_equal(np.asarray(work[1, 2 * w:2 * w + 1]), [3])
   np.testing.assert_array_equal(np.asarray(work[2, w:w + 2]), [5, 15])
   assert transfer_expand.expand_order(4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("bound", [None, 100, 40])
+def test_copy_lists_cover_the_live_rows_once_from_their_own_source(bound):
+  """On real plans at EP 4 (skewed routing; receive bounds that drop rows): row j of a
+  rank's copy lists holds only receive rows p from source me - j, whose unique-buffer
+  row index[p] lies in that source's block (the rows its `arrived[j]` signal covers),
+  and the items cover every receive row p < num_received exactly once, none past it."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from conftest import make_mesh
+  from uniep_jax.dedup import plan_with_dedup
+  from uniep_jax.layout import return_segments
+  r, t, k, e = 4, 64, 4, 16
+  mesh = make_mesh(1, r)
+  rng = np.random.default_rng(0 if bound is None else bound)
+  prob = np.ones(e)
+  prob[:4] = 8
+  topk = np.stack([rng.choice(e, k, replace=False, p=prob / prob.sum())
+                   for _ in range(r * t)]).astype(np.int32)
+  weights = rng.random((r * t, k)).astype(np.float32)
+
+  def body(tk, tw):
+    plan, d = plan_with_dedup(tk, tw, num_experts=e, axis_name="expert", top_k=k,
+                              recv_rows=bound)
+    me = jax.lax.axis_index("expert")
+    blocks = return_segments(plan, me)
+    index = d.unique_recv_offsets[plan.recv_source] + d.expand_position
+    lists = ep_transfer.work_lists(blocks.src_start, blocks.src_start, blocks.rows, rank=me,
+                                   src_rows=index.shape[0], chunk_rows=16, sign=-1)
+    return tuple(a[None] for a in (lists, index, d.unique_recv_offsets,
+                                   d.unique_counts[:, me], plan.num_received))
+
+  sh = NamedSharding(mesh, P("expert"))
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 2,
+                             out_specs=P("expert"), check_vma=False))
+  lists, index, offsets, incoming, live = map(np.asarray, fn(jax.device_put(topk, sh),
+                                                             jax.device_put(weights, sh)))
+  w = (lists.shape[2] - 1) // 3
+  for me in range(r):
+    covered = np.zeros(index.shape[1], int)
+    for j in range(r):
+      source, row = (me - j) % r, lists[me, j]
+      for it in range(row[-1]):
+        start, dst, n = row[it], row[w + it], row[2 * w + it]
+        assert start == dst and 1 <= n <= 16
+        p = np.arange(start, start + n)
+        covered[p] += 1
+        lo, hi = offsets[me, source], offsets[me, source] + incoming[me, source]
+        assert ((index[me, p] >= lo) & (index[me, p] < hi)).all(), (me, j)
+    assert (covered[:live[me]] == 1).all() and not covered[live[me]:].any()
+  if bound is not None:   # the bound binds: rows were dropped
+    assert (live <= bound).all() and (live == bound).any()
 
 
 def test_errors_name_the_argument():
