@@ -225,7 +225,12 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
     (dict(backend="xla_capacity"), "dedup_tokens"),
     (dict(backend="uniep", fused=uniep_jax.FusedConfig(return_in_kernel=False, backward=True)),
      "fused.backward"),
-    (dict(backend="pallas", dedup_tokens=1), "dedup_tokens must be")])
+    (dict(backend="pallas", dedup_tokens=1), "dedup_tokens must be"),
+    (dict(backend="uniep", dedup_tokens=False,
+          transfer=uniep_jax.TransferConfig(expand_in_transfer=True)), "expand_in_transfer"),
+    (dict(backend="uniep", dedup_tokens=None,
+          fused=uniep_jax.FusedConfig(return_in_kernel=False, backward=True),
+          transfer=uniep_jax.TransferConfig(expand_in_transfer=True)), "expand_in_transfer")])
 def test_dedup_config_errors_name_the_field(bad, match):
   kw = dict(dedup_tokens=True) | bad
   with pytest.raises(ValueError, match=match):

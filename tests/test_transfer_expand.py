@@ -142,6 +142,10 @@ def test_copy_lists_cover_the_live_rows_once_from_their_own_source(bound):
 
 
 def test_errors_name_the_argument():
+  with pytest.raises(ValueError, match="gather_rows"):
+    TransferConfig(expand_in_transfer=True, gather_rows=False)
+  with pytest.raises(ValueError, match="copy_ctas"):
+    TransferConfig(copy_ctas=0)
   x = jnp.zeros((8, 256), jnp.bfloat16)
   seg = jnp.zeros((2, 1), jnp.int32)
   kw = dict(src_index=jnp.zeros((4,), jnp.int32), unique_rows=8, out_rows=8)

@@ -426,6 +426,11 @@ class UniEPConfig:
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")
+    if (self.backend == "uniep" and self.transfer is not None
+        and self.transfer.expand_in_transfer and not self.use_dedup_tokens):
+      raise ValueError("transfer.expand_in_transfer expands the de-duplicated dispatch's "
+                       "unique rows inside its transfer: it needs dedup_tokens (None: auto, "
+                       "or True) and no fused.backward, got a dispatch without de-duplication")
 
   @property
   def use_dedup_tokens(self) -> bool:
