@@ -46,7 +46,9 @@
 #            flags match; copy back tune/* and tuned_configs.json)
 #   mp       multi-process runs (bench/multiprocess_gpu.sh; $MP_LIMIT_S per step, default 60)
 #   xfer     one GPU: the send side of the de-duplicated dispatch, gather + transfer against
-#            the transfer's gathered loads (bench/transfer_check.py; $XFER_ARGS extra flags)
+#            the transfer's gathered loads, and the owner side's expansion on all / 64 / 32
+#            CTAs and inside transfer_expand's local form (bench/transfer_check.py;
+#            $XFER_ARGS extra flags, e.g. --no-expand)
 #   smem     one GPU: which SMEM scalar reads fault (bench/smem_scalar_probe.py, each
 #            variant in its own process)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.

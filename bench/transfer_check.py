@@ -12,6 +12,13 @@ transfer. Inputs (seeded): x [tokens, H] bf16; for each of 4 destinations the so
 tokens that select it (each with probability 0.68, ~2.72 of 4 at qwen3-like EP 4),
 packed destination after destination (the `unique_tokens` layout). Bits: the covered
 output rows of both forms, which must be equal (rows are moved, not computed).
+
+The owner side (`expand`, per H): the expansion of the unique rows into a receive
+layout of ~K / 2.72 = 2.94 rows per unique row (`row_gather.gather_live_rows`, plain and
+weighted) on 132 (all), 64 and 32 CTAs: how fast the copy runs on the 64 copy CTAs of
+`transfer_expand` (pallas_kernels/NOTES_transfer_expand.md: its prediction assumes it
+keeps up there); and transfer_expand's local form (two launches, the copy role on
+copy_ctas=64) against the gathered transfer + gather_live_rows, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from pallas_kernels import ep_transfer
+from pallas_kernels import ep_transfer, transfer_expand
 from pallas_kernels import row_gather as rg
 from uniep_jax import TransferConfig
 
@@ -45,11 +52,67 @@ def make_inputs(tokens: int, hidden: int, seed: int = 0):
   return x, jnp.asarray(index), int(counts.sum()), segments, counts
 
 
+SLOTS_PER_UNIQUE = 8 / (PEERS * LIVE_FRACTION)   # K over the owners a token reaches
+
+
+def expand_inputs(counts, tokens: int, seed: int = 1):
+  """The owner side: a receive layout of ~2.94 rows per unique row, in (local expert,
+  source) blocks ([PEERS, 1] here: one block per source), each receive row reading a
+  random unique row of its source's block; weights for the weighted copy."""
+  rng = np.random.default_rng(seed)
+  per_source = np.round(counts * SLOTS_PER_UNIQUE).astype(np.int32)
+  index = np.concatenate([d * tokens + rng.integers(0, c, n)
+                          for d, (c, n) in enumerate(zip(counts, per_source))]).astype(np.int32)
+  start = np.concatenate([[0], np.cumsum(per_source)[:-1]]).astype(np.int32)
+  scale = rng.random(index.shape[0]).astype(np.float32)
+  column = lambda a: jnp.asarray(a, jnp.int32)[:, None]  # noqa: E731
+  return jnp.asarray(index), jnp.asarray(scale), int(per_source.sum()), (column(start),
+                                                                          column(per_source))
+
+
+def expand_row(x, index, segments, counts, tokens: int, hidden: int,
+               cta_counts=(None, 64, 32)) -> dict:
+  """The owner-side timings of the module docstring, for one H (cta_counts: the
+  expansion's CTA counts, None: all SMs)."""
+  out_rows = PEERS * tokens
+  recv_index, scale, recv_live, copy_blocks = expand_inputs(counts, tokens)
+  unique = jax.jit(lambda x, i: ep_transfer.transfer_segments(
+      x, *segments, out_rows=out_rows, config=TransferConfig(), src_index=i))(x, index)
+  row = dict(recv_rows=recv_live)
+  for ctas in cta_counts:
+    for weighted in (False, True):
+      fn = jax.jit(lambda u, i, w, ctas=ctas, weighted=weighted: rg.gather_live_rows(
+          u, i, jnp.int32(recv_live), out_rows=i.shape[0], num_ctas=ctas,
+          scale=w if weighted else None))
+      row[f"expand_{ctas or 'all'}ctas{'_weighted' if weighted else ''}"] = common.time_ms(
+          fn, unique, recv_index, scale)
+
+  def two_launches(x, i, ri):
+    u = ep_transfer.transfer_segments(x, *segments, out_rows=out_rows, config=TransferConfig(),
+                                      src_index=i)
+    return rg.gather_live_rows(u, ri, jnp.int32(recv_live), out_rows=ri.shape[0])
+
+  def fused_local(x, i, ri):
+    return transfer_expand.transfer_expand(x, *segments, *copy_blocks, ri, src_index=i,
+                                           unique_rows=out_rows, out_rows=ri.shape[0],
+                                           config=TransferConfig(), copy_ctas=64)
+
+  a, b = jax.jit(two_launches), jax.jit(fused_local)
+  row.update(transfer_then_expand=common.time_ms(a, x, index, recv_index),
+             transfer_expand_local=common.time_ms(b, x, index, recv_index),
+             expand_bitwise_equal=bool(common.same_bits(a(x, index, recv_index)[:recv_live],
+                                                        b(x, index, recv_index)[:recv_live])))
+  return row
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--tokens", type=int, default=16384)
   ap.add_argument("--hidden", default="2048,7168", help="comma list of H, each a case")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--no-expand", action="store_true", help="only the send side")
+  ap.add_argument("--expand-ctas", default="all,64,32",
+                  help="the owner-side expansion's CTA counts, a comma list (all: every SM)")
   args = ap.parse_args(argv)
   meta = common.run_metadata()
   print(meta, flush=True)
@@ -78,6 +141,9 @@ def main(argv=None):
                gather_alone=common.time_ms(jax.jit(gather), x, index),
                transfer_alone=common.time_ms(jax.jit(transfer), send_rows),
                bytes_moved=live * hidden * 2)
+    if not args.no_expand:
+      row.update(expand_row(x, index, segments, counts, args.tokens, hidden,
+                            [None if c == "all" else int(c) for c in args.expand_ctas.split(",")]))
     print(row, flush=True)
     rows.append(row)
   out = common.out_dir(args.out)

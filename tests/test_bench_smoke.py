@@ -280,3 +280,19 @@ def test_device_session_phases_are_unique_and_documented():
   assert len(labels) > 10 and len(labels) == len(set(labels)), labels
   header = {m for m in re.findall(r"^#   ([a-z_]+) ", text, flags=re.M)}
   assert set(labels) <= header, set(labels) - header
+
+
+def test_transfer_check_runs_both_sides_on_cpu(tmp_path, monkeypatch):
+  """bench/transfer_check.py (the device session's `xfer` phase) on a tiny shape in the
+  interpret mode, each timed function called once: the send side's two forms and the
+  owner side's expansion (gather_live_rows on 64 CTAs, plain and weighted,
+  transfer_expand's local form) run, and both comparisons are bit for bit."""
+  from bench import common, transfer_check
+  monkeypatch.setattr(common, "time_ms", lambda fn, *a, **k: (jax.block_until_ready(fn(*a)), 1.0)[1])
+  transfer_check.main(["--tokens", "48", "--hidden", "256", "--expand-ctas", "64",
+                       "--out", str(tmp_path)])
+  (path,) = tmp_path.glob("transfer_check_*.json")
+  (row,) = json.loads(path.read_text())["rows"]
+  assert row["bitwise_equal"] and row["expand_bitwise_equal"]
+  assert row["recv_rows"] > row["live_rows"]    # ~2.94 receive rows per unique row
+  assert {"expand_64ctas", "expand_64ctas_weighted", "transfer_expand_local"} <= set(row)
