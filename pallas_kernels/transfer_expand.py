@@ -129,11 +129,13 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, c_base
   c = lax.axis_index("cta") - cta_offset
   stride = 3 * c_w + 1
   scaled = scale_gmem is not None
+  # allocated in gather_live_rows' order (stages, weights, barriers): the weights' rows
+  # are TMA destinations and must stay 128-byte aligned (`_metadata_box`)
   scratch = dict(stage_smem=plgpu.SMEM((2, item_rows, nb, unique_gmem.shape[2]),
-                                       unique_gmem.dtype),
-                 load_barrier=plgpu.Barrier(num_arrivals=item_rows + scaled, num_barriers=2))
+                                       unique_gmem.dtype))
   if scaled:
     scratch["scale_smem"] = plgpu.SMEM((2, _metadata_box(item_rows)), jnp.float32)
+  scratch["load_barrier"] = plgpu.Barrier(num_arrivals=item_rows + scaled, num_barriers=2)
 
   assert expand_order(num_peers) == list(range(num_peers))   # the loop below walks j = 0, 1, ..
 
