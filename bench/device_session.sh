@@ -8,7 +8,9 @@
 #   fused_b  v2 Kernel B bring-up (bench/check_fused_return_gpu.py, same)
 #   layer    MoE layer bench, fwd+bwd, balanced (bench/gpu_suite.sh; $SHAPES, $BACKENDS (plus v1
 #            "uniep" unless FORCE_UNIEP=0),
-#            $ROUTINGS, $DIRECTIONS override)
+#            $ROUTINGS, $DIRECTIONS override; each shape's programs compiled ahead in
+#            $COMPILE_WORKERS threads, default 8, the xla_* baselines first and alone;
+#            COMPILE_WORKERS=1: each at its first call, as before 2026-11-28)
 #   check    correctness and determinism of every backend on small shapes, all EP meshes
 #            (bench/check_moe_gpu.py --quick; $CHECK_BACKENDS a comma list, default all;
 #            $CHECK_MESHES e.g. 1x4 (DATAxEP list); $CHECK_DTYPES e.g. bfloat16)
@@ -86,6 +88,7 @@ run_phase() {  # name seconds
                --no-time --out "$dir" > "$dir/log" 2>&1 ;;
     layer)   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
                OUT="$dir" CHECK_S=0 BENCH_S="$secs" FORCE_UNIEP="${FORCE_UNIEP:-1}" \
+               COMPILE_WORKERS="${COMPILE_WORKERS:-8}" \
                BACKENDS="${BACKENDS:-xla_capacity,pallas}" \
                bash bench/gpu_suite.sh "${SHAPES:-mixtral-like,deepseek-like,qwen3-like,small-experts}" \
                "${ROUTINGS:-balanced}" "${DIRECTIONS:-fwdbwd}" 0 > "$dir/log" 2>&1 ;;

@@ -27,6 +27,7 @@ fi
 echo "bench backends: $BACKENDS" | tee -a "$OUT/suite.log"
 timeout "$BENCH_S" python3 -m bench.moe_layer --shapes "$SHAPES" --routings "$ROUTINGS" \
   --directions "$DIRECTIONS" --backends "$BACKENDS" --budget-s $((BENCH_S - 50)) --out "$OUT" \
+  --compile-workers "${COMPILE_WORKERS:-1}" \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$?" | tee -a "$OUT/suite.log"
 grep -E "^\{'shape'|^shape|^tiny|like|experts" "$OUT/bench.log" | grep -v "^{" | tail -40

@@ -20,15 +20,21 @@ Backends: "xla_capacity" (cf 1.25; dropped assignments reported), "xla_dropless"
 
 Cases run in priority order and stop when the time budget is spent; skipped
 cases are listed in the JSON. Median ms per call; ratios are same-run ratios.
+--compile-workers N > 1: each shape's programs are compiled ahead (`compile_ahead`: the
+xla_* baselines first and alone, then the rest in N threads), then timed one at a time
+(compile_s: a program's own lower + compile; the uniep programs take 50-130 s each at
+EP 4, and the layer phase of a device call was mostly compiles, one after another).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
 import re
 import sys
+import threading
 import time
 import traceback
 
@@ -227,6 +233,41 @@ def layer_fns(mesh, shape, cfg):
   return jax.jit(fwd), jax.jit(fwdbwd)
 
 
+# Mosaic GPU's Python lowering keeps module-global state: lowerings one at a time, XLA's
+# compiles in parallel (as uniep_jax.tune's and bench/determinism_sweep.py's workers)
+_LOWER_LOCK = threading.Lock()
+
+
+def _compile(fn, x, p):
+  """(the compiled executable, seconds to lower and compile it)."""
+  t0 = time.time()
+  with _LOWER_LOCK:
+    lowered = fn.lower(x, p)
+  return lowered.compile(), time.time() - t0
+
+
+def compile_ahead(fns: dict, pairs, x, p, workers: int) -> dict:
+  """{(backend, direction): Future of _compile's pair} for every pair, all done on
+  return: the "xla_*" backends first, one at a time (XLA:GPU autotunes their GEMMs by
+  timing them on the GPU: on an otherwise idle device, as when compiled alone, so the
+  baselines get the kernels they would get), then the others in `workers` threads.
+  Nothing is timed while they compile."""
+  def submit_now(pair):
+    done = concurrent.futures.Future()
+    try:
+      done.set_result(_compile(fns[pair[0]][pair[1] != "fwd"], x, p))
+    except Exception as e:  # noqa: BLE001
+      done.set_exception(e)
+    return done
+
+  out = {pair: submit_now(pair) for pair in pairs if pair[0].startswith("xla_")}
+  with concurrent.futures.ThreadPoolExecutor(workers, "moe-layer-compile") as pool:
+    for pair in pairs:
+      if pair not in out:
+        out[pair] = pool.submit(_compile, fns[pair[0]][pair[1] != "fwd"], x, p)
+  return out
+
+
 def all_to_all_gbps(mesh, shape: common.MoEShape) -> dict:
   """Per-rank send bandwidth of lax.all_to_all moving one dispatch's rows."""
   r = mesh.size
@@ -259,7 +300,12 @@ def main(argv=None):
   ap.add_argument("--min-batch-s", type=float, default=0.5,
                   help="each timed batch of back-to-back calls lasts at least this long")
   ap.add_argument("--max-reps", type=int, default=20, help="calls per timed batch, at most")
+  ap.add_argument("--compile-workers", type=int, default=1,
+                  help="> 1: every program of a shape compiled ahead, in that many threads "
+                       "(`compile_ahead`), before any is timed; 1: each at its first call")
   args = ap.parse_args(argv)
+  if args.compile_workers < 1:
+    raise ValueError(f"--compile-workers={args.compile_workers} must be >= 1")
   t_start = time.time()
   for backend in (b for b in args.backends.split(",") if b):
     backend_config(backend)   # a bad name or combination fails now, not after others ran
@@ -283,6 +329,7 @@ def main(argv=None):
     # routings differ only in the data (the expert bias), so the second one runs the
     # executable the first compiled
     fns, ran = {}, set()   # ran: (backend, direction) compiled and run
+    ahead = {}             # compile_ahead's futures, when --compile-workers > 1
     for routing in args.routings.split(","):
       try:
         x, p = make_inputs(shape, mesh, skewed=routing == "skewed")
@@ -290,6 +337,15 @@ def main(argv=None):
       except Exception as e:  # noqa: BLE001
         skipped.append(dict(shape=name, routing=routing, why=repr(e)[:300]))
         continue
+      if args.compile_workers > 1 and not ahead:
+        for backend in backends:
+          fns[backend] = layer_fns(mesh, shape, backend_config(backend))
+        t0 = time.time()
+        ahead = compile_ahead(fns, [(b, d) for b in backends
+                                    for d in args.directions.split(",")],
+                              x, p, args.compile_workers)
+        print(f"[{name}] compiled {len(ahead)} programs ahead in {time.time() - t0:.0f} s "
+              f"({args.compile_workers} workers)", flush=True)
       for direction in args.directions.split(","):
         mult = 1 if direction == "fwd" else 3
         compute_floor = shape.fwd_flops_per_rank() * mult / (dense * 1e12) * 1e3
@@ -324,8 +380,12 @@ def main(argv=None):
               fns[backend] = layer_fns(mesh, shape, cfg)
             fn = fns[backend][0 if direction == "fwd" else 1]
             t0 = time.time()
+            if (backend, direction) in ahead:   # compiled ahead: its own lower + compile
+              fn, seconds = ahead[(backend, direction)].result()
+              if not row["executable_reused"]:
+                row["compile_s"], row["compiled_ahead"] = seconds, True
             common.block(fn(x, p))
-            row["compile_s"] = time.time() - t0
+            row.setdefault("compile_s", time.time() - t0)
             ran.add((backend, direction))
             row.update(common.time_ms(fn, x, p, trials=5, min_batch_s=args.min_batch_s,
                                       max_reps=args.max_reps))

@@ -4,6 +4,7 @@ waste a device call (one did: train_throughput --det-only on 2026-11-26)."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,6 +23,52 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   # @gx / @sb: the transfer's gathered loads (the default) or the send buffer
   assert moe_layer.backend_config("uniep_dd@sb").transfer.gather_rows is False
   assert moe_layer.backend_config("uniep_dd@sb@gx").transfer.gather_rows is True
+
+
+def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):
+  """--compile-workers 2: every program of a shape compiled ahead, then timed; the same
+  checksums as compiled at the first call, and the skewed routing reuses the
+  executable."""
+  def run(workers, out):
+    moe_layer.main(["--shapes", "tiny", "--backends", "xla_dropless_padded",
+                    "--directions", "fwd", "--routings", "balanced,skewed",
+                    "--out", str(out), "--min-batch-s", "0.01", "--max-reps", "1",
+                    "--compile-workers", str(workers)])
+    (path,) = [q for q in out.glob("moe_layer_*_ep*.json") if ".partial" not in q.name]
+    return json.loads(path.read_text())["results"]
+  serial, ahead = run(1, tmp_path / "serial"), run(2, tmp_path / "ahead")
+  assert [r["checksum"] for r in ahead] == [r["checksum"] for r in serial]
+  assert [r.get("compiled_ahead", False) for r in ahead] == [True, False]
+  assert [r["executable_reused"] for r in ahead] == [False, True]
+  with pytest.raises(ValueError, match="compile-workers"):
+    moe_layer.main(["--shapes", "tiny", "--compile-workers", "0", "--out", str(tmp_path)])
+
+
+def test_compile_ahead_compiles_the_xla_backends_first_and_alone():
+  """The xla_* programs are lowered and compiled before any other is submitted (their
+  GEMM autotuning on an idle GPU); the others in the pool; every result runs as the
+  jitted function does."""
+  import threading
+  traced = []
+
+  def make(name, scale):
+    def f(x, p):
+      traced.append((name, threading.current_thread().name.startswith("moe-layer-compile")))
+      return x * scale + p
+    return jax.jit(f)
+
+  fns = {"other": (make("other/fwd", 2.0), make("other/fwdbwd", 3.0)),
+         "xla_a": (make("xla_a/fwd", 4.0), make("xla_a/fwdbwd", 5.0))}
+  pairs = [(b, d) for b in fns for d in ("fwd", "fwdbwd")]
+  x, p = jnp.arange(4.0), jnp.float32(1.0)
+  got = moe_layer.compile_ahead(fns, pairs, x, p, workers=2)
+  # the xla_* ones first, on this thread; the others in the pool's threads
+  assert sorted(traced[:2]) == [("xla_a/fwd", False), ("xla_a/fwdbwd", False)]
+  assert sorted(traced[2:]) == [("other/fwd", True), ("other/fwdbwd", True)]
+  for (b, d), future in got.items():
+    compiled, seconds = future.result()
+    assert seconds >= 0
+    np.testing.assert_array_equal(compiled(x, p), fns[b][d != "fwd"](x, p))
 
 
 def test_moe_layer_records_times_and_checksums(tmp_path):
