@@ -336,7 +336,7 @@ def test_transfer_check_runs_both_sides_on_cpu(tmp_path, monkeypatch):
   transfer_expand's local form) run, and both comparisons are bit for bit."""
   from bench import common, transfer_check
   monkeypatch.setattr(common, "time_ms", lambda fn, *a, **k: (jax.block_until_ready(fn(*a)), 1.0)[1])
-  transfer_check.main(["--tokens", "48", "--hidden", "256", "--expand-ctas", "64",
+  transfer_check.main(["--tokens", "24", "--hidden", "128", "--expand-ctas", "64",
                        "--out", str(tmp_path)])
   (path,) = tmp_path.glob("transfer_check_*.json")
   (row,) = json.loads(path.read_text())["rows"]
