@@ -117,10 +117,12 @@ def main(argv=None):
         # "<backend>_dd_sb": and the send rows gathered into a send buffer first
         # (TransferConfig.gather_rows=False; the default reads them by index in the
         # transfer's loads); "<backend>_dd_te": the owner's expansion inside the
-        # transfer's launch (expand_in_transfer); "<name>_op": slot_reduction="owner_partials"
+        # transfer's launch (expand_in_transfer), "_tel" with its last source's on the
+        # transfer CTAs too; "<name>_op": slot_reduction="owner_partials"
         base, owner = (backend[:-3], True) if backend.endswith("_op") else (backend, False)
         base, gather = (base[:-3], False) if base.endswith("_sb") else (base, True)
-        base, expand = (base[:-3], True) if base.endswith("_te") else (base, False)
+        base, expand_all = (base[:-4], True) if base.endswith("_tel") else (base, False)
+        base, expand = (base[:-3], True) if base.endswith("_te") else (base, expand_all)
         base, dedup = (base[:-3], True) if base.endswith("_dd") else (base, False)
         if base in ("pallas", "uniep") and dtype == jnp.float32:
           continue  # the Pallas kernels take bf16 operands
@@ -130,7 +132,8 @@ def main(argv=None):
           cfg = uniep_jax.UniEPConfig(backend=base, transport=tr, capacity_factor=100.0,
                                       dedup_tokens=dedup,
                                       transfer=uniep_jax.TransferConfig(
-                                          gather_rows=gather, expand_in_transfer=expand),
+                                          gather_rows=gather, expand_in_transfer=expand,
+                                          expand_last_on_all=expand_all),
                                       slot_reduction="owner_partials" if owner else "slot_order")
           tag = f"{backend}/{tr}/{jnp.dtype(dtype).name}/data={data},ep={ep}"
           try:
@@ -157,10 +160,12 @@ def main(argv=None):
         if outs:
           by_backend[backend] = next(iter(outs.values()))
       for backend in list(by_backend):
-        if backend.endswith("_te") and backend[:-3] in by_backend:
-          # the transfer and the expansion in one launch move and weight the same rows
-          record(f"{backend}_equals_{backend[:-3]}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
-                 common.same_bits(by_backend[backend], by_backend[backend[:-3]]))
+        for suffix in ("_te", "_tel"):
+          plain = backend[:-len(suffix)]
+          if backend.endswith(suffix) and plain in by_backend:
+            # the transfer and the expansion in one launch move and weight the same rows
+            record(f"{backend}_equals_{plain}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",
+                   common.same_bits(by_backend[backend], by_backend[plain]))
         if backend.endswith("_sb") and backend[:-3] in by_backend:
           # the send buffer and the transfer's gathered loads move the same rows
           record(f"{backend}_equals_{backend[:-3]}_bitwise {jnp.dtype(dtype).name}/data={data},ep={ep}",

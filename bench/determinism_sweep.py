@@ -14,7 +14,8 @@ forward output and the gradients of x and every parameter with:
     transfer, the default until 2026-11-28; every other point reads them by index in the
     transfer's loads; per tiling the point after the fused ones: at one tiling,
     --start 8 begins with it), then the expansion inside the transfer's launch
-    (`EXPANDED`: TransferConfig.expand_in_transfer; --start 9 at one tiling),
+    (`EXPANDED`: TransferConfig.expand_in_transfer; --start 9 at one tiling; then
+    `EXPANDED_LAST_ON_ALL`, its last source's copies on the transfer CTAs too),
   * each "uniep" point three times,
 and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`). The
 points go round-robin over the tilings (`sweep_order`), so that a run cut by
@@ -70,6 +71,7 @@ TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
 SEND_BUFFER = uniep_jax.TransferConfig(gather_rows=False)
 # the owner's expansion of the unique rows inside the transfer's launch (EXPERIMENTAL)
 EXPANDED = uniep_jax.TransferConfig(expand_in_transfer=True)
+EXPANDED_LAST_ON_ALL = uniep_jax.TransferConfig(expand_in_transfer=True, expand_last_on_all=True)
 # the v2 fused kernels (EXPERIMENTAL), with the default transfer: B a multiple of every
 # tiling's block_m
 FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
@@ -200,7 +202,8 @@ def main(argv=None):
   # (transfer, fused, dedup_tokens): None is uniep's default (auto: de-duplicated unless
   # a fused backward moves dy), False the v1 dispatch
   transfer_points = ([(default_t, None, None), (default_t, None, False)]
-                     + [(default_t, fc, None) for fc in FUSED] + [(SEND_BUFFER, None, None), (EXPANDED, None, None)]
+                     + [(default_t, fc, None) for fc in FUSED] + [(SEND_BUFFER, None, None), (EXPANDED, None, None),
+                        (EXPANDED_LAST_ON_ALL, None, None)]
                      + [(tc, None, None) for tc in TRANSFERS if tc != default_t])
   order = sweep_order(tilings, transfer_points)[args.start:]
   # compiles run at most 2 x workers points ahead (a run cut by its budget then
@@ -239,6 +242,7 @@ def main(argv=None):
       continue
     row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
                gather_rows=tc.gather_rows, expand_in_transfer=tc.expand_in_transfer,
+               expand_last_on_all=tc.expand_last_on_all,
                fused=None if fc is None else dataclasses.asdict(fc),   # every field
                dedup_tokens=uniep_jax.UniEPConfig(backend="uniep", fused=fc,
                                                   dedup_tokens=dd).use_dedup_tokens)

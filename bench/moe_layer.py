@@ -138,7 +138,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   dispatches' send rows read by index in the transfer's loads
   (`TransferConfig.gather_rows`, the default since 2026-11-28), `@sb` gathered into a
   contiguous send buffer first (gather_rows=False); `@te` the owner's expansion of the
-  unique rows inside the transfer's launch (`TransferConfig.expand_in_transfer`); `@op` slot_reduction="owner_partials" (other bits:
+  unique rows inside the transfer's launch (`TransferConfig.expand_in_transfer`), `@tel`
+  and its last source's expansion on the transfer CTAs too (expand_last_on_all); `@op` slot_reduction="owner_partials" (other bits:
   its checksums differ from slot order's); `@chunk<N>` the transfer's chunk_rows."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
@@ -152,9 +153,10 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, logits_matmul="float32"))
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
-    elif suffix == "te":
+    elif suffix in ("te", "tel"):
       cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(
-          cfg.transfer, gather_rows=True, expand_in_transfer=True))
+          cfg.transfer, gather_rows=True, expand_in_transfer=True,
+          expand_last_on_all=suffix == "tel"))
     elif suffix in ("gx", "sb"):
       cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer,
                                                                  gather_rows=suffix == "gx"))
@@ -163,7 +165,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @op, @chunk<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>)")
   return cfg
 
 

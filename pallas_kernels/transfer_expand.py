@@ -27,6 +27,9 @@ Roles (by CTA index c on "cta")
                            layout (items of up to GATHER_ITEM_ROWS rows of one
                            (local expert, source) block, loaded by index from the
                            unique buffer, weighted if `scale`, one store ladder each).
+  `TransferConfig.expand_last_on_all`: the last offset's copy items (the exposed ones)
+  are dealt over all num_ctas + n_copy CTAs; the transfer CTAs join after their last
+  signal (`copy_walks`).
 
 Work lists (plain JAX, before the launch; one int32 array)
 ----------------------------------------------------------
@@ -59,8 +62,9 @@ Synchronisation contract
       arrived[j] on rank s + j, once per launch, empty or not (a signal orders the
       NVLink writes issued before it):  expected(arrived[j]) = num_ctas, all from
       source me - j.  Consumers: every copy CTA of this rank, before its items of
-      offset j, decrement=False (many waiters; a decrementing wait would take the
-      count from the others). Invariant when the wait returns: every row of source
+      offset j (with expand_last_on_all also every transfer CTA, for the last offset,
+      after all of its own signals), decrement=False (many waiters; a decrementing
+      wait would take the count from the others). Invariant when the wait returns: every row of source
       me - j is in this rank's unique buffer.
   Kernel end: every copy CTA has waited every offset, so every peer's stores into
       this rank's unique buffer have landed, and the copy CTAs' own stores
@@ -123,10 +127,27 @@ def _transfer_role(work_gmem, src_gmem, unique_gmem, arrived, *, t_w: int, item_
         pl.semaphore_signal(arrived.at[j], device_id={axis_name: lax.rem(me + j, num_peers)})
 
 
-def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, c_base: int,
-               c_w: int, item_rows: int, nb: int, cta_offset: int, n_copy: int,
-               index_base: int, expected: int, num_peers: int):
-  c = lax.axis_index("cta") - cta_offset
+def copy_walks(cta: int, *, role: str, n_copy: int, num_ctas: int, num_peers: int,
+               last_on_all: bool):
+  """A CTA's share of the copies, as ((first offset, end offset, its index, CTAs dealt
+  over), ...): items i, i + n, ... of each offset's copy list. role "copy": CTA `cta` of
+  the n_copy copy CTAs, every offset; with last_on_all the last offset (the source whose
+  rows land last: its copy is the one left exposed) is dealt over the transfer CTAs too,
+  which join it after their transfer (role "transfer", CTA `cta` of num_ctas)."""
+  everyone = n_copy + num_ctas
+  if role == "transfer":
+    return ((num_peers - 1, num_peers, n_copy + cta, everyone),) if last_on_all else ()
+  if not last_on_all:
+    return ((0, num_peers, cta, n_copy),)
+  return ((0, num_peers - 1, cta, n_copy), (num_peers - 1, num_peers, cta, everyone))
+
+
+def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, walks, c_base: int,
+               c_w: int, item_rows: int, nb: int, index_base: int, expected: int,
+               num_peers: int):
+  """The copies of `walks` (`copy_walks`), in order: per offset j, wait until every row
+  of source me - j has landed (`arrived` None: the local form, no wait), then this CTA's
+  items of offset j's list."""
   stride = 3 * c_w + 1
   scaled = scale_gmem is not None
   # allocated in gather_live_rows' order (stages, weights, barriers): the weights' rows
@@ -137,39 +158,47 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, c_base
     scratch["scale_smem"] = plgpu.SMEM((2, _metadata_box(item_rows)), jnp.float32)
   scratch["load_barrier"] = plgpu.Barrier(num_arrivals=item_rows + scaled, num_barriers=2)
 
-  assert expand_order(num_peers) == list(range(num_peers))   # the loop below walks j = 0, 1, ..
+  assert expand_order(num_peers) == list(range(num_peers))   # the loops walk j = 0, 1, ..
 
   @functools.partial(pl.run_scoped, **scratch)
   def _(stage_smem, load_barrier, scale_smem=None):
-    def offset(j, carry):   # a loop, not unrolled: the copies need no static peer id
-      if arrived is not None:   # every row of source me - j has landed
-        plgpu.semaphore_wait(arrived.at[j], expected, decrement=False)
-      base = c_base + j * stride
-      move_items(work_gmem, unique_gmem, recv_gmem, stage_smem, load_barrier, base=base,
-                 first_item=0, count=work_gmem[base + 3 * c_w], w=c_w, cta=c, num_ctas=n_copy,
-                 item_rows=item_rows, col_tile=nb, index_base=index_base,
-                 scale=(scale_gmem, scale_smem) if scaled else None)
-      return carry
+    for first, end, cta, dealt in walks:
+      def offset(j, carry, cta=cta, dealt=dealt):   # a loop: the copies need no static peer id
+        if arrived is not None:   # every row of source me - j has landed
+          plgpu.semaphore_wait(arrived.at[j], expected, decrement=False)
+        base = c_base + j * stride
+        move_items(work_gmem, unique_gmem, recv_gmem, stage_smem, load_barrier, base=base,
+                   first_item=0, count=work_gmem[base + 3 * c_w], w=c_w, cta=cta,
+                   num_ctas=dealt, item_rows=item_rows, col_tile=nb, index_base=index_base,
+                   scale=(scale_gmem, scale_smem) if scaled else None)
+        return carry
 
-    lax.fori_loop(0, num_peers, offset, 0)
+      lax.fori_loop(first, end, offset, 0)
     plgpu.wait_smem_to_gmem(0)
 
 
 def _both_roles(work_gmem, src_gmem, *refs, scaled: bool, transfer_kw: dict, copy_kw: dict,
-                num_ctas: int, axis_name, num_peers: int):
+                num_ctas: int, n_copy: int, last_on_all: bool, axis_name, num_peers: int):
   scale_gmem, (unique_gmem, recv_gmem) = (refs[0], refs[1:]) if scaled else (None, refs)
   arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((num_peers,)))
   c = lax.axis_index("cta")
+  walks = functools.partial(copy_walks, n_copy=n_copy, num_ctas=num_ctas, num_peers=num_peers,
+                            last_on_all=last_on_all)
 
   @pl.when(c < num_ctas)
   def _():
     _transfer_role(work_gmem, src_gmem, unique_gmem, arrived, num_ctas=num_ctas,
                    axis_name=axis_name, num_peers=num_peers, **transfer_kw)
+    if last_on_all:   # after every signal of this CTA: it waits only on other CTAs' signals
+      _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived,
+                 walks=walks(c, role="transfer"), expected=num_ctas, num_peers=num_peers,
+                 **copy_kw)
 
   @pl.when(c >= num_ctas)
   def _():
-    _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, cta_offset=num_ctas,
-               expected=num_ctas, num_peers=num_peers, **copy_kw)
+    _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived,
+               walks=walks(c - num_ctas, role="copy"), expected=num_ctas, num_peers=num_peers,
+               **copy_kw)
 
 
 def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index, *,
@@ -234,8 +263,8 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
   scaled = scale is not None
   scale_in = (jnp.pad(scale, (0, _metadata_box(item_rows))),) if scaled else ()
   transfer_kw = dict(t_w=t_w, item_rows=item_rows, nb=nb, index_base=t_index_base)
-  copy_kw = dict(c_base=c_base, c_w=c_w, item_rows=item_rows, nb=nb, n_copy=n_copy,
-                 index_base=c_index_base)
+  copy_kw = dict(c_base=c_base, c_w=c_w, item_rows=item_rows, nb=nb, index_base=c_index_base)
+  last_on_all = config.expand_last_on_all
   unique_type = jax.ShapeDtypeStruct((unique_rows, boxes, ct), src.dtype)
   recv_type = jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype)
   name = "transfer_expand" + ("_scaled" if scaled else "")
@@ -248,23 +277,31 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
                      axis_name=None, num_peers=num_peers, **transfer_kw)
 
     def copy_body(work_gmem, unique_gmem, *refs):
+      # the communicating form's dealing: CTAs [0, n_copy) as its copy CTAs, the rest
+      # (with last_on_all) as its transfer CTAs joining the last offset
       scale_gmem, (recv_gmem,) = (refs[0], refs[1:]) if scaled else (None, refs)
-      _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, None, cta_offset=0,
-                 expected=0, num_peers=num_peers, **copy_kw)
+      c = lax.axis_index("cta")
+      for role, lo, hi in (("copy", 0, n_copy), ("transfer", n_copy, n_copy + num_ctas)):
+        @pl.when((c >= lo) & (c < hi))
+        def _(role=role, lo=lo):
+          _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, None,
+                     walks=copy_walks(c - lo, role=role, n_copy=n_copy, num_ctas=num_ctas,
+                                      num_peers=num_peers, last_on_all=last_on_all),
+                     expected=0, num_peers=num_peers, **copy_kw)
 
     unique = plgpu.kernel(transfer_body, kernel_name=name + "_transfer", out_type=unique_type,
                           grid=(num_ctas,), grid_names=("cta",), interpret=interpret)(work, src3)
     recv = plgpu.kernel(copy_body, kernel_name=name + "_copy", out_type=recv_type,
-                        grid=(n_copy,), grid_names=("cta",), interpret=interpret)(
-                            work, unique, *scale_in)
+                        grid=(n_copy + (num_ctas if last_on_all else 0),), grid_names=("cta",),
+                        interpret=interpret)(work, unique, *scale_in)
     return recv.reshape(out_rows, hidden)
 
   if interpret:
     raise ValueError("the communicating transfer_expand needs a GPU (remote refs and "
                      "semaphores do not run in the interpret mode); use axis_name=None")
   body = functools.partial(_both_roles, scaled=scaled, transfer_kw=transfer_kw,
-                           copy_kw=copy_kw, num_ctas=num_ctas, axis_name=axis_name,
-                           num_peers=num_peers)
+                           copy_kw=copy_kw, num_ctas=num_ctas, n_copy=n_copy,
+                           last_on_all=last_on_all, axis_name=axis_name, num_peers=num_peers)
   _, recv = plgpu.kernel(body, kernel_name=name, out_type=(unique_type, recv_type),
                          grid=(num_ctas + n_copy,), grid_names=("cta",),
                          interpret=interpret)(work, src3, *scale_in)

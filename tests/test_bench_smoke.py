@@ -23,6 +23,7 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   # @gx / @sb: the transfer's gathered loads (the default) or the send buffer
   assert moe_layer.backend_config("uniep_dd@sb").transfer.gather_rows is False
   assert moe_layer.backend_config("uniep_dd@sb@gx").transfer.gather_rows is True
+  assert moe_layer.backend_config("uniep_dd@tel").transfer.expand_last_on_all is True
 
 
 def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):
@@ -171,9 +172,11 @@ def test_determinism_sweep_runs_every_point_and_reports_a_mismatch(tmp_path, mon
   assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--out", str(tmp_path)]) == 0
   got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.json")).read_text())
   # per tiling: the default transfer de-duplicated and not, the fused points, the send
-  # buffer, the expansion in the transfer's launch, the others
-  assert got["swept"] == len(sweep.TILINGS) * (4 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
-  assert sum(r["expand_in_transfer"] for r in got["points"]) == len(sweep.TILINGS)
+  # buffer, the expansion in the transfer's launch (its last source on every CTA or
+  # not), the others
+  assert got["swept"] == len(sweep.TILINGS) * (5 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
+  assert sum(r["expand_in_transfer"] for r in got["points"]) == 2 * len(sweep.TILINGS)
+  assert sum(r["expand_last_on_all"] for r in got["points"]) == len(sweep.TILINGS)
   assert sum(not r["gather_rows"] for r in got["points"]) == len(sweep.TILINGS)
   dedup = [r["dedup_tokens"] for r in got["points"] if r["fused"] is None
            and r["gather_rows"] and not r["expand_in_transfer"]

@@ -27,13 +27,15 @@ def _copy_blocks(rng, live, peers, el):
   return (jnp.asarray(as_src_le(start), jnp.int32), jnp.asarray(as_src_le(lens), jnp.int32))
 
 
-@pytest.mark.parametrize("chunk,peers,el,num_ctas,copy_ctas,rank,scaled,h", [
+@pytest.mark.parametrize("chunk,peers,el,num_ctas,copy_ctas,rank,scaled,h,last_on_all", [
     # items of 16 rows (the default), 3 sources, a rotated walk, the weighted copy (the
     # backward's), rows of 12 boxes in 2 column blocks of 6 (as H 7168's 4 blocks of 7)
-    (128, 3, 2, 3, 2, 1, True, 3072),
-    (4, 2, 3, 2, 3, 0, False, 256)])   # items of 4 rows, one block, the plain copy
+    (128, 3, 2, 3, 2, 1, True, 3072, False),
+    # items of 4 rows, one block, the plain copy, the last source's copies dealt over
+    # the transfer CTAs too (expand_last_on_all)
+    (4, 2, 3, 2, 3, 0, False, 256, True)])
 def test_local_form_equals_transfer_then_gather(chunk, peers, el, num_ctas, copy_ctas, rank,
-                                                scaled, h):
+                                                scaled, h, last_on_all):
   assert row_gather.column_blocking(h, 2, min(chunk, 16)) == ((256, 6) if h == 3072 else (256, 1))
   rng = np.random.default_rng(chunk)
   src_rows, index_rows, live, out_rows = 30, 70, 90, 100
@@ -46,7 +48,8 @@ def test_local_form_equals_transfer_then_gather(chunk, peers, el, num_ctas, copy
   index = jnp.asarray(rng.choice(covered, out_rows - 5), jnp.int32)   # written rows only
   copy_start, copy_len = _copy_blocks(rng, live, peers, el)
   scale = jnp.asarray(rng.standard_normal(index.shape[0]), jnp.float32) if scaled else None
-  cfg = TransferConfig(chunk_rows=chunk, num_ctas=num_ctas)
+  cfg = TransferConfig(chunk_rows=chunk, num_ctas=num_ctas, expand_in_transfer=True,
+                       expand_last_on_all=last_on_all)
   detect = plgpu.InterpretGPUParams(detect_races=True)
   got = transfer_expand.transfer_expand(
       x, seg_src, seg_dst, seg_len, copy_start, copy_len, index, src_index=src_index,
@@ -72,6 +75,26 @@ def test_local_form_equals_transfer_then_gather(chunk, peers, el, num_ctas, copy
   else:
     np.testing.assert_array_equal(got32, expanded)
   assert np.isnan(np.asarray(got[live:], np.float32)).all()   # rows past live: unwritten
+
+
+@pytest.mark.parametrize("last_on_all", [False, True])
+def test_copy_walks_deal_every_item_once(last_on_all):
+  """Over all copy and transfer CTAs, every item of every offset's copy list goes to
+  exactly one CTA (items i, i + n, ... of each walk), the last offset's over all of them
+  with expand_last_on_all."""
+  n_copy, num_ctas, peers, items = 3, 2, 4, 11
+  taken = np.zeros((peers, items), int)
+  for role, count in (("copy", n_copy), ("transfer", num_ctas)):
+    for cta in range(count):
+      for first, end, index, dealt in transfer_expand.copy_walks(
+          cta, role=role, n_copy=n_copy, num_ctas=num_ctas, num_peers=peers,
+          last_on_all=last_on_all):
+        assert 0 <= index < dealt
+        taken[first:end, index::dealt] += 1
+  assert (taken == 1).all()
+  joined = transfer_expand.copy_walks(0, role="transfer", n_copy=n_copy, num_ctas=num_ctas,
+                                      num_peers=peers, last_on_all=last_on_all)
+  assert bool(joined) == last_on_all
 
 
 def test_copy_lists_walk_the_sources_in_arrival_order():
@@ -146,6 +169,8 @@ def test_errors_name_the_argument():
     TransferConfig(expand_in_transfer=True, gather_rows=False)
   with pytest.raises(ValueError, match="copy_ctas"):
     TransferConfig(copy_ctas=0)
+  with pytest.raises(ValueError, match="expand_last_on_all"):
+    TransferConfig(expand_last_on_all=True)
   x = jnp.zeros((8, 256), jnp.bfloat16)
   seg = jnp.zeros((2, 1), jnp.int32)
   kw = dict(src_index=jnp.zeros((4,), jnp.int32), unique_rows=8, out_rows=8)
@@ -160,10 +185,11 @@ def test_errors_name_the_argument():
                                     copy_ctas=0, **kw)
 
 
-@pytest.mark.parametrize("scaled", [False, True])
-def test_communicating_kernel_lowers_for_cuda(mesh_factory, scaled):
+@pytest.mark.parametrize("scaled,last_on_all", [(False, False), (True, True)])
+def test_communicating_kernel_lowers_for_cuda(mesh_factory, scaled, last_on_all):
   """The NVLink form (remote TMA stores, the per-offset semaphores, both roles in one
-  grid) lowers to one Mosaic GPU custom call for CUDA on this CPU-only machine."""
+  grid; the transfer CTAs joining the last offset's copies) lowers to one Mosaic GPU
+  custom call for CUDA on this CPU-only machine."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   r, el, ns, h = 4, 2, 256, 512
   mesh = mesh_factory(1, r)
@@ -174,7 +200,9 @@ def test_communicating_kernel_lowers_for_cuda(mesh_factory, scaled):
     scale = jnp.ones((r * ns,), jnp.float32) if scaled else None
     return transfer_expand.transfer_expand(
         x, s[0], d[0], n[0], cs[0], cn[0], index, src_index=src_index, unique_rows=r * ns,
-        out_rows=r * ns, scale=scale, config=TransferConfig(num_ctas=8), copy_ctas=8,
+        out_rows=r * ns, scale=scale, copy_ctas=8,
+        config=TransferConfig(num_ctas=8, expand_in_transfer=True,
+                              expand_last_on_all=last_on_all),
         axis_name="expert", interpret=False)
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"),

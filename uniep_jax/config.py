@@ -153,6 +153,9 @@ class TransferConfig:
     runs inside the transfer's launch on `copy_ctas` more CTAs, source by source as
     each one's rows land (`pallas_kernels/transfer_expand.py`). The same bits.
   copy_ctas: CTAs of that expansion (num_ctas + copy_ctas must fit on the SMs).
+  expand_last_on_all: EXPERIMENTAL (with expand_in_transfer): the last source's
+    expansion, the one left exposed after every transfer, dealt over the transfer CTAs
+    too (they join it after their last signal). The same bits.
   """
 
   chunk_rows: int = 128
@@ -161,6 +164,7 @@ class TransferConfig:
   gather_rows: bool = True
   expand_in_transfer: bool = False
   copy_ctas: int = 64
+  expand_last_on_all: bool = False
 
   def __post_init__(self):
     if self.chunk_rows < 1 or self.chunk_rows & (self.chunk_rows - 1):
@@ -172,6 +176,9 @@ class TransferConfig:
       raise ValueError(f"num_ctas={self.num_ctas} must be >= 1")
     if self.copy_ctas < 1:
       raise ValueError(f"copy_ctas={self.copy_ctas} must be >= 1")
+    if self.expand_last_on_all and not self.expand_in_transfer:
+      raise ValueError("expand_last_on_all=True needs expand_in_transfer=True (it deals the "
+                       "expansion inside the transfer's launch)")
     if self.expand_in_transfer and not self.gather_rows:
       raise ValueError("expand_in_transfer=True needs gather_rows=True (the launch reads "
                        "the send rows by index)")
