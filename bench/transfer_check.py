@@ -95,7 +95,7 @@ def expand_row(x, index, segments, counts, tokens: int, hidden: int,
   def fused_local(x, i, ri):
     return transfer_expand.transfer_expand(x, *segments, *copy_blocks, ri, src_index=i,
                                            unique_rows=out_rows, out_rows=ri.shape[0],
-                                           config=TransferConfig(), copy_ctas=64)
+                                           config=TransferConfig(copy_ctas=64))
 
   a, b = jax.jit(two_launches), jax.jit(fused_local)
   row.update(transfer_then_expand=common.time_ms(a, x, index, recv_index),

@@ -59,8 +59,8 @@ unless two stages of [16, nb, ct] would not fit in 160 KiB: bf16 H 2048 -> one b
 (GATHER_UNROLL per loop iteration; a short item loads its last row again into the
 unused stage rows, which the ladder never stores), one ladder of [rows, nb, ct] stores.
 A step's stores (one bulk-async group) are issued before the next step's loads
-(`tma.two_stage_copy_loop(stores_first=True)`: the loads take long to issue; the stores stay in flight
-meanwhile). It saves the de-duplicated dispatch's separate gather into a contiguous
+(`tma.two_stage_copy_loop(stores_first=True)`: the loads take long to issue; the stores
+stay in flight meanwhile). It saves the de-duplicated dispatch's separate gather into a contiguous
 send buffer (`row_gather.gather_live_rows`: one HBM write and read of every send row).
 History (NOTES_ep_transfer.md): v1/v2 loaded [1, col_tile] boxes, 8 TMA loads per row
 at H 2048 (28 at H 7168) into the plain tiling's [128, 256] stage: the transfer got
@@ -121,7 +121,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
-from pallas_kernels.row_gather import column_blocking
+from pallas_kernels.row_gather import column_blocking, scale_stage_rows
 from pallas_kernels.tma import ladder_store, load_rows_by_index, two_stage_copy_loop
 from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
 from uniep_jax.ragged import enumerate_runs
@@ -180,9 +180,9 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   stored; load_barrier must count item_rows arrivals).
   scale (gathered only): None, or (scale_gmem, scale_smem): item row i is stored as
   (scale[src_row + i] * f32(row)).astype(dtype), `row_gather.gather_live_rows`'s
-  weighted copy, bit for bit (the same expression); the item's box of weights
-  (scale_smem [2, box], scale padded by box past its end) is one more TMA on the
-  stage's barrier (item_rows + 1 arrivals)."""
+  weighted copy, bit for bit (the same helper, `row_gather.scale_stage_rows`); the
+  item's box of weights (scale_smem [2, box], scale padded by box past its end) is one
+  more TMA on the stage's barrier (item_rows + 1 arrivals)."""
   if scale is not None and index_base is None:
     raise ValueError("move_items: scale needs the gathered form (index_base)")
   ns, width = src_gmem.shape[:2]      # width: columns (2-D) or boxes (3-D) per row
@@ -218,11 +218,7 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   def store(s, stage):
     at, col = item_col(s)
     if scale is not None:
-      scale_smem = scale[1]
-      for i in range(item_rows):
-        row = stage_smem[stage, i]
-        stage_smem[stage, i] = (row.astype(jnp.float32) * scale_smem[stage, i]).astype(row.dtype)
-      plgpu.commit_smem()
+      scale_stage_rows(stage_smem, scale[1], stage, item_rows)
     ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
                  work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
                  item_rows, commit_group=index_base is None)

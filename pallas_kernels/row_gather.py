@@ -153,6 +153,18 @@ def _tile_walk(table_gmem, rows_per_tile: int, n_blocks: int, nb: int, num_ctas:
   return live, steps, tile_of
 
 
+def scale_stage_rows(stage_smem, scale_smem, stage, rows: int):
+  """The weighted copy's multiply, in place before the stores: stage row i <-
+  (scale_smem[stage, i] * f32(row)).astype(dtype), one multiply and one rounding (the
+  plain combine's backward per slot, `dedup._scale_rows`), then `commit_smem` so the
+  TMA stores see it. The live-rows gather and the transfer's weighted copies
+  (`ep_transfer.move_items(scale=...)`) both use it, so their bits agree by construction."""
+  for i in range(rows):
+    row = stage_smem[stage, i]
+    stage_smem[stage, i] = (row.astype(jnp.float32) * scale_smem[stage, i]).astype(row.dtype)
+  plgpu.commit_smem()
+
+
 def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
                  num_ctas: int, scaled: bool):
   if scaled:
@@ -173,11 +185,7 @@ def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
   def store(s, stage):
     p0, b0 = tile_of(s)
     if scaled:
-      for i in range(g):
-        w = scale_smem[stage, i]
-        row = stage_smem[stage, i]
-        stage_smem[stage, i] = (row.astype(jnp.float32) * w).astype(row.dtype)
-      plgpu.commit_smem()
+      scale_stage_rows(stage_smem, scale_smem, stage, g)
     ladder_store(stage_smem.at[stage], out_gmem.at[:, pl.ds(b0, nb)], 0, p0,
                  jnp.minimum(g, live - p0), g)
 

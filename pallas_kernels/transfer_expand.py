@@ -64,8 +64,8 @@ Synchronisation contract
       source me - j.  Consumers: every copy CTA of this rank, before its items of
       offset j (with expand_last_on_all also every transfer CTA, for the last offset,
       after all of its own signals), decrement=False (many waiters; a decrementing
-      wait would take the count from the others). Invariant when the wait returns: every row of source
-      me - j is in this rank's unique buffer.
+      wait would take the count from the others). Invariant when the wait returns:
+      every row of source me - j is in this rank's unique buffer.
   Kernel end: every copy CTA has waited every offset, so every peer's stores into
       this rank's unique buffer have landed, and the copy CTAs' own stores
       (`wait_smem_to_gmem(0)`): recv is complete for the next XLA op.
@@ -203,8 +203,8 @@ def _both_roles(work_gmem, src_gmem, *refs, scaled: bool, transfer_kw: dict, cop
 
 def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index, *,
                     src_index, unique_rows: int, out_rows: int, scale=None,
-                    config: TransferConfig = TransferConfig(), copy_ctas: int = 64,
-                    axis_name=None, rank=0, interpret=None):
+                    config: TransferConfig = TransferConfig(), axis_name=None, rank=0,
+                    interpret=None):
   """recv [out_rows, H]: the transfer of `src[src_index]`'s segments into the peers'
   [unique_rows, H] buffers, then recv[p] = unique[index[p]] (times scale[p] in float32,
   rounded, if `scale`) for every receive row p a copy segment covers; other rows
@@ -219,7 +219,8 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
   seg_*: [R, S] int32, the transfer's segments for peer p in row p (positions into
   src_index). copy_start/copy_len: [R, El] int32, the receive-layout blocks of the rows
   FROM source s in row s (`layout.return_segments`: src_start, rows). index [N] int32
-  (unique-buffer rows), scale [N] float32. axis_name=None: the local form (every segment
+  (unique-buffer rows), scale [N] float32. config: the transfer's knobs and the copy's
+  (copy_ctas, expand_last_on_all). axis_name=None: the local form (every segment
   lands in this device's buffer, `rank` only rotates the order; two launches; runs in
   the CPU interpret mode); otherwise inside a `shard_map` over `axis_name` (GPU only).
   """
@@ -234,8 +235,6 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
     raise ValueError(f"index must be [N] with N <= out_rows={out_rows}, got {index.shape}")
   if scale is not None and (scale.shape != (n,) or scale.dtype != jnp.float32):
     raise ValueError(f"scale must be float32 [{n}] like index, got {scale.dtype} {scale.shape}")
-  if copy_ctas < 1:
-    raise ValueError(f"copy_ctas={copy_ctas} must be >= 1")
   itemsize = jnp.dtype(src.dtype).itemsize
   item_rows = min(config.chunk_rows, GATHER_ITEM_ROWS)
   ct, nb = column_blocking(hidden, itemsize, item_rows,
@@ -243,7 +242,7 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
                            max_col_tile=config.col_tile)
   boxes = hidden // ct
   num_ctas = min(config.num_ctas, device_lib.num_sms())
-  n_copy = min(copy_ctas, device_lib.num_sms())
+  n_copy = min(config.copy_ctas, device_lib.num_sms())
   if axis_name is not None:
     rank = lax.axis_index(axis_name)
     if num_ctas + n_copy > device_lib.num_sms():

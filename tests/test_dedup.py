@@ -138,7 +138,7 @@ def _simulated_gather_live_rows(src, index, live, *, out_rows, scale=None, garba
 
 def _simulated_transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index, *,
                                src_index, unique_rows, out_rows, scale=None, config,
-                               copy_ctas, axis_name, rank=0, interpret=None):
+                               axis_name, rank=0, interpret=None):
   """`transfer_expand.transfer_expand`'s contract in plain JAX: the transfer
   (`_simulated_transfer`), then the weighted copy of exactly the rows the copy blocks
   cover; every other row holds garbage (the kernel leaves it unwritten), so blocks that

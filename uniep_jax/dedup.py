@@ -175,6 +175,13 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
 # ---------------------------------------------------------------------------
 # Transports: unique rows -> the owners' unique receive buffers -> receive layout.
 # ---------------------------------------------------------------------------
+def packed_unique_index(plan: DispatchPlan, dplan: DedupPlan) -> jax.Array:
+  """[recv_rows] int32: receive row p's row in the packed unique buffer (source s's
+  rows from unique_recv_offsets[s], in its unique send order); 0-based garbage past the
+  live rows (expand_position is 0 there)."""
+  return dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
+
+
 def _scale_rows(rows, scale):
   """The plain combine's backward, per slot: dtype(w * f32(dy)), one multiply and one
   rounding (XLA's transpose of `weighted_topk_sum`'s product)."""
@@ -203,8 +210,7 @@ def _dedup_ragged(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
   packed = jax.lax.ragged_all_to_all(
       rows, _zeros_varying_like(rows, (r * t, h)), dplan.unique_send_offsets,
       dplan.unique_send_counts, dplan.unique_output_offsets, incoming, axis_name=axis_name)
-  flat = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
-  rows = _take_rows(packed, flat, plan.recv_valid)
+  rows = _take_rows(packed, packed_unique_index(plan, dplan), plan.recv_valid)
   return rows if scale is None else _scale_rows(rows, scale)
 
 
@@ -216,14 +222,14 @@ def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
   column = lambda a: a[:, None]  # noqa: E731  one segment per destination
   segments = (column(dplan.unique_send_offsets), column(dplan.unique_output_offsets),
               column(dplan.unique_send_counts))
-  index = dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position
+  index = packed_unique_index(plan, dplan)
   if transfer.expand_in_transfer:   # transfer and expansion in one launch
     from pallas_kernels.transfer_expand import transfer_expand
     blocks = return_segments(plan, jax.lax.axis_index(axis_name))   # [source, le] mine
     recv = transfer_expand(x, *segments, blocks.src_start, blocks.rows, index,
                            src_index=dplan.unique_tokens, unique_rows=r * t,
                            out_rows=plan.recv_valid.shape[0], scale=scale, config=transfer,
-                           copy_ctas=transfer.copy_ctas, axis_name=axis_name)
+                           axis_name=axis_name)
     return as_received(recv, plan)
   if transfer.gather_rows:   # the transfer's loads read x[unique_tokens[i]] themselves
     unique = transfer_segments(x, *segments, out_rows=r * t, config=transfer,
@@ -298,8 +304,7 @@ def owner_partials(ct, plan: DispatchPlan, dplan: DedupPlan, axis_name) -> jax.A
   t, k = plan.slot_owners.experts.shape
   rows = jax.lax.axis_size(axis_name) * t
   j_max = min(k, plan.recv_group_sizes.shape[0])
-  group = jnp.where(plan.recv_valid,
-                    dplan.unique_recv_offsets[plan.recv_source] + dplan.expand_position,
+  group = jnp.where(plan.recv_valid, packed_unique_index(plan, dplan),
                     jnp.int32(rows))                               # dead rows: past every g
   order = jnp.argsort(group, stable=True).astype(jnp.int32)     # each group in p order
   sorted_group = group[order]
