@@ -51,6 +51,8 @@
 #            the transfer's gathered loads, and the owner side's expansion on all / 64 / 32
 #            CTAs and inside transfer_expand's local form (bench/transfer_check.py;
 #            $XFER_ARGS extra flags, e.g. --no-expand)
+#   teprobe  all GPUs: which part of the communicating transfer_expand faults, each variant
+#            in a process of its own (bench/transfer_expand_probe.py; $TEPROBE_VARIANTS)
 #   smem     one GPU: which SMEM scalar reads fault (bench/smem_scalar_probe.py, each
 #            variant in its own process)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
@@ -158,6 +160,8 @@ run_phase() {  # name seconds
     xfer)    timeout "$secs" python3 -m bench.transfer_check --out "$dir" ${XFER_ARGS:-} \
                > "$dir/log" 2>&1 ;;
     smem)    timeout "$secs" python3 -m bench.smem_scalar_probe --out "$dir" > "$dir/log" 2>&1 ;;
+    teprobe) timeout "$secs" python3 -m bench.transfer_expand_probe --out "$dir" \
+               ${TEPROBE_VARIANTS:+--variants "$TEPROBE_VARIANTS"} > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;
   esac
   rc=$?

@@ -99,6 +99,16 @@ from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, _metadata_box, column_
 from uniep_jax.config import TransferConfig
 
 
+# Bring-up bisection only (bench/transfer_expand_probe.py sets it in a process of its
+# own; empty everywhere else): parts of the communicating kernel switched off, to find
+# which one faults on a GPU. "no_wait": the copies do not wait for `arrived`;
+# "no_signal": the transfer CTAs do not signal (with "no_wait" only); "no_copy": the copy
+# CTAs do nothing; "no_moves": the transfer CTAs only signal; "local_stores": every offset's
+# rows land in this rank's own buffer (the signals still go to the peers).
+BRINGUP: frozenset[str] = frozenset()
+BRINGUP_PARTS = ("no_wait", "no_signal", "no_copy", "no_moves", "local_stores")
+
+
 def expand_order(num_peers: int) -> list[int]:
   """The peer offsets in the order both roles walk them: own rows (0) first, so that
   their expansion overlaps every remote offset's transfer."""
@@ -118,12 +128,14 @@ def _transfer_role(work_gmem, src_gmem, unique_gmem, arrived, *, t_w: int, item_
   def _(stage_smem, load_barrier):
     for j in expand_order(num_peers):   # static: the TMA peer id must be host-computable
       base = j * stride
-      dst_gmem = peer_ref(unique_gmem, j, me=me, axis_name=axis_name, num_peers=num_peers)
-      move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
-                 first_item=0, count=work_gmem[base + 3 * t_w], w=t_w, cta=c,
-                 num_ctas=num_ctas, item_rows=item_rows, col_tile=nb, index_base=index_base)
+      dst_gmem = peer_ref(unique_gmem, 0 if "local_stores" in BRINGUP else j, me=me,
+                          axis_name=axis_name, num_peers=num_peers)
+      if "no_moves" not in BRINGUP:
+        move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
+                   first_item=0, count=work_gmem[base + 3 * t_w], w=t_w, cta=c,
+                   num_ctas=num_ctas, item_rows=item_rows, col_tile=nb, index_base=index_base)
       plgpu.wait_smem_to_gmem(0)   # this CTA's rows of offset j landed
-      if axis_name is not None:
+      if axis_name is not None and "no_signal" not in BRINGUP:
         pl.semaphore_signal(arrived.at[j], device_id={axis_name: lax.rem(me + j, num_peers)})
 
 
@@ -164,7 +176,7 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, walks,
   def _(stage_smem, load_barrier, scale_smem=None):
     for first, end, cta, dealt in walks:
       def offset(j, carry, cta=cta, dealt=dealt):   # a loop: the copies need no static peer id
-        if arrived is not None:   # every row of source me - j has landed
+        if arrived is not None and "no_wait" not in BRINGUP:   # source me - j's rows landed
           plgpu.semaphore_wait(arrived.at[j], expected, decrement=False)
         base = c_base + j * stride
         move_items(work_gmem, unique_gmem, recv_gmem, stage_smem, load_barrier, base=base,
@@ -194,7 +206,7 @@ def _both_roles(work_gmem, src_gmem, *refs, scaled: bool, transfer_kw: dict, cop
                  walks=walks(c, role="transfer"), expected=num_ctas, num_peers=num_peers,
                  **copy_kw)
 
-  @pl.when(c >= num_ctas)
+  @pl.when((c >= num_ctas) & ("no_copy" not in BRINGUP))
   def _():
     _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived,
                walks=walks(c - num_ctas, role="copy"), expected=num_ctas, num_peers=num_peers,

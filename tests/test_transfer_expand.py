@@ -183,12 +183,17 @@ def test_errors_name_the_argument():
                                     scale=jnp.zeros((4,), jnp.bfloat16), **kw)
 
 
-@pytest.mark.parametrize("scaled,last_on_all", [(False, False), (True, True)])
-def test_communicating_kernel_lowers_for_cuda(mesh_factory, scaled, last_on_all):
+@pytest.mark.parametrize("scaled,last_on_all,bringup", [
+    (False, False, ()), (True, True, ()),
+    # the bring-up probe's bisection variants (bench/transfer_expand_probe.py) lower too
+    (False, False, ("no_signal", "no_wait", "no_copy", "no_moves", "local_stores"))])
+def test_communicating_kernel_lowers_for_cuda(mesh_factory, monkeypatch, scaled, last_on_all,
+                                              bringup):
   """The NVLink form (remote TMA stores, the per-offset semaphores, both roles in one
   grid; the transfer CTAs joining the last offset's copies) lowers to one Mosaic GPU
   custom call for CUDA on this CPU-only machine."""
   from jax.sharding import NamedSharding, PartitionSpec as P
+  monkeypatch.setattr(transfer_expand, "BRINGUP", frozenset(bringup))
   r, el, ns, h = 4, 2, 256, 512
   mesh = mesh_factory(1, r)
 

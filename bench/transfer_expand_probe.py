@@ -1,0 +1,129 @@
+"""Which part of the communicating `transfer_expand` kernel faults on GPUs.
+
+4x H200, 2026-11-28 (e9eec78): the de-duplicated dispatch with
+`TransferConfig(expand_in_transfer=True)` died with CUDA_ERROR_ILLEGAL_INSTRUCTION at
+EP 4 (check_moe_gpu `uniep_dd_te`, the layer bench `@te`, `@tel`), while its local form
+(one GPU, two launches of the same role bodies) ran bit for bit (bench/transfer_check.py).
+Each variant below runs the nvlink de-duplicated dispatch (`dedup._dedup_nvlink`) at EP =
+the GPU count in a process of its own (a fault takes the CUDA context with it), first
+the two-launch path (`ref`: transfer_segments + gather_live_rows), then the variant,
+and compares the live receive rows bit for bit:
+
+  ref            the two launches only (a sanity check of the probe itself)
+  te             transfer_expand as it ships
+  te_small       with num_ctas = copy_ctas = 16
+  te_tel         with expand_last_on_all
+  te_scaled      the weighted copy (the backward's dy dispatch)
+  <parts>        te with `transfer_expand.BRINGUP` parts switched off, "+"-joined
+                 (no_wait, no_signal, no_copy, no_moves, local_stores): bits are not
+                 expected to match then, only whether it faults or hangs
+
+Run: `python -m bench.transfer_expand_probe [--out DIR] [--variants ...]` (GPUs only; the
+device_session phase `teprobe`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+VARIANTS = ("ref", "te", "no_copy", "no_wait", "no_signal+no_wait", "local_stores", "no_moves",
+            "te_small", "te_tel", "te_scaled")
+TOKENS, HIDDEN, EXPERTS, TOP_K = 256, 2048, 16, 4
+
+
+def run_variant(variant: str) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, PartitionSpec as P
+  from pallas_kernels import transfer_expand as te
+  from uniep_jax import TransferConfig
+  from uniep_jax.dedup import _dedup_nvlink, plan_with_dedup
+
+  parts = [p for p in variant.split("+") if p in te.BRINGUP_PARTS]
+  te.BRINGUP = frozenset(parts)
+  kw = {}
+  if variant == "te_small":
+    kw = dict(num_ctas=16, copy_ctas=16)
+  if variant == "te_tel":
+    kw = dict(expand_last_on_all=True)
+  scaled = variant == "te_scaled"
+  r = len(jax.devices())
+  mesh = Mesh(np.array(jax.devices()), ("ep",))
+  kx, ke, kw_, ks = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(kx, (r * TOKENS, HIDDEN), jnp.float32).astype(jnp.bfloat16)
+  logits = jax.random.normal(ke, (r * TOKENS, EXPERTS))
+  weights, experts = jax.lax.top_k(logits, TOP_K)
+  experts = experts.astype(jnp.int32)
+
+  def body(xl, el, wl, key, *, config):
+    plan, dplan = plan_with_dedup(el, wl, num_experts=EXPERTS, axis_name="ep", top_k=TOP_K)
+    n = plan.recv_valid.shape[0]
+    scale = jax.random.normal(key[0], (n,), jnp.float32) if scaled else None
+    recv = _dedup_nvlink(xl, plan, dplan, "ep", config, scale=scale)
+    live = jnp.arange(n) < plan.num_received
+    return jnp.where(live[:, None], recv, jnp.zeros_like(recv)), plan.num_received[None]
+
+  def program(config):
+    f = jax.shard_map(lambda *a: body(*a, config=config), mesh=mesh,
+                      in_specs=(P("ep"), P("ep"), P("ep"), P("ep")), out_specs=(P("ep"), P("ep")),
+                      check_vma=False)
+    return jax.jit(f)
+
+  keys = jax.random.split(ks, r)
+  args = (x, experts, weights, keys)
+  want, live = program(TransferConfig())(*args)
+  want = np.asarray(want.view(jnp.uint16))
+  row = dict(variant=variant, live_rows=[int(v) for v in np.asarray(live)])
+  if variant == "ref":
+    return dict(row, equal=True, note="the two-launch path ran")
+  got, _ = program(TransferConfig(expand_in_transfer=True, **kw))(*args)
+  got = np.asarray(got.view(jnp.uint16))
+  return dict(row, equal=bool(np.array_equal(got, want)),
+              rows_differing=int(np.sum(np.any(got != want, axis=1))))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--variants", default=",".join(VARIANTS))
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--timeout-s", type=int, default=90)
+  ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # child: run one variant
+  args = ap.parse_args(argv)
+  if args.one:
+    print(json.dumps(run_variant(args.one)), flush=True)
+    return 0
+  from bench import common
+  meta = common.run_metadata()
+  results = []
+  for variant in args.variants.split(","):
+    try:
+      p = subprocess.run([sys.executable, "-m", "bench.transfer_expand_probe", "--one", variant],
+                         capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as e:   # a hang is a finding too
+      row = dict(variant=variant, returncode=None, error_tail=f"timeout after {e.timeout} s")
+    else:
+      last = (p.stdout.strip().splitlines() or [""])[-1]
+      row = dict(variant=variant, returncode=p.returncode)
+      if p.returncode == 0 and last.startswith("{"):
+        row.update(json.loads(last))
+      else:
+        lines = [ln for ln in (p.stderr or p.stdout).splitlines()
+                 if "Error destroying" not in ln and "Failed to unload" not in ln
+                 and "Source Location" not in ln and "cuda_status.cc" not in ln and ln.strip()]
+        row["error_tail"] = "\n".join(lines[-25:])[-3000:]
+    print(row, flush=True)
+    results.append(row)
+  out = common.out_dir(args.out)
+  common.write_json(os.path.join(out, f"transfer_expand_probe_{common.device_tag(meta)}.json"),
+                    dict(meta, benchmark="transfer_expand_probe", results=results))
+  return 0 if all(r.get("equal") for r in results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
