@@ -13,7 +13,11 @@ and compares the live receive rows bit for bit:
   te             transfer_expand as it ships
   te_small       with num_ctas = copy_ctas = 16
   te_tel         with expand_last_on_all
-  te_scaled      the weighted copy (the backward's dy dispatch)
+  te_scaled      the weighted copy (the backward's dy dispatch; 4x H200, cfad04b: it
+                 faulted, CUDA_ERROR_ILLEGAL_INSTRUCTION, the 9 variants above ran)
+  te_scaled+no_multiply    its scale input and SMEM there, the plain copy
+  te_scaled+gmem_weights   each row's weight read from GMEM, no weights' box in SMEM
+  te_scaled_small          with num_ctas = copy_ctas = 16
   <parts>        te with `transfer_expand.BRINGUP` parts switched off, "+"-joined
                  (no_wait, no_signal, no_copy, no_moves, local_stores): bits are not
                  expected to match then, only whether it faults or hangs
@@ -33,7 +37,8 @@ import sys
 import numpy as np
 
 VARIANTS = ("ref", "te", "no_copy", "no_wait", "no_signal+no_wait", "local_stores", "no_moves",
-            "te_small", "te_tel", "te_scaled")
+            "te_small", "te_tel", "te_scaled", "te_scaled+no_multiply", "te_scaled+gmem_weights",
+            "te_scaled_small")
 TOKENS, HIDDEN, EXPERTS, TOP_K = 256, 2048, 16, 4
 
 
@@ -47,12 +52,13 @@ def run_variant(variant: str) -> dict:
 
   parts = [p for p in variant.split("+") if p in te.BRINGUP_PARTS]
   te.BRINGUP = frozenset(parts)
+  scaled = variant.startswith("te_scaled")
+  te.WEIGHTED_FORM_ENABLED = scaled   # the weighted form, which the layer does not take yet
   kw = {}
-  if variant == "te_small":
+  if variant in ("te_small", "te_scaled_small"):
     kw = dict(num_ctas=16, copy_ctas=16)
   if variant == "te_tel":
     kw = dict(expand_last_on_all=True)
-  scaled = variant == "te_scaled"
   r = len(jax.devices())
   mesh = Mesh(np.array(jax.devices()), ("ep",))
   kx, ke, kw_, ks = jax.random.split(jax.random.key(0), 4)

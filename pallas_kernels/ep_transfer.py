@@ -182,7 +182,8 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   (scale[src_row + i] * f32(row)).astype(dtype), `row_gather.gather_live_rows`'s
   weighted copy, bit for bit (the same helper, `row_gather.scale_stage_rows`); the
   item's box of weights (scale_smem [2, box], scale padded by box past its end) is one
-  more TMA on the stage's barrier (item_rows + 1 arrivals)."""
+  more TMA on the stage's barrier (item_rows + 1 arrivals); scale_smem None: the weights
+  are read as scalars from scale_gmem (item_rows arrivals), no box."""
   if scale is not None and index_base is None:
     raise ValueError("move_items: scale needs the gathered form (index_base)")
   ns, width = src_gmem.shape[:2]      # width: columns (2-D) or boxes (3-D) per row
@@ -210,15 +211,18 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
     load_rows_by_index(lambda i: work_gmem[first + jnp.minimum(i, last)], src_gmem,
                        stage_smem.at[stage], load_barrier.at[stage], rows=item_rows,
                        col=col, width=col_tile, unroll=GATHER_UNROLL)
-    if scale is not None:
+    if scale is not None and scale[1] is not None:
       scale_gmem, scale_smem = scale
       plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(work_gmem[at], scale_smem.shape[1])],
                               scale_smem.at[stage], load_barrier.at[stage])
 
   def store(s, stage):
     at, col = item_col(s)
-    if scale is not None:
-      scale_stage_rows(stage_smem, scale[1], stage, item_rows)
+    if scale is not None:   # scale_smem None: the weights read from GMEM, no box
+      scale_gmem, scale_smem = scale
+      first = work_gmem[at]
+      weight = None if scale_smem is not None else (lambda i: scale_gmem[first + i])
+      scale_stage_rows(stage_smem, scale_smem, stage, item_rows, weight=weight)
     ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
                  work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
                  item_rows, commit_group=index_base is None)

@@ -153,15 +153,18 @@ def _tile_walk(table_gmem, rows_per_tile: int, n_blocks: int, nb: int, num_ctas:
   return live, steps, tile_of
 
 
-def scale_stage_rows(stage_smem, scale_smem, stage, rows: int):
+def scale_stage_rows(stage_smem, scale_smem, stage, rows: int, weight=None):
   """The weighted copy's multiply, in place before the stores: stage row i <-
-  (scale_smem[stage, i] * f32(row)).astype(dtype), one multiply and one rounding (the
-  plain combine's backward per slot, `dedup._scale_rows`), then `commit_smem` so the
-  TMA stores see it. The live-rows gather and the transfer's weighted copies
+  (w_i * f32(row)).astype(dtype), w_i = scale_smem[stage, i] (or `weight(i)`, a float32
+  scalar read elsewhere, e.g. from GMEM), one multiply and one rounding (the plain
+  combine's backward per slot, `dedup._scale_rows`), then `commit_smem` so the TMA stores
+  see it. The live-rows gather and the transfer's weighted copies
   (`ep_transfer.move_items(scale=...)`) both use it, so their bits agree by construction."""
+  if weight is None:
+    weight = lambda i: scale_smem[stage, i]  # noqa: E731
   for i in range(rows):
     row = stage_smem[stage, i]
-    stage_smem[stage, i] = (row.astype(jnp.float32) * scale_smem[stage, i]).astype(row.dtype)
+    stage_smem[stage, i] = (row.astype(jnp.float32) * weight(i)).astype(row.dtype)
   plgpu.commit_smem()
 
 

@@ -99,14 +99,24 @@ from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, _metadata_box, column_
 from uniep_jax.config import TransferConfig
 
 
+# The weighted communicating kernel (the backward's dy dispatch, `scale`) died with
+# CUDA_ERROR_ILLEGAL_INSTRUCTION on 4x H200 (2026-11-28, bench/transfer_expand_probe.py,
+# te_scaled) while the plain one ran bit for bit: until it does too, the de-duplicated
+# dispatch (`dedup._dedup_nvlink`) takes this launch for the unweighted dispatch only and
+# keeps the two launches (transfer, weighted gather_live_rows) for the weighted one.
+WEIGHTED_FORM_ENABLED = False
+
 # Bring-up bisection only (bench/transfer_expand_probe.py sets it in a process of its
 # own; empty everywhere else): parts of the communicating kernel switched off, to find
 # which one faults on a GPU. "no_wait": the copies do not wait for `arrived`;
 # "no_signal": the transfer CTAs do not signal (with "no_wait" only); "no_copy": the copy
 # CTAs do nothing; "no_moves": the transfer CTAs only signal; "local_stores": every offset's
-# rows land in this rank's own buffer (the signals still go to the peers).
+# rows land in this rank's own buffer (the signals still go to the peers). The weighted
+# copy's: "no_multiply": the scale input and its SMEM are there, the copy is the plain
+# one; "gmem_weights": each row's weight read as a scalar from GMEM (no weights' box).
 BRINGUP: frozenset[str] = frozenset()
-BRINGUP_PARTS = ("no_wait", "no_signal", "no_copy", "no_moves", "local_stores")
+BRINGUP_PARTS = ("no_wait", "no_signal", "no_copy", "no_moves", "local_stores", "no_multiply",
+                 "gmem_weights")
 
 
 def expand_order(num_peers: int) -> list[int]:
@@ -166,9 +176,11 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, walks,
   # are TMA destinations and must stay 128-byte aligned (`_metadata_box`)
   scratch = dict(stage_smem=plgpu.SMEM((2, item_rows, nb, unique_gmem.shape[2]),
                                        unique_gmem.dtype))
-  if scaled:
+  smem_weights = scaled and "gmem_weights" not in BRINGUP
+  if smem_weights:
     scratch["scale_smem"] = plgpu.SMEM((2, _metadata_box(item_rows)), jnp.float32)
-  scratch["load_barrier"] = plgpu.Barrier(num_arrivals=item_rows + scaled, num_barriers=2)
+  boxes = smem_weights and "no_multiply" not in BRINGUP   # the weights' TMA per item
+  scratch["load_barrier"] = plgpu.Barrier(num_arrivals=item_rows + boxes, num_barriers=2)
 
   assert expand_order(num_peers) == list(range(num_peers))   # the loops walk j = 0, 1, ..
 
@@ -182,7 +194,8 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, walks,
         move_items(work_gmem, unique_gmem, recv_gmem, stage_smem, load_barrier, base=base,
                    first_item=0, count=work_gmem[base + 3 * c_w], w=c_w, cta=cta,
                    num_ctas=dealt, item_rows=item_rows, col_tile=nb, index_base=index_base,
-                   scale=(scale_gmem, scale_smem) if scaled else None)
+                   scale=(scale_gmem, scale_smem if smem_weights else None)
+                   if scaled and "no_multiply" not in BRINGUP else None)
         return carry
 
       lax.fori_loop(first, end, offset, 0)

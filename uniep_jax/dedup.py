@@ -217,16 +217,17 @@ def _dedup_ragged(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
 def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, scale=None):
   from pallas_kernels.ep_transfer import transfer_segments  # GPU kernels, lazy
   from pallas_kernels.row_gather import gather_live_rows
+  import pallas_kernels.transfer_expand as te
   t, h = x.shape
   r = plan.send_counts.shape[0]
   column = lambda a: a[:, None]  # noqa: E731  one segment per destination
   segments = (column(dplan.unique_send_offsets), column(dplan.unique_output_offsets),
               column(dplan.unique_send_counts))
   index = packed_unique_index(plan, dplan)
-  if transfer.expand_in_transfer:   # transfer and expansion in one launch
-    from pallas_kernels.transfer_expand import transfer_expand
+  # transfer and expansion in one launch (the weighted form: see WEIGHTED_FORM_ENABLED)
+  if transfer.expand_in_transfer and (scale is None or te.WEIGHTED_FORM_ENABLED):
     blocks = return_segments(plan, jax.lax.axis_index(axis_name))   # [source, le] mine
-    recv = transfer_expand(x, *segments, blocks.src_start, blocks.rows, index,
+    recv = te.transfer_expand(x, *segments, blocks.src_start, blocks.rows, index,
                            src_index=dplan.unique_tokens, unique_rows=r * t,
                            out_rows=plan.recv_valid.shape[0], scale=scale, config=transfer,
                            axis_name=axis_name)
