@@ -18,6 +18,8 @@ and compares the live receive rows bit for bit:
   te_scaled+no_multiply    its scale input and SMEM there, the plain copy
   te_scaled+gmem_weights   each row's weight read from GMEM, no weights' box in SMEM
   te_scaled_small          with num_ctas = copy_ctas = 16
+  local, local_scaled[+parts]  the local form on one GPU (no communication), plain and
+                 weighted, against the two launches (`run_local_variant`)
   <parts>        te with `transfer_expand.BRINGUP` parts switched off, "+"-joined
                  (no_wait, no_signal, no_copy, no_moves, local_stores): bits are not
                  expected to match then, only whether it faults or hangs
@@ -40,9 +42,45 @@ VARIANTS = ("ref", "te", "no_copy", "no_wait", "no_signal+no_wait", "local_store
             "te_small", "te_tel", "te_scaled", "te_scaled+no_multiply", "te_scaled+gmem_weights",
             "te_scaled_small")
 TOKENS, HIDDEN, EXPERTS, TOP_K = 256, 2048, 16, 4
+LOCAL_TOKENS = 2048   # the local variants (one GPU)
+
+
+def run_local_variant(variant: str) -> dict:
+  """local*: the local form (axis_name=None, two launches, one GPU) against the transfer
+  and gather_live_rows, bit for bit: does the weighted copy inside `move_items` fault
+  without any communication?"""
+  import jax
+  import jax.numpy as jnp
+  from bench import transfer_check as tc
+  from pallas_kernels import ep_transfer, row_gather, transfer_expand as te
+  from uniep_jax import TransferConfig
+
+  te.BRINGUP = frozenset(p for p in variant.split("+") if p in te.BRINGUP_PARTS)
+  scaled = variant.startswith("local_scaled")
+  tokens = LOCAL_TOKENS
+  x, index, _, segments, counts = tc.make_inputs(tokens, HIDDEN)
+  recv_index, scale, live, blocks = tc.expand_inputs(counts, tokens)
+  w = scale if scaled else None
+  out_rows = tc.PEERS * tokens
+
+  def two_launches(x, i, ri, w):
+    u = ep_transfer.transfer_segments(x, *segments, out_rows=out_rows, src_index=i)
+    return row_gather.gather_live_rows(u, ri, jnp.int32(live), out_rows=ri.shape[0], scale=w)
+
+  def one_launch(x, i, ri, w):
+    return te.transfer_expand(x, *segments, *blocks, ri, src_index=i, unique_rows=out_rows,
+                              out_rows=ri.shape[0], scale=w, config=TransferConfig(copy_ctas=64))
+
+  want = jax.jit(two_launches)(x, index, recv_index, w)[:live]
+  got = jax.jit(one_launch)(x, index, recv_index, w)[:live]
+  want, got = (np.asarray(a.view(jnp.uint16)) for a in (want, got))
+  return dict(variant=variant, live_rows=live, equal=bool(np.array_equal(got, want)),
+              rows_differing=int(np.sum(np.any(got != want, axis=1))))
 
 
 def run_variant(variant: str) -> dict:
+  if variant.startswith("local"):
+    return run_local_variant(variant)
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh, PartitionSpec as P
