@@ -13,16 +13,21 @@ and compares the live receive rows bit for bit:
   te             transfer_expand as it ships
   te_small       with num_ctas = copy_ctas = 16
   te_tel         with expand_last_on_all
-  te_scaled      the weighted copy (the backward's dy dispatch; 4x H200, cfad04b: it
-                 faulted, CUDA_ERROR_ILLEGAL_INSTRUCTION, the 9 variants above ran)
-  te_scaled+no_multiply    its scale input and SMEM there, the plain copy
-  te_scaled+gmem_weights   each row's weight read from GMEM, no weights' box in SMEM
+  te_scaled      the weighted copy (the backward's dy dispatch)
   te_scaled_small          with num_ctas = copy_ctas = 16
-  local, local_scaled[+parts]  the local form on one GPU (no communication), plain and
+  local, local_scaled      the local form on one GPU (no communication), plain and
                  weighted, against the two launches (`run_local_variant`)
-  <parts>        te with `transfer_expand.BRINGUP` parts switched off, "+"-joined
-                 (no_wait, no_signal, no_copy, no_moves, local_stores): bits are not
-                 expected to match then, only whether it faults or hangs
+
+Findings (4x H200 / one H200, 2026-11-28; transfer_expand_probe_NVIDIA_H200*.json): at
+cfad04b the plain communicating form ran bit for bit (te, te_small, te_tel) and so did
+every bisection variant; te_scaled faulted (CUDA_ERROR_ILLEGAL_INSTRUCTION), and so did
+local_scaled on one GPU: the weighted copy inside `move_items`, not the communication.
+With each weight read as a scalar from GMEM instead of a TMA box of weights in SMEM
+(then a bring-up part "gmem_weights", now the only form) local_scaled ran bit for bit;
+with the scale input and its SMEM there but the plain copy ("no_multiply") it ran too.
+Not isolated further; the likely cause (unverified): the box started at an item's first
+row, any 4-byte offset, where gather_live_rows' boxes, which run, start at multiples of
+64 bytes.
 
 Run: `python -m bench.transfer_expand_probe [--out DIR] [--variants ...]` (GPUs only; the
 device_session phase `teprobe`).
@@ -39,8 +44,7 @@ import sys
 import numpy as np
 
 VARIANTS = ("ref", "te", "no_copy", "no_wait", "no_signal+no_wait", "local_stores", "no_moves",
-            "te_small", "te_tel", "te_scaled", "te_scaled+no_multiply", "te_scaled+gmem_weights",
-            "te_scaled_small")
+            "te_small", "te_tel", "te_scaled", "te_scaled_small", "local", "local_scaled")
 TOKENS, HIDDEN, EXPERTS, TOP_K = 256, 2048, 16, 4
 LOCAL_TOKENS = 2048   # the local variants (one GPU)
 
@@ -91,7 +95,6 @@ def run_variant(variant: str) -> dict:
   parts = [p for p in variant.split("+") if p in te.BRINGUP_PARTS]
   te.BRINGUP = frozenset(parts)
   scaled = variant.startswith("te_scaled")
-  te.WEIGHTED_FORM_ENABLED = scaled   # the weighted form, which the layer does not take yet
   kw = {}
   if variant in ("te_small", "te_scaled_small"):
     kw = dict(num_ctas=16, copy_ctas=16)

@@ -178,12 +178,14 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   columns of a column block in one box), GATHER_UNROLL per loop iteration (item_rows
   loads per step; rows past the item's end load its last row again and are never
   stored; load_barrier must count item_rows arrivals).
-  scale (gathered only): None, or (scale_gmem, scale_smem): item row i is stored as
-  (scale[src_row + i] * f32(row)).astype(dtype), `row_gather.gather_live_rows`'s
-  weighted copy, bit for bit (the same helper, `row_gather.scale_stage_rows`); the
-  item's box of weights (scale_smem [2, box], scale padded by box past its end) is one
-  more TMA on the stage's barrier (item_rows + 1 arrivals); scale_smem None: the weights
-  are read as scalars from scale_gmem (item_rows arrivals), no box."""
+  scale (gathered only): None, or scale_gmem (float32 [N + item_rows], padded): item row
+  i is stored as (scale[src_row + i] * f32(row)).astype(dtype), `row_gather.
+  gather_live_rows`'s weighted copy, bit for bit (the same helper, `row_gather.
+  scale_stage_rows`), each weight read as a scalar from GMEM. (A box of weights in SMEM
+  by TMA, as gather_live_rows loads them, faulted here with CUDA_ERROR_ILLEGAL_
+  INSTRUCTION on an H200: an item's first row is any position, so the box starts at any
+  4-byte offset, where gather_live_rows' tiles start at multiples of 16 rows. See
+  NOTES_transfer_expand.md, 2026-11-28.)"""
   if scale is not None and index_base is None:
     raise ValueError("move_items: scale needs the gathered form (index_base)")
   ns, width = src_gmem.shape[:2]      # width: columns (2-D) or boxes (3-D) per row
@@ -211,18 +213,12 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
     load_rows_by_index(lambda i: work_gmem[first + jnp.minimum(i, last)], src_gmem,
                        stage_smem.at[stage], load_barrier.at[stage], rows=item_rows,
                        col=col, width=col_tile, unroll=GATHER_UNROLL)
-    if scale is not None and scale[1] is not None:
-      scale_gmem, scale_smem = scale
-      plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(work_gmem[at], scale_smem.shape[1])],
-                              scale_smem.at[stage], load_barrier.at[stage])
 
   def store(s, stage):
     at, col = item_col(s)
-    if scale is not None:   # scale_smem None: the weights read from GMEM, no box
-      scale_gmem, scale_smem = scale
+    if scale is not None:   # the item's weights, scalars read from GMEM
       first = work_gmem[at]
-      weight = None if scale_smem is not None else (lambda i: scale_gmem[first + i])
-      scale_stage_rows(stage_smem, scale_smem, stage, item_rows, weight=weight)
+      scale_stage_rows(stage_smem, None, stage, item_rows, weight=lambda i: scale[first + i])
     ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
                  work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
                  item_rows, commit_group=index_base is None)

@@ -46,8 +46,9 @@ Buffers
   recv   [out_rows, H/ct, ct] kernel output, this rank only; rows no copy item covers
                           (>= the live rows) are undefined, as gather_live_rows'.
   SMEM, per role (`pl.run_scoped` in each branch, so the roles share it): 2 stages of
-  [16, nb, ct] (`row_gather.column_blocking`, 160 KiB budget) + 2 barriers; the copy
-  role with `scale` also 2 x [32] float32 weights.
+  [16, nb, ct] (`row_gather.column_blocking`, 160 KiB budget) + 2 barriers. The copy
+  role with `scale` reads each row's weight as a scalar from GMEM (`move_items`; a TMA
+  box of weights at an item's unaligned first row faulted, NOTES 2026-11-28).
 
 Synchronisation contract
 ------------------------
@@ -56,7 +57,7 @@ Synchronisation contract
       unique output and zero-filled semaphores exist, before any remote store or signal.
       Semaphores do not persist across launches. Reset: none.
   load_barrier[s] (each role its own): as `ep_transfer`'s gathered form (item rows
-      arrivals, + 1 for the weights' box); stage reuse as `two_stage_copy_loop`.
+      arrivals); stage reuse as `two_stage_copy_loop`.
   arrived[j] (`pl.get_global` REGULAR, [R]): after its items of offset j,
       `wait_smem_to_gmem(0)` (its stores landed), each transfer CTA of rank s signals
       arrived[j] on rank s + j, once per launch, empty or not (a signal orders the
@@ -95,28 +96,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.ep_transfer import GATHER_ITEM_ROWS, move_items, peer_ref, work_lists
-from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, _metadata_box, column_blocking
+from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, column_blocking
 from uniep_jax.config import TransferConfig
 
-
-# The weighted communicating kernel (the backward's dy dispatch, `scale`) died with
-# CUDA_ERROR_ILLEGAL_INSTRUCTION on 4x H200 (2026-11-28, bench/transfer_expand_probe.py,
-# te_scaled) while the plain one ran bit for bit: until it does too, the de-duplicated
-# dispatch (`dedup._dedup_nvlink`) takes this launch for the unweighted dispatch only and
-# keeps the two launches (transfer, weighted gather_live_rows) for the weighted one.
-WEIGHTED_FORM_ENABLED = False
 
 # Bring-up bisection only (bench/transfer_expand_probe.py sets it in a process of its
 # own; empty everywhere else): parts of the communicating kernel switched off, to find
 # which one faults on a GPU. "no_wait": the copies do not wait for `arrived`;
 # "no_signal": the transfer CTAs do not signal (with "no_wait" only); "no_copy": the copy
 # CTAs do nothing; "no_moves": the transfer CTAs only signal; "local_stores": every offset's
-# rows land in this rank's own buffer (the signals still go to the peers). The weighted
-# copy's: "no_multiply": the scale input and its SMEM are there, the copy is the plain
-# one; "gmem_weights": each row's weight read as a scalar from GMEM (no weights' box).
+# rows land in this rank's own buffer (the signals still go to the peers).
 BRINGUP: frozenset[str] = frozenset()
-BRINGUP_PARTS = ("no_wait", "no_signal", "no_copy", "no_moves", "local_stores", "no_multiply",
-                 "gmem_weights")
+BRINGUP_PARTS = ("no_wait", "no_signal", "no_copy", "no_moves", "local_stores")
 
 
 def expand_order(num_peers: int) -> list[int]:
@@ -171,21 +162,15 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, walks,
   of source me - j has landed (`arrived` None: the local form, no wait), then this CTA's
   items of offset j's list."""
   stride = 3 * c_w + 1
-  scaled = scale_gmem is not None
-  # allocated in gather_live_rows' order (stages, weights, barriers): the weights' rows
-  # are TMA destinations and must stay 128-byte aligned (`_metadata_box`)
+  # the weights (with `scale`) are read from GMEM by the copy itself: no SMEM for them
   scratch = dict(stage_smem=plgpu.SMEM((2, item_rows, nb, unique_gmem.shape[2]),
-                                       unique_gmem.dtype))
-  smem_weights = scaled and "gmem_weights" not in BRINGUP
-  if smem_weights:
-    scratch["scale_smem"] = plgpu.SMEM((2, _metadata_box(item_rows)), jnp.float32)
-  boxes = smem_weights and "no_multiply" not in BRINGUP   # the weights' TMA per item
-  scratch["load_barrier"] = plgpu.Barrier(num_arrivals=item_rows + boxes, num_barriers=2)
+                                       unique_gmem.dtype),
+                 load_barrier=plgpu.Barrier(num_arrivals=item_rows, num_barriers=2))
 
   assert expand_order(num_peers) == list(range(num_peers))   # the loops walk j = 0, 1, ..
 
   @functools.partial(pl.run_scoped, **scratch)
-  def _(stage_smem, load_barrier, scale_smem=None):
+  def _(stage_smem, load_barrier):
     for first, end, cta, dealt in walks:
       def offset(j, carry, cta=cta, dealt=dealt):   # a loop: the copies need no static peer id
         if arrived is not None and "no_wait" not in BRINGUP:   # source me - j's rows landed
@@ -194,8 +179,7 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, walks,
         move_items(work_gmem, unique_gmem, recv_gmem, stage_smem, load_barrier, base=base,
                    first_item=0, count=work_gmem[base + 3 * c_w], w=c_w, cta=cta,
                    num_ctas=dealt, item_rows=item_rows, col_tile=nb, index_base=index_base,
-                   scale=(scale_gmem, scale_smem if smem_weights else None)
-                   if scaled and "no_multiply" not in BRINGUP else None)
+                   scale=scale_gmem)
         return carry
 
       lax.fori_loop(first, end, offset, 0)
@@ -285,7 +269,8 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
                           src_index.astype(jnp.int32), index.astype(jnp.int32)])
   src3 = src.reshape(ns, boxes, ct)
   scaled = scale is not None
-  scale_in = (jnp.pad(scale, (0, _metadata_box(item_rows))),) if scaled else ()
+  # an item's weights are read for all item_rows stage rows, past its end too
+  scale_in = (jnp.pad(scale, (0, item_rows)),) if scaled else ()
   transfer_kw = dict(t_w=t_w, item_rows=item_rows, nb=nb, index_base=t_index_base)
   copy_kw = dict(c_base=c_base, c_w=c_w, item_rows=item_rows, nb=nb, index_base=c_index_base)
   last_on_all = config.expand_last_on_all

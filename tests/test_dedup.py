@@ -172,7 +172,6 @@ def nvlink_plumbing(monkeypatch, seed: int, *, experts=E, hidden=H, ffn=F, top_k
   monkeypatch.setattr(ep, "transfer_segments", _simulated_transfer)
   monkeypatch.setattr(rg, "gather_live_rows", _simulated_gather_live_rows)
   monkeypatch.setattr(te, "transfer_expand", _simulated_transfer_expand)
-  monkeypatch.setattr(te, "WEIGHTED_FORM_ENABLED", True)   # the weighted form's plumbing too
   mesh = make_mesh(1, 4)
   axes = ("data", "expert")
   kx, kp = jax.random.split(jax.random.key(seed))
@@ -220,18 +219,6 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   y_e, g_e = run("nvlink", dedup_tokens=True,
                  transfer=uniep_jax.TransferConfig(expand_in_transfer=True))
   chex.assert_trees_all_equal((y_e, g_e), (y_p, g_p))
-  # as it ships while the weighted kernel faults: the backward's weighted dy dispatch in
-  # two launches, the forward's in one
-  import pallas_kernels.transfer_expand as te
-  monkeypatch.setattr(te, "WEIGHTED_FORM_ENABLED", False)
-  weighted = []   # per call of the one-launch form: was it the weighted one?
-  traced = te.transfer_expand
-  monkeypatch.setattr(te, "transfer_expand",
-                      lambda *a, **k: weighted.append(k.get("scale") is not None) or traced(*a, **k))
-  y_f, g_f = run("nvlink", dedup_tokens=True,
-                 transfer=uniep_jax.TransferConfig(expand_in_transfer=True))
-  chex.assert_trees_all_equal((y_f, g_f), (y_p, g_p))
-  assert weighted and not any(weighted), weighted
 
 
 @pytest.mark.parametrize("bad,match", [

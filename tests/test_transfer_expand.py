@@ -31,8 +31,6 @@ def _copy_blocks(rng, live, peers, el):
     # items of 16 rows (the default), 3 sources, a rotated walk, the weighted copy (the
     # backward's), rows of 12 boxes in 2 column blocks of 6 (as H 7168's 4 blocks of 7)
     (128, 3, 2, 3, 2, 1, True, 3072, False, ()),
-    # the same with each row's weight read from GMEM (the bring-up probe's gmem_weights)
-    (128, 3, 2, 3, 2, 1, True, 3072, False, ("gmem_weights",)),
     # items of 4 rows, one block, the plain copy, the last source's copies dealt over
     # the transfer CTAs too (expand_last_on_all)
     (4, 2, 3, 2, 3, 0, False, 256, True, ())])
@@ -190,8 +188,7 @@ def test_errors_name_the_argument():
 @pytest.mark.parametrize("scaled,last_on_all,bringup", [
     (False, False, ()), (True, True, ()),
     # the bring-up probe's bisection variants (bench/transfer_expand_probe.py) lower too
-    (False, False, ("no_signal", "no_wait", "no_copy", "no_moves", "local_stores")),
-    (True, False, ("no_multiply",)), (True, False, ("gmem_weights",))])
+    (False, False, ("no_signal", "no_wait", "no_copy", "no_moves", "local_stores"))])
 def test_communicating_kernel_lowers_for_cuda(mesh_factory, monkeypatch, scaled, last_on_all,
                                               bringup):
   """The NVLink form (remote TMA stores, the per-offset semaphores, both roles in one

@@ -224,13 +224,12 @@ def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
   segments = (column(dplan.unique_send_offsets), column(dplan.unique_output_offsets),
               column(dplan.unique_send_counts))
   index = packed_unique_index(plan, dplan)
-  # transfer and expansion in one launch (the weighted form: see WEIGHTED_FORM_ENABLED)
-  if transfer.expand_in_transfer and (scale is None or te.WEIGHTED_FORM_ENABLED):
+  if transfer.expand_in_transfer:   # transfer and expansion in one launch
     blocks = return_segments(plan, jax.lax.axis_index(axis_name))   # [source, le] mine
     recv = te.transfer_expand(x, *segments, blocks.src_start, blocks.rows, index,
-                           src_index=dplan.unique_tokens, unique_rows=r * t,
-                           out_rows=plan.recv_valid.shape[0], scale=scale, config=transfer,
-                           axis_name=axis_name)
+                              src_index=dplan.unique_tokens, unique_rows=r * t,
+                              out_rows=plan.recv_valid.shape[0], scale=scale, config=transfer,
+                              axis_name=axis_name)
     return as_received(recv, plan)
   if transfer.gather_rows:   # the transfer's loads read x[unique_tokens[i]] themselves
     unique = transfer_segments(x, *segments, out_rows=r * t, config=transfer,
