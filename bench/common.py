@@ -15,6 +15,7 @@ import platform
 import signal
 import statistics
 import subprocess
+import sys
 import time
 
 import jax
@@ -65,6 +66,27 @@ def start_training_process(xla_deterministic: bool) -> None:
   request_nccl_group_launch()
   if xla_deterministic:
     request_xla_determinism()
+
+
+def run_variant_isolated(module: str, variant: str, timeout_s: int) -> dict:
+  """`python -m <module> --one <variant>` in a process of its own (a GPU fault takes the
+  CUDA context with it; a hang is a finding too): its last stdout line, a JSON object,
+  plus variant and returncode; else error_tail, the end of its output without CUDA's
+  teardown noise."""
+  try:
+    p = subprocess.run([sys.executable, "-m", module, "--one", variant], capture_output=True,
+                       text=True, timeout=timeout_s)
+  except subprocess.TimeoutExpired as e:
+    return dict(variant=variant, returncode=None, error_tail=f"timeout after {e.timeout} s")
+  row = dict(variant=variant, returncode=p.returncode)
+  last = (p.stdout.strip().splitlines() or [""])[-1]
+  if p.returncode == 0 and last.startswith("{"):
+    return row | json.loads(last)
+  noise = ("Error destroying", "Failed to unload", "Source Location", "cuda_status.cc",
+           "Failed to destroy", "Stream not idle", "Failed to free", "Failed to synchronize")
+  lines = [ln for ln in (p.stderr or p.stdout).splitlines()
+           if ln.strip() and not any(n in ln for n in noise)]
+  return row | dict(error_tail="\n".join(lines[-25:])[-3000:])
 
 
 def same_bits(a, b) -> bool:

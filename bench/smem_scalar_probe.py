@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -104,20 +103,7 @@ def main(argv=None):
   meta = common.run_metadata()
   results = []
   for variant in args.variants.split(","):
-    try:
-      p = subprocess.run([sys.executable, "-m", "bench.smem_scalar_probe", "--one", variant],
-                         capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as e:   # a hang is a finding too
-      row = dict(variant=variant, returncode=None, error_tail=f"timeout after {e.timeout} s")
-      print(row, flush=True)
-      results.append(row)
-      continue
-    last = (p.stdout.strip().splitlines() or [""])[-1]
-    row = dict(variant=variant, returncode=p.returncode)
-    if p.returncode == 0 and last.startswith("{"):
-      row.update(json.loads(last))
-    else:
-      row["error_tail"] = (p.stderr or p.stdout)[-1500:]
+    row = common.run_variant_isolated("bench.smem_scalar_probe", variant, 300)
     print(row, flush=True)
     results.append(row)
   out = common.out_dir(args.out)

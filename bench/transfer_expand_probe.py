@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -149,21 +148,7 @@ def main(argv=None):
   meta = common.run_metadata()
   results = []
   for variant in args.variants.split(","):
-    try:
-      p = subprocess.run([sys.executable, "-m", "bench.transfer_expand_probe", "--one", variant],
-                         capture_output=True, text=True, timeout=args.timeout_s)
-    except subprocess.TimeoutExpired as e:   # a hang is a finding too
-      row = dict(variant=variant, returncode=None, error_tail=f"timeout after {e.timeout} s")
-    else:
-      last = (p.stdout.strip().splitlines() or [""])[-1]
-      row = dict(variant=variant, returncode=p.returncode)
-      if p.returncode == 0 and last.startswith("{"):
-        row.update(json.loads(last))
-      else:
-        lines = [ln for ln in (p.stderr or p.stdout).splitlines()
-                 if "Error destroying" not in ln and "Failed to unload" not in ln
-                 and "Source Location" not in ln and "cuda_status.cc" not in ln and ln.strip()]
-        row["error_tail"] = "\n".join(lines[-25:])[-3000:]
+    row = common.run_variant_isolated("bench.transfer_expand_probe", variant, args.timeout_s)
     print(row, flush=True)
     results.append(row)
   out = common.out_dir(args.out)

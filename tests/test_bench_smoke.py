@@ -346,3 +346,17 @@ def test_transfer_check_runs_both_sides_on_cpu(tmp_path, monkeypatch):
   assert row["bitwise_equal"] and row["expand_bitwise_equal"]
   assert row["recv_rows"] > row["live_rows"]    # ~2.94 receive rows per unique row
   assert {"expand_64ctas", "expand_64ctas_weighted", "transfer_expand_local"} <= set(row)
+
+
+def test_probe_variants_run_isolated(tmp_path):
+  """bench.common.run_variant_isolated, as the GPU probes use it (smem_scalar_probe,
+  transfer_expand_probe): each variant in a process of its own; a variant that dies
+  leaves a row with its return code and the end of its error, and the others still run."""
+  import json
+  from bench import smem_scalar_probe
+  rc = smem_scalar_probe.main(["--variants", "static_f32,no_such_variant", "--out", str(tmp_path)])
+  assert rc == 1   # one variant failed
+  (path,) = tmp_path.glob("smem_scalar_probe_*.json")
+  ok, bad = json.loads(path.read_text())["results"]
+  assert ok["variant"] == "static_f32" and ok["returncode"] == 0 and ok["equal"] is True
+  assert bad["returncode"] not in (0, None) and "no_such_variant" in bad["error_tail"]
