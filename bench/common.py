@@ -89,6 +89,21 @@ def run_variant_isolated(module: str, variant: str, timeout_s: int) -> dict:
   return row | dict(error_tail="\n".join(lines[-25:])[-3000:])
 
 
+def run_probe(name: str, variants: list[str], out: str | None, timeout_s: int) -> int:
+  """A GPU probe's parent process: every variant of `bench.<name>` isolated
+  (`run_variant_isolated`), each row printed, all in <out>/<name>_<device>.json with the
+  run's metadata. Returns 0 when every variant ran and matched its reference ("equal")."""
+  meta = run_metadata()
+  results = []
+  for variant in variants:
+    row = run_variant_isolated(f"bench.{name}", variant, timeout_s)
+    print(row, flush=True)
+    results.append(row)
+  write_json(os.path.join(out_dir(out), f"{name}_{device_tag(meta)}.json"),
+             dict(meta, benchmark=name, results=results))
+  return 0 if all(r.get("equal") for r in results) else 1
+
+
 def same_bits(a, b) -> bool:
   """Bitwise equality of two arrays or pytrees of arrays (dtype, shape and bytes)."""
   import numpy as np

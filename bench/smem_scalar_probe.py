@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
@@ -100,16 +99,7 @@ def main(argv=None):
                           max_abs_diff=float(np.max(np.abs(got - want))))), flush=True)
     return 0
   from bench import common
-  meta = common.run_metadata()
-  results = []
-  for variant in args.variants.split(","):
-    row = common.run_variant_isolated("bench.smem_scalar_probe", variant, 300)
-    print(row, flush=True)
-    results.append(row)
-  out = common.out_dir(args.out)
-  common.write_json(os.path.join(out, f"smem_scalar_probe_{common.device_tag(meta)}.json"),
-                    dict(meta, benchmark="smem_scalar_probe", results=results))
-  return 0 if all(r.get("equal") for r in results) else 1
+  return common.run_probe("smem_scalar_probe", args.variants.split(","), args.out, 300)
 
 
 if __name__ == "__main__":

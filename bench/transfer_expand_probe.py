@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
@@ -145,16 +144,7 @@ def main(argv=None):
     print(json.dumps(run_variant(args.one)), flush=True)
     return 0
   from bench import common
-  meta = common.run_metadata()
-  results = []
-  for variant in args.variants.split(","):
-    row = common.run_variant_isolated("bench.transfer_expand_probe", variant, args.timeout_s)
-    print(row, flush=True)
-    results.append(row)
-  out = common.out_dir(args.out)
-  common.write_json(os.path.join(out, f"transfer_expand_probe_{common.device_tag(meta)}.json"),
-                    dict(meta, benchmark="transfer_expand_probe", results=results))
-  return 0 if all(r.get("equal") for r in results) else 1
+  return common.run_probe("transfer_expand_probe", args.variants.split(","), args.out, args.timeout_s)
 
 
 if __name__ == "__main__":
