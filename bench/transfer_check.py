@@ -18,7 +18,9 @@ layout of ~K / 2.72 = 2.94 rows per unique row (`row_gather.gather_live_rows`, p
 weighted) on 132 (all), 64 and 32 CTAs: how fast the copy runs on the 64 copy CTAs of
 `transfer_expand` (pallas_kernels/NOTES_transfer_expand.md: its prediction assumes it
 keeps up there); and transfer_expand's local form (two launches, the copy role on
-copy_ctas=64) against the gathered transfer + gather_live_rows, bit for bit.
+copy_ctas=64) against the gathered transfer + gather_live_rows, bit for bit, plain and
+weighted (`_weighted`: gather_live_rows reads its weights by a TMA box per tile,
+transfer_expand's copy as GMEM scalars).
 """
 
 from __future__ import annotations
@@ -87,21 +89,25 @@ def expand_row(x, index, segments, counts, tokens: int, hidden: int,
       row[f"expand_{ctas or 'all'}ctas{'_weighted' if weighted else ''}"] = common.time_ms(
           fn, unique, recv_index, scale)
 
-  def two_launches(x, i, ri):
+  def two_launches(x, i, ri, w):
     u = ep_transfer.transfer_segments(x, *segments, out_rows=out_rows, config=TransferConfig(),
                                       src_index=i)
-    return rg.gather_live_rows(u, ri, jnp.int32(recv_live), out_rows=ri.shape[0])
+    return rg.gather_live_rows(u, ri, jnp.int32(recv_live), out_rows=ri.shape[0], scale=w)
 
-  def fused_local(x, i, ri):
+  def fused_local(x, i, ri, w):
     return transfer_expand.transfer_expand(x, *segments, *copy_blocks, ri, src_index=i,
                                            unique_rows=out_rows, out_rows=ri.shape[0],
-                                           config=TransferConfig(copy_ctas=64))
+                                           scale=w, config=TransferConfig(copy_ctas=64))
 
-  a, b = jax.jit(two_launches), jax.jit(fused_local)
-  row.update(transfer_then_expand=common.time_ms(a, x, index, recv_index),
-             transfer_expand_local=common.time_ms(b, x, index, recv_index),
-             expand_bitwise_equal=bool(common.same_bits(a(x, index, recv_index)[:recv_live],
-                                                        b(x, index, recv_index)[:recv_live])))
+  # weighted: gather_live_rows reads its weights by a TMA box per tile, transfer_expand's
+  # copy as GMEM scalars (ep_transfer.move_items)
+  for suffix, w in (("", None), ("_weighted", scale)):
+    a, b = jax.jit(two_launches), jax.jit(fused_local)
+    row.update({
+        f"transfer_then_expand{suffix}": common.time_ms(a, x, index, recv_index, w),
+        f"transfer_expand_local{suffix}": common.time_ms(b, x, index, recv_index, w),
+        f"expand_bitwise_equal{suffix}": bool(common.same_bits(
+            a(x, index, recv_index, w)[:recv_live], b(x, index, recv_index, w)[:recv_live]))})
   return row
 
 
