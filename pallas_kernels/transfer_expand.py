@@ -16,6 +16,11 @@ them, while the other sources' rows are still in flight: only the last source's
 expansion is exposed. Bits: the same rows moved and the same weighted copy expression
 as the two launches (`move_items`, `scale`), so the same output bit for bit.
 
+Status (2026-11-28, NOTES_transfer_expand.md): bit for bit on GPUs (EP 2 and 4), off by
+default (`TransferConfig.expand_in_transfer`): slower than the two launches at EP 2
+(2x H200, qwen3-like fwd+bwd 8.80 -> 9.39 ms: the forward's launch costs what the two
+did, the weighted backward's 0.2 ms more); EP 4 not yet timed.
+
 Roles (by CTA index c on "cta")
 -------------------------------
   c <  num_ctas            transfer CTAs: `ep_transfer`'s gathered transfer, one peer

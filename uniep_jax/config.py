@@ -147,11 +147,14 @@ class TransferConfig:
     are moved, not computed). On by default since 2026-11-28: EP 4, 4x H200, fwd+bwd
     median (bench/results/moe_layer_NVIDIA_H200_ep4_run34_*.json, _run35_*.json):
     uniep_dc_rbw_dd 10.00 -> 9.79 ms on qwen3-like, 37.69 -> 37.42 on deepseek-like.
-  expand_in_transfer: EXPERIMENTAL, not yet run on a GPU (needs gather_rows). The
-    de-duplicated dispatches' second launch, the owner's expansion of the unique rows
-    into the receive layout (`row_gather.gather_live_rows`, weighted in the backward),
-    runs inside the transfer's launch on `copy_ctas` more CTAs, source by source as
-    each one's rows land (`pallas_kernels/transfer_expand.py`). The same bits.
+  expand_in_transfer: EXPERIMENTAL (needs gather_rows). The de-duplicated dispatches'
+    second launch, the owner's expansion of the unique rows into the receive layout
+    (`row_gather.gather_live_rows`, weighted in the backward), runs inside the
+    transfer's launch on `copy_ctas` more CTAs, source by source as each one's rows
+    land (`pallas_kernels/transfer_expand.py`). The same bits (checked on 2 and 4
+    H200s). Off by default: slower where measured (2x H200, qwen3-like EP 2, fwd+bwd:
+    8.80 -> 9.39 ms, bench/results/moe_layer_NVIDIA_H200_ep2_run39_te_qwen3.json; EP 4
+    not yet measured; pallas_kernels/NOTES_transfer_expand.md).
   copy_ctas: CTAs of that expansion (num_ctas + copy_ctas must fit on the SMs).
   expand_last_on_all: EXPERIMENTAL (with expand_in_transfer): the last source's
     expansion, the one left exposed after every transfer, dealt over the transfer CTAs
