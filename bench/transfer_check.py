@@ -26,6 +26,7 @@ transfer_expand's copy as GMEM scalars).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import jax
@@ -72,6 +73,20 @@ def expand_inputs(counts, tokens: int, seed: int = 1):
                                                                           column(per_source))
 
 
+def expand_two_launches(x, i, ri, w, *, segments, live: int, out_rows: int):
+  """The gathered transfer (local form), then gather_live_rows (weighted with w)."""
+  u = ep_transfer.transfer_segments(x, *segments, out_rows=out_rows, config=TransferConfig(),
+                                    src_index=i)
+  return rg.gather_live_rows(u, ri, jnp.int32(live), out_rows=ri.shape[0], scale=w)
+
+
+def expand_one_launch(x, i, ri, w, *, segments, copy_blocks, out_rows: int):
+  """The same in transfer_expand's local form, the copy role on 64 CTAs."""
+  return transfer_expand.transfer_expand(x, *segments, *copy_blocks, ri, src_index=i,
+                                         unique_rows=out_rows, out_rows=ri.shape[0],
+                                         scale=w, config=TransferConfig(copy_ctas=64))
+
+
 def expand_row(x, index, segments, counts, tokens: int, hidden: int,
                cta_counts=(None, 64, 32)) -> dict:
   """The owner-side timings of the module docstring, for one H (cta_counts: the
@@ -89,20 +104,13 @@ def expand_row(x, index, segments, counts, tokens: int, hidden: int,
       row[f"expand_{ctas or 'all'}ctas{'_weighted' if weighted else ''}"] = common.time_ms(
           fn, unique, recv_index, scale)
 
-  def two_launches(x, i, ri, w):
-    u = ep_transfer.transfer_segments(x, *segments, out_rows=out_rows, config=TransferConfig(),
-                                      src_index=i)
-    return rg.gather_live_rows(u, ri, jnp.int32(recv_live), out_rows=ri.shape[0], scale=w)
-
-  def fused_local(x, i, ri, w):
-    return transfer_expand.transfer_expand(x, *segments, *copy_blocks, ri, src_index=i,
-                                           unique_rows=out_rows, out_rows=ri.shape[0],
-                                           scale=w, config=TransferConfig(copy_ctas=64))
-
+  a = jax.jit(functools.partial(expand_two_launches, segments=segments, live=recv_live,
+                                out_rows=out_rows))
+  b = jax.jit(functools.partial(expand_one_launch, segments=segments, copy_blocks=copy_blocks,
+                                out_rows=out_rows))
   # weighted: gather_live_rows reads its weights by a TMA box per tile, transfer_expand's
   # copy as GMEM scalars (ep_transfer.move_items)
   for suffix, w in (("", None), ("_weighted", scale)):
-    a, b = jax.jit(two_launches), jax.jit(fused_local)
     row.update({
         f"transfer_then_expand{suffix}": common.time_ms(a, x, index, recv_index, w),
         f"transfer_expand_local{suffix}": common.time_ms(b, x, index, recv_index, w),

@@ -36,6 +36,7 @@ device_session phase `teprobe`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -54,44 +55,34 @@ def run_local_variant(variant: str) -> dict:
   import jax
   import jax.numpy as jnp
   from bench import transfer_check as tc
-  from pallas_kernels import ep_transfer, row_gather, transfer_expand as te
-  from uniep_jax import TransferConfig
 
-  te.BRINGUP = frozenset(p for p in variant.split("+") if p in te.BRINGUP_PARTS)
   scaled = variant.startswith("local_scaled")
   tokens = LOCAL_TOKENS
   x, index, _, segments, counts = tc.make_inputs(tokens, HIDDEN)
   recv_index, scale, live, blocks = tc.expand_inputs(counts, tokens)
   w = scale if scaled else None
   out_rows = tc.PEERS * tokens
-
-  def two_launches(x, i, ri, w):
-    u = ep_transfer.transfer_segments(x, *segments, out_rows=out_rows, src_index=i)
-    return row_gather.gather_live_rows(u, ri, jnp.int32(live), out_rows=ri.shape[0], scale=w)
-
-  def one_launch(x, i, ri, w):
-    return te.transfer_expand(x, *segments, *blocks, ri, src_index=i, unique_rows=out_rows,
-                              out_rows=ri.shape[0], scale=w, config=TransferConfig(copy_ctas=64))
-
-  want = jax.jit(two_launches)(x, index, recv_index, w)[:live]
-  got = jax.jit(one_launch)(x, index, recv_index, w)[:live]
+  want = jax.jit(functools.partial(tc.expand_two_launches, segments=segments, live=live,
+                                   out_rows=out_rows))(x, index, recv_index, w)[:live]
+  got = jax.jit(functools.partial(tc.expand_one_launch, segments=segments, copy_blocks=blocks,
+                                  out_rows=out_rows))(x, index, recv_index, w)[:live]
   want, got = (np.asarray(a.view(jnp.uint16)) for a in (want, got))
   return dict(variant=variant, live_rows=live, equal=bool(np.array_equal(got, want)),
               rows_differing=int(np.sum(np.any(got != want, axis=1))))
 
 
 def run_variant(variant: str) -> dict:
+  from pallas_kernels import transfer_expand as te
+  # the "+"-joined bring-up parts of the name switched off in this process only
+  te.BRINGUP = frozenset(p for p in variant.split("+") if p in te.BRINGUP_PARTS)
   if variant.startswith("local"):
     return run_local_variant(variant)
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh, PartitionSpec as P
-  from pallas_kernels import transfer_expand as te
   from uniep_jax import TransferConfig
   from uniep_jax.dedup import _dedup_nvlink, plan_with_dedup
 
-  parts = [p for p in variant.split("+") if p in te.BRINGUP_PARTS]
-  te.BRINGUP = frozenset(parts)
   scaled = variant.startswith("te_scaled")
   kw = {}
   if variant in ("te_small", "te_scaled_small"):
@@ -100,7 +91,7 @@ def run_variant(variant: str) -> dict:
     kw = dict(expand_last_on_all=True)
   r = len(jax.devices())
   mesh = Mesh(np.array(jax.devices()), ("ep",))
-  kx, ke, kw_, ks = jax.random.split(jax.random.key(0), 4)
+  kx, ke, _, ks = jax.random.split(jax.random.key(0), 4)   # (the third: unused, kept for the recorded inputs)
   x = jax.random.normal(kx, (r * TOKENS, HIDDEN), jnp.float32).astype(jnp.bfloat16)
   logits = jax.random.normal(ke, (r * TOKENS, EXPERTS))
   weights, experts = jax.lax.top_k(logits, TOP_K)

@@ -218,7 +218,7 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
     at, col = item_col(s)
     if scale is not None:   # the item's weights, scalars read from GMEM
       first = work_gmem[at]
-      scale_stage_rows(stage_smem, None, stage, item_rows, weight=lambda i: scale[first + i])
+      scale_stage_rows(stage_smem, stage, item_rows, lambda i: scale[first + i])
     ladder_store(stage_smem.at[stage], dst_gmem.at[:, pl.ds(col, col_tile)],
                  work_gmem[at] - load_row(at), work_gmem[at + w], work_gmem[at + 2 * w],
                  item_rows, commit_group=index_base is None)

@@ -153,15 +153,14 @@ def _tile_walk(table_gmem, rows_per_tile: int, n_blocks: int, nb: int, num_ctas:
   return live, steps, tile_of
 
 
-def scale_stage_rows(stage_smem, scale_smem, stage, rows: int, weight=None):
+def scale_stage_rows(stage_smem, stage, rows: int, weight):
   """The weighted copy's multiply, in place before the stores: stage row i <-
-  (w_i * f32(row)).astype(dtype), w_i = scale_smem[stage, i] (or `weight(i)`, a float32
-  scalar read elsewhere, e.g. from GMEM), one multiply and one rounding (the plain
-  combine's backward per slot, `dedup._scale_rows`), then `commit_smem` so the TMA stores
-  see it. The live-rows gather and the transfer's weighted copies
-  (`ep_transfer.move_items(scale=...)`) both use it, so their bits agree by construction."""
-  if weight is None:
-    weight = lambda i: scale_smem[stage, i]  # noqa: E731
+  (weight(i) * f32(row)).astype(dtype), weight(i) a float32 scalar (the live-rows gather
+  reads it from its SMEM box of weights, the transfer's weighted copies from GMEM), one
+  multiply and one rounding (the plain combine's backward per slot, `dedup._scale_rows`),
+  then `commit_smem` so the TMA stores see it. The live-rows gather and the transfer's
+  weighted copies (`ep_transfer.move_items(scale=...)`) both use it, so their bits agree
+  by construction."""
   for i in range(rows):
     row = stage_smem[stage, i]
     stage_smem[stage, i] = (row.astype(jnp.float32) * weight(i)).astype(row.dtype)
@@ -188,7 +187,7 @@ def _gather_body(table_gmem, src_gmem, *refs, rows_per_tile: int, n_blocks: int,
   def store(s, stage):
     p0, b0 = tile_of(s)
     if scaled:
-      scale_stage_rows(stage_smem, scale_smem, stage, g)
+      scale_stage_rows(stage_smem, stage, g, lambda i: scale_smem[stage, i])
     ladder_store(stage_smem.at[stage], out_gmem.at[:, pl.ds(b0, nb)], 0, p0,
                  jnp.minimum(g, live - p0), g)
 

@@ -27,17 +27,15 @@ def _copy_blocks(rng, live, peers, el):
   return (jnp.asarray(as_src_le(start), jnp.int32), jnp.asarray(as_src_le(lens), jnp.int32))
 
 
-@pytest.mark.parametrize("chunk,peers,el,num_ctas,copy_ctas,rank,scaled,h,last_on_all,bringup", [
+@pytest.mark.parametrize("chunk,peers,el,num_ctas,copy_ctas,rank,scaled,h,last_on_all", [
     # items of 16 rows (the default), 3 sources, a rotated walk, the weighted copy (the
     # backward's), rows of 12 boxes in 2 column blocks of 6 (as H 7168's 4 blocks of 7)
-    (128, 3, 2, 3, 2, 1, True, 3072, False, ()),
+    (128, 3, 2, 3, 2, 1, True, 3072, False),
     # items of 4 rows, one block, the plain copy, the last source's copies dealt over
     # the transfer CTAs too (expand_last_on_all)
-    (4, 2, 3, 2, 3, 0, False, 256, True, ())])
-def test_local_form_equals_transfer_then_gather(monkeypatch, chunk, peers, el, num_ctas,
-                                                copy_ctas, rank, scaled, h, last_on_all,
-                                                bringup):
-  monkeypatch.setattr(transfer_expand, "BRINGUP", frozenset(bringup))
+    (4, 2, 3, 2, 3, 0, False, 256, True)])
+def test_local_form_equals_transfer_then_gather(chunk, peers, el, num_ctas, copy_ctas, rank,
+                                                scaled, h, last_on_all):
   assert row_gather.column_blocking(h, 2, min(chunk, 16)) == ((256, 6) if h == 3072 else (256, 1))
   rng = np.random.default_rng(chunk)
   src_rows, index_rows, live, out_rows = 30, 70, 90, 100

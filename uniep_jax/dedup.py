@@ -217,7 +217,6 @@ def _dedup_ragged(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
 def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, scale=None):
   from pallas_kernels.ep_transfer import transfer_segments  # GPU kernels, lazy
   from pallas_kernels.row_gather import gather_live_rows
-  import pallas_kernels.transfer_expand as te
   t, h = x.shape
   r = plan.send_counts.shape[0]
   column = lambda a: a[:, None]  # noqa: E731  one segment per destination
@@ -225,11 +224,12 @@ def _dedup_nvlink(x, plan: DispatchPlan, dplan: DedupPlan, axis_name, transfer, 
               column(dplan.unique_send_counts))
   index = packed_unique_index(plan, dplan)
   if transfer.expand_in_transfer:   # transfer and expansion in one launch
+    from pallas_kernels.transfer_expand import transfer_expand
     blocks = return_segments(plan, jax.lax.axis_index(axis_name))   # [source, le] mine
-    recv = te.transfer_expand(x, *segments, blocks.src_start, blocks.rows, index,
-                              src_index=dplan.unique_tokens, unique_rows=r * t,
-                              out_rows=plan.recv_valid.shape[0], scale=scale, config=transfer,
-                              axis_name=axis_name)
+    recv = transfer_expand(x, *segments, blocks.src_start, blocks.rows, index,
+                           src_index=dplan.unique_tokens, unique_rows=r * t,
+                           out_rows=plan.recv_valid.shape[0], scale=scale, config=transfer,
+                           axis_name=axis_name)
     return as_received(recv, plan)
   if transfer.gather_rows:   # the transfer's loads read x[unique_tokens[i]] themselves
     unique = transfer_segments(x, *segments, out_rows=r * t, config=transfer,
