@@ -549,6 +549,10 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       lo = plan_gmem[2 * num_tiles + t]
       hi = plan_gmem[3 * num_tiles + t]
       kind = plan_gmem[4 * num_tiles + t]
+      mirror_store = None
+      if mirror is not None:   # read with the plan, before the mainloop hides their latency
+        m_plan, m_out = mirror
+        mirror_store = (m_out, m_plan[t], m_plan[num_tiles + t], m_plan[2 * num_tiles + t])
 
       @pl.when(kind != _NONE)
       def _live_tile():
@@ -576,11 +580,6 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                                 load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
                                 count=hi - lo, rows=block_m, col0=col0)
               return
-            mirror_store = None
-            if mirror is not None:
-              m_plan, m_out = mirror
-              mirror_store = (m_out, m_plan[t], m_plan[num_tiles + t],
-                              m_plan[2 * num_tiles + t])
             _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
                             count=hi - lo, rows=block_m, col0=col0, ragged=True,
