@@ -15,9 +15,7 @@ forward output and the gradients of x and every parameter with:
     transfer's loads; per tiling the point after the fused ones: at one tiling,
     --start 8 begins with it), then the expansion inside the transfer's launch
     (`EXPANDED`: TransferConfig.expand_in_transfer; --start 9 at one tiling; then
-    `EXPANDED_LAST_ON_ALL`, its last source's copies on the transfer CTAs too), then
-    Kernel C's own rows stored by its GEMM epilogue (`OWN_ROWS_FROM_EPILOGUE`,
-    FusedConfig.own_rows_from_epilogue; --start 11 at one tiling),
+    `EXPANDED_LAST_ON_ALL`, its last source's copies on the transfer CTAs too),
   * each "uniep" point three times,
 and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`). The
 points go round-robin over the tilings (`sweep_order`), so that a run cut by
@@ -91,9 +89,6 @@ FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
          uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
                                down_return_ctas=8, wgrad_return_ctas=8,
                                dispatch_in_kernel=False)]
-# the last FUSED point with Kernel C's own rows stored by its GEMM epilogue
-# (EXPERIMENTAL; after the transfers' named points: --start 11 at one tiling)
-OWN_ROWS_FROM_EPILOGUE = dataclasses.replace(FUSED[-1], own_rows_from_epilogue=True)
 
 
 def _inputs(shape, mesh):
@@ -208,8 +203,7 @@ def main(argv=None):
   # a fused backward moves dy), False the v1 dispatch
   transfer_points = ([(default_t, None, None), (default_t, None, False)]
                      + [(default_t, fc, None) for fc in FUSED] + [(SEND_BUFFER, None, None), (EXPANDED, None, None),
-                        (EXPANDED_LAST_ON_ALL, None, None),
-                        (default_t, OWN_ROWS_FROM_EPILOGUE, None)]
+                        (EXPANDED_LAST_ON_ALL, None, None)]
                      + [(tc, None, None) for tc in TRANSFERS if tc != default_t])
   order = sweep_order(tilings, transfer_points)[args.start:]
   # compiles run at most 2 x workers points ahead (a run cut by its budget then

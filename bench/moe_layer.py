@@ -118,14 +118,6 @@ BACKEND_CONFIGS = {
                                     down_return_ctas=down, wgrad_return_ctas=wgrad,
                                     dispatch_in_kernel=False))
        for tag, down, wgrad in (("", 16, 16), ("_c4", 4, 4), ("_w8", 16, 8))},
-    # _oe: Kernel C's own rows stored by its GEMM epilogue; its transfer CTAs move only
-    # the remote rows (FusedConfig.own_rows_from_epilogue)
-    **{f"uniep_dc_rbw_dd{tag}_oe": uniep_jax.UniEPConfig(
-        backend="uniep", dedup_tokens=True,
-        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
-                                    down_return_ctas=down, wgrad_return_ctas=wgrad,
-                                    dispatch_in_kernel=False, own_rows_from_epilogue=True))
-       for tag, down, wgrad in (("", 16, 16), ("_c4", 4, 4), ("_w8", 16, 8))},
     "pallas_dd": uniep_jax.UniEPConfig(backend="pallas", transport="padded", dedup_tokens=True),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),

@@ -27,10 +27,6 @@ Roles (by CTA index c on "sm", grid = num_sms, 3 warpgroups each)
                       this CTA's items of (k, j), dealt round robin over the walk:
                         GMEM y --TMA load--> SMEM stage --TMA store ladder--> peer y_sorted
                   wait_smem_to_gmem(0); signal done_sem[c] on every rank; wait R
-  own_rows_from_epilogue: offset 0 (the rows this rank returns to itself) leaves the
-                transfer's walk; the GEMM's epilogue stores those rows of each tile a
-                second time, from the same SMEM slot, straight into y_sorted (the
-                `mirror` of `_row_tiled_kernel`, table `grouped_gemm.row_tile_mirror`).
 
 Chunks and work lists
 ---------------------
@@ -46,10 +42,8 @@ Buffers
 -------
   a [M_p, K], w_down [El, K, H]   the GEMM's operands (as v1's down GEMM)
   y [M_p, H]                      output (local; the transfer's source)
-  y_sorted [out_rows, H]          output; PEERS write into it (and, with
-                                  own_rows_from_epilogue, this rank's GEMM epilogue
-                                  its own rows). Rows no peer returns (dropped by a
-                                  receive bound) are undefined.
+  y_sorted [out_rows, H]          output; PEERS write into it. Rows no peer returns
+                                  (dropped by a receive bound) are undefined.
   SMEM: the transfer role's 2 stages and the GEMM's pipeline + epilogue, `run_scoped`
   in sibling branches; each must fit alone.
   done [C] (local), done_sem [n_comm] (cross-rank): `pl.get_global` REGULAR semaphores.
@@ -116,17 +110,10 @@ def chunk_signals(plan, *, num_tiles: int, n_tiles: int, chunk_rows: int, num_ch
   return per_chunk * (gg._NUM_COMPUTE_WGS * n_tiles)
 
 
-def _kernel(plan_gmem, work_gmem, expected_gmem, *refs, gemm_kw: dict, n_comm: int,
-            num_sms: int, chunk_rows: int, num_chunks: int, w: int, item_rows: int,
-            col_tile: int, axis_name, num_peers: int, own_rows_from_epilogue: bool):
-  if own_rows_from_epilogue:
-    mirror_gmem, a_gmem, w_gmem, y_gmem, back_gmem = refs
-  else:
-    a_gmem, w_gmem, y_gmem, back_gmem = refs
+def _kernel(plan_gmem, work_gmem, expected_gmem, a_gmem, w_gmem, y_gmem, back_gmem, *,
+            gemm_kw: dict, n_comm: int, num_sms: int, chunk_rows: int, num_chunks: int,
+            w: int, item_rows: int, col_tile: int, axis_name, num_peers: int):
   c = lax.axis_index("sm")
-  # the peer offsets a transfer CTA walks per chunk; offset 0 (this rank's own rows) is
-  # stored by the GEMM's epilogue instead when own_rows_from_epilogue
-  offsets = [j for j in fdg.transfer_order(num_peers) if j or not own_rows_from_epilogue]
   done = pl.get_global(plgpu.SemaphoreType.REGULAR((num_chunks,)))
   _, done_sem = ep_transfer.transfer_semaphores(n_comm)
 
@@ -145,7 +132,7 @@ def _kernel(plan_gmem, work_gmem, expected_gmem, *refs, gemm_kw: dict, n_comm: i
 
         def chunk_body(kc, carry):
           plgpu.semaphore_wait(done.at[kc], expected_gmem[kc], decrement=False)
-          for j in offsets:   # static: host-computable TMA peer id
+          for j in fdg.transfer_order(num_peers):   # static: host-computable TMA peer id
             base = j * stride
             dst = back_gmem if j == 0 else plgpu.remote_ref(
                 back_gmem, {axis_name: lax.rem(me + j, num_peers)})
@@ -171,26 +158,19 @@ def _kernel(plan_gmem, work_gmem, expected_gmem, *refs, gemm_kw: dict, n_comm: i
       pl.semaphore_signal(done.at[load_row // chunk_rows])
 
     gg._row_tiled_kernel(plan_gmem, a_gmem, w_gmem, y_gmem, cta_offset=n_comm,
-                         num_ctas=num_sms - n_comm, after_tile=signal,
-                         mirror=(mirror_gmem, back_gmem) if own_rows_from_epilogue else None,
-                         **gemm_kw)
+                         num_ctas=num_sms - n_comm, after_tile=signal, **gemm_kw)
 
 
 def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_rows: int,
                      live_rows, axis_name: str, kernel: KernelConfig = KernelConfig(),
                      transfer: TransferConfig = TransferConfig(), chunk_rows: int = 2048,
-                     n_comm: int = 16, zero_window=None, own_rows_from_epilogue: bool = False):
+                     n_comm: int = 16, zero_window=None):
   """(y, y_sorted): y = `grouped_gemm.down_projection(a, w_down, group_sizes, ...)` (v1's
   bits) and y_sorted = v1's return of y's first H columns (`ep_transfer.transfer_segments`
   with the return segments seg_*, [R, El]), in one launch, each chunk of B = chunk_rows
   rows sent as soon as it is computed. a [M_p, F_p] (the gate/up output), w_down
   [El, F, H], live_rows: rows this rank received (int32 scalar). Inside `shard_map` over
-  `axis_name`; GPU only (remote refs and semaphores).
-  own_rows_from_epilogue: the rows this rank returns to itself (the segments of peer
-  offset 0) are stored into y_sorted by the GEMM's epilogue, from the SMEM slot that
-  stores them into y (`grouped_gemm.row_tile_mirror`), instead of being copied by the
-  transfer CTAs once their chunk is done: the transfer CTAs move only the remote rows
-  (1 - 1/R of the bytes). The same values land in the same rows: no bit changes."""
+  `axis_name`; GPU only (remote refs and semaphores)."""
   m_p, k = a.shape
   el, ffn, hidden = w_down.shape
   num_peers = seg_len.shape[0]
@@ -228,18 +208,11 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
   expected = chunk_signals(plan, num_tiles=gemm_kw["num_tiles"],
                            n_tiles=hidden // cta_n, chunk_rows=chunk_rows,
                            num_chunks=num_chunks)
-  # a ladder step's TMA box (transfer items; with the mirror, GEMM row tiles) must fit
-  # inside y_sorted
-  out_p = max(out_rows, item_rows, kernel.block_m if own_rows_from_epilogue else 1)
+  out_p = max(out_rows, item_rows)   # a ladder step's TMA box must fit inside y_sorted
   body = functools.partial(
       _kernel, gemm_kw=gemm_kw, n_comm=n_comm, num_sms=num_sms, chunk_rows=chunk_rows,
       num_chunks=num_chunks, w=w, item_rows=item_rows, col_tile=col_tile,
-      axis_name=axis_name, num_peers=num_peers, own_rows_from_epilogue=own_rows_from_epilogue)
-  mirror = ()
-  if own_rows_from_epilogue:   # peer p's segments are row p: this rank's own row
-    me = lax.axis_index(axis_name)
-    own = [jnp.take(a.astype(jnp.int32), me, axis=0) for a in (seg_src, seg_len, seg_dst)]
-    mirror = (gg.row_tile_mirror(plan, gemm_kw["num_tiles"], *own),)
+      axis_name=axis_name, num_peers=num_peers)
   kernel_fn = plgpu.kernel(
       body,
       kernel_name="down_gemm_return",
@@ -251,6 +224,5 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  y, back = kernel_fn(plan, work.reshape(-1), expected, *mirror, a,
-                      gg._pad_axis(w_down, 1, k))
+  y, back = kernel_fn(plan, work.reshape(-1), expected, a, gg._pad_axis(w_down, 1, k))
   return y, (back[:out_rows] if out_p != out_rows else back)

@@ -285,37 +285,13 @@ def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int]
   return jnp.concatenate([group, load_row, lo, hi, kind]).astype(jnp.int32)
 
 
-def row_tile_mirror(plan, num_tiles: int, src_start, rows, dst_start):
-  """Flat int32 [3 * T] (smem_row, gmem_row, count) per row tile of `plan`: the rows of
-  the tile that lie in its group's segment [src_start[g], + rows[g]) (one segment per
-  group; int32 [G] each), to be stored a second time at dst_start[g] + (row -
-  src_start[g]) of another output (`_row_tiled_kernel`'s `mirror`). smem_row counts from
-  the tile's load_row (its row in the epilogue's staging slot). Tiles that are not
-  COMPUTE, and tiles outside their group's segment, get count 0. Used by Kernel C
-  (down_gemm_return.py) to store the rows it returns to its own rank straight into
-  the returned buffer from the epilogue, instead of copying them after the GEMM."""
-  group = plan[:num_tiles]
-  load_row = plan[num_tiles:2 * num_tiles]
-  lo = plan[2 * num_tiles:3 * num_tiles]
-  hi = plan[3 * num_tiles:4 * num_tiles]
-  kind = plan[4 * num_tiles:5 * num_tiles]
-  s = jnp.take(src_start.astype(jnp.int32), group)
-  e = s + jnp.take(rows.astype(jnp.int32), group)
-  d = jnp.take(dst_start.astype(jnp.int32), group)
-  m_lo = jnp.maximum(lo, s)
-  count = jnp.where(kind == _COMPUTE, jnp.maximum(jnp.minimum(hi, e) - m_lo, 0), 0)
-  m_lo = jnp.where(count > 0, m_lo, load_row)
-  return jnp.concatenate([m_lo - load_row, jnp.where(count > 0, d + m_lo - s, 0),
-                          count]).astype(jnp.int32)
-
-
 # ----------------------------------------------------------------------------
 # Shared pieces of the kernel bodies
 # ----------------------------------------------------------------------------
 
 
 def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, rows: int,
-                    col0, ragged: bool, mirror=None):
+                    col0, ragged: bool):
   """Each compute warpgroup stores its [rows, wg_n] values through its own SMEM
   slots (epi_smem [warpgroups, slots, rows, _EPI_N]), chunk by chunk (see the module
   doc, "epilogue"). One slot: before each chunk, wait until every earlier TMA store
@@ -324,16 +300,12 @@ def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, row
   chunk i - 1's store is still reading the other slot; before chunk i >= 2, wait
   until at most one group (chunk i - 1's) is pending, i.e. chunk i - 2's store, the
   last reader of this slot, is done; before the tile's first chunk wait for all (the
-  previous tile's stores, done long before after a whole mainloop).
-  mirror: None, or (dst_gmem, smem_row, gmem_row, count): rows [smem_row, + count) of
-  the FIRST output's chunks are also stored to dst_gmem rows [gmem_row, + count), from
-  the same slot and in the same bulk-async group as the chunk's own store (so the slot
-  waits above cover both); count 0 stores nothing (`row_tile_mirror`)."""
+  previous tile's stores, done long before after a whole mainloop)."""
   wg = lax.axis_index("wg")
   slots = epi_smem.shape[1]
   per_store = slots == 1   # one slot: each store its own group (as measured before)
   i = 0
-  for vi, (val, out_gmem) in enumerate(zip(vals, out_gmems)):
+  for val, out_gmem in zip(vals, out_gmems):
     for c in range(val.shape[1] // _EPI_N):
       slot = epi_smem.at[wg, i % slots]
       if slots == 1 or i == 0:
@@ -347,10 +319,6 @@ def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, row
         ladder_store(slot, dst, smem_row, gmem_row, count, rows, commit_group=per_store)
       else:
         plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)], commit_group=per_store)
-      if mirror is not None and vi == 0:
-        m_gmem, m_smem_row, m_gmem_row, m_count = mirror
-        ladder_store(slot, m_gmem.at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)], m_smem_row,
-                     m_gmem_row, m_count, rows, commit_group=per_store)
       if not per_store:
         plgpu.commit_smem_to_gmem_group()
       i += 1
@@ -427,8 +395,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                       num_ctas: Optional[int] = None,
                       before_tile: Optional[Callable[[Any], None]] = None,
                       after_tile: Optional[Callable[[Any], None]] = None,
-                      walk: Optional[Callable[[Callable[..., None]], None]] = None,
-                      mirror: Optional[tuple] = None):
+                      walk: Optional[Callable[[Callable[..., None]], None]] = None):
   """The row-tiled body. Hooks for kernels that embed it (all default off, and
   then the traced program is exactly that of the standalone kernel):
     cta_offset, num_ctas  walk the tiles on CTAs [cta_offset, cta_offset +
@@ -453,14 +420,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         out_gmems replaces the outputs the epilogue stores into (e.g. a peer's
         `remote_ref`), gmem_row the first output row of the tile's rows
         [lo, hi) (default lo). Used by `fused_gemm_return.py`.
-    mirror  (mirror_plan_gmem, mirror_out_gmem): row tile t's rows given by
-        `row_tile_mirror` (int32 [3 * T] in GMEM) are also stored into
-        mirror_out_gmem (same columns as the first output), from the epilogue's
-        slot (modes "plain" and "swiglu": the first output only). Used by
-        `down_gemm_return.py`.
   """
-  if mirror is not None and (mode == "dswiglu" or walk is not None):
-    raise ValueError("mirror: mode 'dswiglu' and walk() store through their own paths")
   if after_tile is not None and mode == "dswiglu":
     raise ValueError("after_tile: mode 'dswiglu' stores through its own epilogue, which "
                      "does not call the hook (a caller counting its signals would wait "
@@ -549,10 +509,6 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       lo = plan_gmem[2 * num_tiles + t]
       hi = plan_gmem[3 * num_tiles + t]
       kind = plan_gmem[4 * num_tiles + t]
-      mirror_store = None
-      if mirror is not None:   # read with the plan, before the mainloop hides their latency
-        m_plan, m_out = mirror
-        mirror_store = (m_out, m_plan[t], m_plan[num_tiles + t], m_plan[2 * num_tiles + t])
 
       @pl.when(kind != _NONE)
       def _live_tile():
@@ -582,8 +538,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
               return
             _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
-                            count=hi - lo, rows=block_m, col0=col0, ragged=True,
-                            mirror=mirror_store)
+                            count=hi - lo, rows=block_m, col0=col0, ragged=True)
             if after_tile is not None:
               after_tile(load_row)
           pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
@@ -663,7 +618,7 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
 def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool,
                     out_dtype, save_hu: bool, config: KernelConfig, interpret,
                     zero_window: Optional[int] = None, epi_inputs: Sequence = (),
-                    b_col_offsets: tuple = (), mirror: Optional[tuple] = None):
+                    b_col_offsets: tuple = ()):
   """Launch the row-tiled kernel on operands already padded to the tile grid.
   zero_window: see `_row_tile_plan` (None: dead rows come back zero).
 
@@ -673,10 +628,6 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
   (the lhs of the dx launch over K = 2N and of the [dw_gate | dw_up] wgrad).
   b_col_offsets: see `row_tiled_params`; N is then each rhs's width minus the
   largest offset (mode "swiglu" on [w_gate | w_up]: offsets (0, F), N = F).
-  mirror: None, or (src_start, rows, dst_start, out_rows) (int32 [G] each, one segment
-  per group): one more output [out_rows, N] holding the first output's rows of each
-  group's segment at dst_start[g] + (row - src_start[g]) (`row_tile_mirror`); its other
-  rows are undefined. The kernel's own form of what Kernel C does with its own rows.
   """
   if (mode == "dswiglu") != (len(epi_inputs) == 2):
     raise ValueError(f"mode {mode!r} takes epi_inputs=(h, u) exactly when it is 'dswiglu'")
@@ -699,15 +650,6 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
   body = functools.partial(_row_tiled_kernel, **params)
   out_n = 2 * n if mode == "dswiglu" else n
   out_type = tuple(jax.ShapeDtypeStruct((m, out_n), out_dtype) for _ in range(num_out))
-  inputs = (plan,)
-  if mirror is not None:
-    src_start, rows, dst_start, out_rows = mirror
-    inputs += (row_tile_mirror(plan, params["num_tiles"], src_start, rows, dst_start),)
-    # a ladder step's TMA box (up to block_m rows) must fit inside the output
-    out_type += (jax.ShapeDtypeStruct((max(out_rows, config.block_m), out_n), out_dtype),)
-
-    def body(plan_gmem, mirror_plan_gmem, *refs):
-      _row_tiled_kernel(plan_gmem, *refs[:-1], mirror=(mirror_plan_gmem, refs[-1]), **params)
   kernel = plgpu.kernel(
       body,
       kernel_name=f"grouped_gemm_{mode}{'_t' if transpose_b else ''}",   # names in profiles
@@ -719,10 +661,7 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=resolve_interpret(interpret),
   )
-  outs = kernel(*inputs, *a_list, *b_list, *epi_inputs)
-  if mirror is not None:
-    outs = (*outs[:-1], outs[-1][:mirror[3]])
-  return outs
+  return kernel(plan, *a_list, *b_list, *epi_inputs)
 
 
 # ----------------------------------------------------------------------------

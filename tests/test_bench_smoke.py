@@ -173,13 +173,11 @@ def test_determinism_sweep_runs_every_point_and_reports_a_mismatch(tmp_path, mon
   got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.json")).read_text())
   # per tiling: the default transfer de-duplicated and not, the fused points, the send
   # buffer, the expansion in the transfer's launch (its last source on every CTA or
-  # not), Kernel C's own rows from its epilogue, the others
-  assert got["swept"] == len(sweep.TILINGS) * (6 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
+  # not), the others
+  assert got["swept"] == len(sweep.TILINGS) * (5 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
   assert sum(r["expand_in_transfer"] for r in got["points"]) == 2 * len(sweep.TILINGS)
   assert sum(r["expand_last_on_all"] for r in got["points"]) == len(sweep.TILINGS)
   assert sum(not r["gather_rows"] for r in got["points"]) == len(sweep.TILINGS)
-  assert sum(bool(r["fused"] and r["fused"]["own_rows_from_epilogue"])
-             for r in got["points"]) == len(sweep.TILINGS)
   dedup = [r["dedup_tokens"] for r in got["points"] if r["fused"] is None
            and r["gather_rows"] and not r["expand_in_transfer"]
            and (r["chunk_rows"], r["num_ctas"], r["col_tile"]) == (128, 64, 256)]
@@ -194,7 +192,7 @@ def test_determinism_sweep_runs_every_point_and_reports_a_mismatch(tmp_path, mon
   assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--start", "5",
                      "--out", str(tmp_path)]) == 1
   got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2_from5.json")).read_text())
-  assert len(got["mismatches"]) == len(sweep.TILINGS) * (len(sweep.FUSED) + 1)
+  assert len(got["mismatches"]) == len(sweep.TILINGS) * len(sweep.FUSED)
   assert all(m["fused"] is not None for m in got["mismatches"])
 
 

@@ -376,48 +376,6 @@ def test_epilogue_slots_and_raster_order_change_no_bit():
           == 2 * 128 * 64 * 2)
 
 
-def test_mirror_stores_each_groups_segment_a_second_time():
-  """`_row_tiled_call(mirror=...)` (Kernel C's own rows, stored from the epilogue into the
-  returned buffer): the extra output holds, for each group g, the first output's rows
-  [src_start[g], + rows[g]) at dst_start[g] + (row - src_start[g]), bit for bit; the
-  first output is the launch's without the mirror. Segments: empty, inside one tile,
-  across tile boundaries, a whole group, at a group's first and last rows, destinations
-  in another order than the sources; block_m 64 so a tile holds parts of two groups."""
-  import dataclasses
-  m, k, n = 256, 64, 256
-  kx, kw = jax.random.split(jax.random.key(31))
-  x = rand(kx, (m, k))
-  w = rand(kw, (len(GROUP_SIZES), k, n), k**-0.5)
-  gs = jnp.asarray(GROUP_SIZES)                       # [0, 37, 0, 90, 61, 0], 188 live rows
-  config = dataclasses.replace(CONFIG, block_m=64)
-  starts = np.concatenate([[0], np.cumsum(GROUP_SIZES)[:-1]])
-  src = starts + np.array([0, 5, 0, 0, 30, 0])        # group 3 whole, 4 its rows 30..60
-  rows = np.array([0, 20, 0, 90, 31, 0])
-  dst = np.array([7, 150, 0, 40, 1, 3])                # out rows 1-31, 40-129, 150-169
-  out_rows = 200
-  seg = tuple(jnp.asarray(a, jnp.int32) for a in (src, rows, dst))
-  y, mirrored = gg._row_tiled_call([x], [w], gs, mode="plain", transpose_b=False,
-                                   out_dtype=BF16, save_hu=False, config=config,
-                                   interpret=INTERPRET_RACES, mirror=(*seg, out_rows))
-  assert_no_races()
-  assert mirrored.shape == (out_rows, n)
-  (plain,) = gg._row_tiled_call([x], [w], gs, mode="plain", transpose_b=False, out_dtype=BF16,
-                                save_hu=False, config=config, interpret=INTERPRET)
-  chex.assert_trees_all_equal(y, plain)
-  covered = 0
-  for g in range(len(GROUP_SIZES)):
-    chex.assert_trees_all_equal(mirrored[dst[g]:dst[g] + rows[g]], y[src[g]:src[g] + rows[g]])
-    covered += rows[g]
-  assert covered == 141
-  # the table: count 0 for tiles outside every segment and for the dead rows' tiles
-  plan = gg._row_tile_plan(gs, m, 64)
-  nt = gg.num_row_tiles(m, len(GROUP_SIZES), 64)
-  table = np.asarray(gg.row_tile_mirror(plan, nt, *seg)).reshape(3, nt)
-  assert table[2].sum() == covered
-  kind = np.asarray(plan).reshape(5, nt)[4]
-  assert np.all(table[2][kind != gg._COMPUTE] == 0)
-
-
 def test_row_split_invariance_bitwise():
   """The same rows give the same bits whether launched together or split."""
   m, k, n = 256, 128, 128

@@ -358,14 +358,7 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     # de-duplication: its kernels are this case's wgrad launch and, forward, the case above's
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  down_return_ctas=16, wgrad_return_ctas=16,
-                                 dispatch_in_kernel=False), None, True, True),
-    # the same forward with Kernel C's own rows stored by its GEMM epilogue (the
-    # epilogue's second store ladder into the returned buffer; its backward is the case
-    # above's)
-    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 down_return_ctas=16, wgrad_return_ctas=16,
-                                 dispatch_in_kernel=False, own_rows_from_epilogue=True),
-     None, True, False)])
+                                 dispatch_in_kernel=False), None, True, True)])
 def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
@@ -395,7 +388,7 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
                 + (1 + send_buffer if dedup else 0))
     expected = forward + (backward if grad else 0)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
-  assert ("gather_live_rows_scaled" in text) == (dedup and grad)   # the dy rows' weighted copy
+  assert ("gather_live_rows_scaled" in text) == dedup
   # no host-stepped loop between the kernels (XLA:GPU drives a while loop from the host;
   # ragged.SEARCH_METHOD)
   assert not host_stepped_loops(text)
@@ -481,9 +474,8 @@ def _simulated_wgrad_with_return(lhs, dout, group_sizes, rows, seg_src, seg_dst,
 
 def _simulated_down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *,
                                 out_rows, live_rows, axis_name, kernel, transfer, chunk_rows,
-                                n_comm, zero_window=None, own_rows_from_epilogue=False):
-  """Kernel C's contract: v1's down GEMM, then v1's return of its rows (whoever stores
-  the own rows: own_rows_from_epilogue changes no output)."""
+                                n_comm, zero_window=None):
+  """Kernel C's contract: v1's down GEMM, then v1's return of its rows."""
   from pallas_kernels import grouped_gemm as gg
   y = gg.down_projection(a, w_down, group_sizes, config=kernel, zero_window=zero_window)
   return y, _simulated_transfer(y[:, :w_down.shape[2]], seg_src, seg_dst, seg_len,

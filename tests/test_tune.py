@@ -512,7 +512,7 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
   entry = T.cache_entry(res)
   assert entry["fused"] == dict(n_comm=32, recv_chunk_rows=1024, return_in_kernel=True,
                                 backward=False, wgrad_return_ctas=0, down_return_ctas=0,
-                                dispatch_in_kernel=True, own_rows_from_epilogue=False)
+                                dispatch_in_kernel=True)
   assert T._entry_candidate(json.loads(json.dumps(entry))) == res.best.candidate
   # a fused candidate that does not give pallas's bits is never picked
   clock = FakeClock()
@@ -639,10 +639,7 @@ def test_parse_fused_points():
   assert T.parse_fused_points("32,2048; 16,2048,0,1;") == ((32, 2048), (16, 2048, False, True))
   # every field of FusedConfig: the point without Kernel A
   assert T.parse_fused_points("16,2048,0,0,16,16,0") == ((16, 2048, False, False, 16, 16, False),)
-  assert T.parse_fused_points("16,2048,0,0,16,16,0,1") == (
-      (16, 2048, False, False, 16, 16, False, True),)
-  for bad in ("32", "32,2048,2,0", "a,2048", "16,2048,0,0,16,16,2", "16,2048,0,0,16,16,0,2",
-              "16,2048,0,0,16,16,0,1,1"):
+  for bad in ("32", "32,2048,2,0", "a,2048", "16,2048,0,0,16,16,2", "16,2048,0,0,16,16,0,1"):
     with pytest.raises(ValueError, match="--fused-points"):
       T.parse_fused_points(bad)
 

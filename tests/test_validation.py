@@ -187,6 +187,3 @@ def test_fused_config_only_for_uniep():
     uniep_jax.FusedConfig(dispatch_in_kernel=False, backward=True)
   with pytest.raises(ValueError, match="dispatch_in_kernel must be True or False"):
     uniep_jax.FusedConfig(dispatch_in_kernel=0)
-  # Kernel C's epilogue stores its own rows: only with Kernel C
-  with pytest.raises(ValueError, match="own_rows_from_epilogue=True is Kernel C's"):
-    uniep_jax.FusedConfig(return_in_kernel=False, own_rows_from_epilogue=True)

@@ -245,11 +245,6 @@ class FusedConfig:
     rank, `uniep_jax/dedup.py`) with the owner's live-rows copy, then v1's gate/up
     launch on every SM; the other fields apply as with Kernel A (n_comm then unused).
     Trades Kernel A's overlap for fewer bytes and no sort gather of x (T*K rows).
-  own_rows_from_epilogue: EXPERIMENTAL (with down_return_ctas > 0): Kernel C's GEMM
-    epilogue stores the rows this rank returns to itself straight into the returned
-    buffer (a second TMA store from the same SMEM slot), so its transfer CTAs move only
-    the remote rows (at EP R, 1 - 1/R of the bytes: 3/4 at EP 4, 1/2 at EP 2). False:
-    the transfer CTAs copy the own rows too, after each chunk's remote ones.
   The bits never depend on these fields.
   """
 
@@ -260,7 +255,6 @@ class FusedConfig:
   wgrad_return_ctas: int = 0
   down_return_ctas: int = 0
   dispatch_in_kernel: bool = True
-  own_rows_from_epilogue: bool = False
 
   def __post_init__(self):
     if self.down_return_ctas < 0:
@@ -275,9 +269,6 @@ class FusedConfig:
       raise ValueError(f"wgrad_return_ctas={self.wgrad_return_ctas} must be >= 0 (0: off)")
     if self.recv_chunk_rows < 1:
       raise ValueError(f"recv_chunk_rows={self.recv_chunk_rows} must be >= 1")
-    if self.own_rows_from_epilogue and not self.down_return_ctas:
-      raise ValueError("own_rows_from_epilogue=True is Kernel C's (its down GEMM stores the "
-                       "rows it returns to its own rank): set down_return_ctas > 0")
     if not isinstance(self.dispatch_in_kernel, bool):
       raise ValueError(f"dispatch_in_kernel must be True or False, got {self.dispatch_in_kernel!r}")
     if not self.dispatch_in_kernel and self.backward:

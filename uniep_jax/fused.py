@@ -104,8 +104,7 @@ def _forward(rows_in, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, kern
         a, w_down, plan.recv_group_sizes, seg.src_start, seg.dst_start, seg.rows,
         out_rows=sorted_rows, live_rows=plan.num_received, axis_name=axis_name,
         kernel=kernel, transfer=transfer, chunk_rows=fused.recv_chunk_rows,
-        n_comm=fused.down_return_ctas, zero_window=kernel.block_k,
-        own_rows_from_epilogue=fused.own_rows_from_epilogue)
+        n_comm=fused.down_return_ctas, zero_window=kernel.block_k)
     y_sorted = zero_dropped_rows(y_sorted, plan, el)
   else:   # v1's down GEMM (its dead-row window, moe.py's zero_dead_rows=False), v1's return
     y_recv = gg.down_projection(a, w_down, plan.recv_group_sizes, config=kernel,

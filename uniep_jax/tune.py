@@ -250,8 +250,7 @@ class Candidate:
                 + ("_fbwd" if f.backward else "")
                 + (f"_dr{f.down_return_ctas}" if f.down_return_ctas else "")
                 + (f"_rbw{f.wgrad_return_ctas}" if f.wgrad_return_ctas else "")
-                + ("" if f.dispatch_in_kernel else "_noA")
-                + ("_oe" if f.own_rows_from_epilogue else ""))
+                + ("" if f.dispatch_in_kernel else "_noA"))
     if self.dedup_tokens:
       label += "|dd"
     return label
@@ -275,8 +274,7 @@ KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilog
                 "raster_rows")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
 FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward",
-               "wgrad_return_ctas", "down_return_ctas", "dispatch_in_kernel",
-               "own_rows_from_epilogue")
+               "wgrad_return_ctas", "down_return_ctas", "dispatch_in_kernel")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
 
 
@@ -1500,9 +1498,8 @@ _FUSED_BOOL_FIELDS = tuple(i for i, k in enumerate(FUSED_KNOBS)
 
 def parse_fused_points(text: str) -> tuple:
   """'32,2048;16,2048,0,1' -> ((32, 2048), (16, 2048, False, True)): SearchSpace.fused.
-  A point is 2 to 8 of FUSED_KNOBS in order, the flags as 0|1
-  (e.g. '16,2048,0,0,16,16,0': no Kernel A, Kernel C and the return beside the wgrad;
-  '16,2048,0,0,16,16,0,1': and Kernel C's own rows stored by its epilogue)."""
+  A point is 2 to 7 of FUSED_KNOBS in order, the flags as 0|1
+  (e.g. '16,2048,0,0,16,16,0': no Kernel A, Kernel C and the return beside the wgrad)."""
   points = []
   for item in (t.strip() for t in text.split(";")):
     if not item:
@@ -1511,7 +1508,7 @@ def parse_fused_points(text: str) -> tuple:
     if not 2 <= len(fields) <= len(FUSED_KNOBS) or not all(f.isdigit() for f in fields) or any(
         fields[i] not in ("0", "1") for i in _FUSED_BOOL_FIELDS if i < len(fields)):
       raise ValueError(f"--fused-points: {item!r} must be n_comm,recv_chunk_rows[,0|1,0|1"
-                       f"[,wgrad_return_ctas[,down_return_ctas[,0|1[,0|1]]]]]")
+                       f"[,wgrad_return_ctas[,down_return_ctas[,0|1]]]]")
     points.append(tuple((f == "1") if i in _FUSED_BOOL_FIELDS else int(f)
                         for i, f in enumerate(fields)))
   return tuple(points)
