@@ -21,6 +21,11 @@ live rows balanced over the E/R local experts and M = factor x live rows
   gate_up_as_plain  x @ w_gate_up by the "plain" launch (one N=128 accumulator per
                    warpgroup; no SwiGLU): the same FLOPs as gate_up_fwd_skip
   dx               the dx launch alone: [dh | du] @ w_gate_up^T, "plain" over K = 2F
+  gate_up_fwd_skip_rR_ga, ffn_fwdbwd_skip_fused_da_rR_ga  and with
+                   KernelConfig.group_aligned_tiles (tiles from each expert's first row
+                   instead of block-aligned row blocks); its bits against the rR row's:
+                   fused_da_check["raster_R_ga"]. Only differs from the rR row where the
+                   experts' row counts are not multiples of block_m: --groups routed
   gate_up_fwd_skip_rR, ffn_fwdbwd_skip_fused_da_rR  the same with KernelConfig.raster_rows
                    = R for each R of --raster (default 8; e.g. 8,16 times both in one
                    run: the tiles walked in bands of R row tiles;
@@ -32,6 +37,10 @@ live rows balanced over the E/R local experts and M = factor x live rows
                    w_up if its signature takes them), e.g. an earlier version:
                    `git show REV:pallas_kernels/grouped_gemm.py > abtmp/gg_alt.py`
                    (abtmp/ in .git/info/exclude, carried to the device)
+
+  --groups balanced (default: the live rows split equally, every expert a multiple of
+  128 rows on the four shapes) | routed (a multinomial draw of the live rows over the
+  experts, seed 0: the row counts balanced top-k routing gives, boundaries anywhere)
 
   python -m bench.ffn_ab [--shapes deepseek-like,mixtral-like] [--alt abtmp/gg_alt.py]
       [--rows NAME,...] (only these rows; e.g. a short A/B)  [--no-checks] (skip the
@@ -53,6 +62,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from bench import common
@@ -102,7 +112,7 @@ def _profile(fn, args, trace_dir: str, calls: int = 2) -> dict:
 def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
               profile_dir: str | None = None, skip_timing: bool = False,
               rows: set | None = None, checks_on: bool = True,
-              rasters: tuple = (8,)) -> dict:
+              rasters: tuple = (8,), groups: str = "balanced") -> dict:
   cfg = KernelConfig(raster_rows=1)   # the baseline rows walk the tiles row-major
   g = shape.local_experts
   live = shape.rows
@@ -116,7 +126,11 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   wd = (jax.random.normal(ks[3], (g, f, h)) * f ** -0.5).astype(bf)
   wgu = jnp.concatenate([wg, wu], axis=2)                          # [G, H, 2F]
   dy = jax.random.normal(ks[4], (m, h), bf).at[live:].set(0)
-  gs = jnp.asarray(group_sizes_for(live, g, "balanced"))
+  if groups == "routed":   # what balanced top-k routing gives: boundaries anywhere
+    gs = jnp.asarray(np.random.default_rng(0).multinomial(live, np.full(g, 1.0 / g)),
+                     jnp.int32)
+  else:
+    gs = jnp.asarray(group_sizes_for(live, g, "balanced"))
   f_p = gg._swiglu_padded_f(f, cfg)
   wgu_p = gg._pad_gate_up(wgu, f_p)                                # F padded as the FFN does
   ms = {}
@@ -175,6 +189,13 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
     if rows is None or f"ffn_fwdbwd_skip_fused_da_r{raster}" in rows:
       checks[f"raster_{raster}"] = _compare_bits(ffn_row_major, ffn_banded,
                                                  (x, wgu, wd, gs, dy), live)
+    cfg_ga = dataclasses.replace(cfg_r, group_aligned_tiles=True)
+    t(f"gate_up_fwd_skip_r{raster}_ga", gate_up(cfg.block_k, cfg_ga), x, wgu_p, gs)
+    ffn_ga = jax.jit(ffn(cfg_ga, zero_dead_rows=False, fuse_da_epilogue=True))
+    t(f"ffn_fwdbwd_skip_fused_da_r{raster}_ga", ffn_ga, x, wgu, wd, gs, dy)
+    if rows is None or f"ffn_fwdbwd_skip_fused_da_r{raster}_ga" in rows:
+      checks[f"raster_{raster}_ga"] = _compare_bits(ffn_banded, ffn_ga,
+                                                    (x, wgu, wd, gs, dy), live)
   if checks_on:
     checks.update(_compare_fused_da(x, wgu, wd, gs, dy, cfg, live))
     checks["epilogue_slots_2"] = _compare_bits(ffn_row_major, ffn_epi2,
@@ -191,6 +212,12 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   if profile_dir is not None:
     cases = [("ffn_fwdbwd_skip_fused_da", ffn(zero_dead_rows=False, fuse_da_epilogue=True),
               (x, wgu, wd, gs, dy))]
+    for raster in rasters:   # the layer's tile order, block-aligned and group-aligned tiles
+      cfg_r = dataclasses.replace(cfg, raster_rows=raster)
+      for tag, c in ((f"_r{raster}", cfg_r),
+                     (f"_r{raster}_ga", dataclasses.replace(cfg_r, group_aligned_tiles=True))):
+        cases.append((f"ffn_fwdbwd_skip_fused_da{tag}",
+                      ffn(c, zero_dead_rows=False, fuse_da_epilogue=True), (x, wgu, wd, gs, dy)))
     if alt is not None:
       alt_w = (wg, wu, wd) if "w_gate" in inspect.signature(alt.grouped_swiglu_ffn).parameters \
           else (wgu, wd)
@@ -217,10 +244,12 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm, dense=gemm)
   for raster in rasters:
-    flops[f"gate_up_fwd_skip_r{raster}"] = 2 * gemm
-    flops[f"ffn_fwdbwd_skip_fused_da_r{raster}"] = 9 * gemm
+    for tag in ("", "_ga"):
+      flops[f"gate_up_fwd_skip_r{raster}{tag}"] = 2 * gemm
+      flops[f"ffn_fwdbwd_skip_fused_da_r{raster}{tag}"] = 9 * gemm
   tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
+              groups=groups, group_sizes=[int(v) for v in jax.device_get(gs)],
               median_ms=ms, tflops=tflops, fused_da_check=checks,
               **({"profile": profiles} if profiles else {}))
 
@@ -288,6 +317,8 @@ def main(argv=None):
                   help="skip the fused_da and epilogue-slot bit checks")
   ap.add_argument("--raster", default="8",
                   help="comma list: raster_rows of the _rR rows (one pair of rows each)")
+  ap.add_argument("--groups", default="balanced", choices=("balanced", "routed"),
+                  help="the experts' row counts: equal, or a multinomial draw (routing)")
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
@@ -304,7 +335,8 @@ def main(argv=None):
                             skip_timing=args.skip_timing,
                             rows=set(args.rows.split(",")) if args.rows else None,
                             checks_on=not args.no_checks,
-                            rasters=tuple(int(v) for v in args.raster.split(","))))
+                            rasters=tuple(int(v) for v in args.raster.split(",")),
+                            groups=args.groups))
       common.write_json(path, dict(meta, benchmark="ffn_ab", rows=rows))
   return 0
 

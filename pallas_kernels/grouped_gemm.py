@@ -251,17 +251,35 @@ def _group_bounds(group_sizes, m: int):
   return starts, ends
 
 
-def num_row_tiles(m: int, num_groups: int, block_m: int) -> int:
+# group-aligned row tiles (`KernelConfig.group_aligned_tiles`) start at a group's first
+# row rounded down to this many rows: the A operand's TMA tiling is (8, 64) (bf16)
+GROUP_TILE_ALIGN = 8
+
+
+def num_row_tiles(m: int, num_groups: int, block_m: int, group_aligned: bool = False) -> int:
   """Static length of the row-tile work list: every row block once, plus one
-  extra tile per group boundary (G groups + the dead pseudo-group)."""
-  return -(-m // block_m) + num_groups
+  extra tile per group boundary (G groups + the dead pseudo-group). Group-aligned
+  tiles: group g's live rows take cdiv(n_g + 7, block_m) <= n_g / block_m + 1 + 6 /
+  block_m tiles, the dead rows' block pieces one more than their blocks."""
+  extra = -(-(GROUP_TILE_ALIGN - 1) * num_groups // block_m) + 1 if group_aligned else 0
+  return -(-m // block_m) + num_groups + extra
 
 
-def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int] = None):
+def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int] = None,
+                   group_aligned: bool = False):
   """Flat int32 [5 * T] work list: group, load_row, lo, hi, kind (see module doc).
   zero_window=None: every dead row gets a ZERO tile. zero_window=W: only the dead
   row blocks starting before round_up(sum(group_sizes), W) do; the later ones are
-  NONE, so those rows of the outputs are left undefined (not written at all)."""
+  NONE, so those rows of the outputs are left undefined (not written at all).
+  group_aligned=False: a tile is a block_m-aligned row block intersected with one
+  group, so a block that straddles a group boundary is computed twice, once per
+  group (each time all block_m rows: ~block_m wasted rows per boundary).
+  group_aligned=True: group g's rows are cut into tiles from its first row rounded
+  down to GROUP_TILE_ALIGN (at most 7 rows of the previous group loaded, not
+  stored), so only each group's last tile is partial (~block_m / 2 wasted rows per
+  group); load_row is clamped to m - block_m (the load box stays inside; the tile's
+  rows then sit further down it). The dead rows keep block-aligned pieces. A row's
+  bits do not depend on its position in the tile (row-split invariance)."""
   g = group_sizes.shape[0]
   starts, ends = _group_bounds(group_sizes, m)
   total = ends[-1]
@@ -269,11 +287,19 @@ def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int]
   ends_x = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
   sizes = ends_x - starts_x
   first, count = block_pieces(starts_x, sizes, block_m)
-  gi, piece, valid = enumerate_runs(count, num_row_tiles(m, g, block_m))   # gi in [0, G]
-  row0 = (first[gi] + piece) * block_m
+  first_row = first * block_m
+  if group_aligned:   # live groups: tiles from the group's (aligned-down) first row
+    aligned = starts // GROUP_TILE_ALIGN * GROUP_TILE_ALIGN
+    live_count = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
+    count = jnp.concatenate([live_count.astype(jnp.int32), count[g:]])
+    first_row = jnp.concatenate([aligned, first_row[g:]])
+  gi, piece, valid = enumerate_runs(count, num_row_tiles(m, g, block_m, group_aligned))
+  row0 = first_row[gi] + piece * block_m   # gi in [0, G]
   lo = jnp.maximum(starts_x[gi], row0)
   hi = jnp.minimum(ends_x[gi], row0 + block_m)
-  load_row = row0  # m is a multiple of block_m (the wrapper pads), so loads stay inside
+  # m is a multiple of block_m (the wrapper pads): block-aligned loads stay inside,
+  # group-aligned ones are clamped
+  load_row = jnp.minimum(row0, m - block_m) if group_aligned else row0
   dead_kind = _ZERO
   if zero_window is not None:
     dead_kind = jnp.where(row0 < -(-total // zero_window) * zero_window, _ZERO, _NONE)
@@ -390,7 +416,8 @@ def _raster(s, num_tiles: int, n_tiles: int, rows: int):
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
                       b_col_offsets: tuple = (), epi_slots: int = 1, raster_rows: int = 1,
-                      m: int, k: int, n: int, num_tiles: int, block_m: int, block_k: int,
+                      m: int, k: int, n: int, num_tiles: int, block_m: int, load_align: int,
+                      block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
                       num_ctas: Optional[int] = None,
                       before_tile: Optional[Callable[[Any], None]] = None,
@@ -505,7 +532,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       t = lin // n_tiles
       nt = lin % n_tiles
       group = plan_gmem[t]
-      load_row = pl.multiple_of(plan_gmem[num_tiles + t], block_m)
+      load_row = pl.multiple_of(plan_gmem[num_tiles + t], load_align)
       lo = plan_gmem[2 * num_tiles + t]
       hi = plan_gmem[3 * num_tiles + t]
       kind = plan_gmem[4 * num_tiles + t]
@@ -577,12 +604,15 @@ def _cta_subset_loop(total, cta_offset: int, num_ctas: int, body):
 def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: bool,
                      out_dtype, in_dtype, save_hu: bool, config: KernelConfig,
                      smem: int = device_lib.HOPPER_SMEM_BYTES,
-                     b_col_offsets: tuple = ()) -> dict:
+                     b_col_offsets: tuple = (), group_aligned: bool = False) -> dict:
   """Validates one row-tiled launch on operands padded to the tile grid and
   returns the static keyword arguments of `_row_tiled_kernel` (one source of
   truth for the standalone launch and for kernels that embed the body).
   b_col_offsets: per rhs operand, where its n output columns start in it (mode
   "swiglu" reads w_gate_up twice, at 0 and F); () = all 0.
+  group_aligned: the work list `_row_tile_plan(..., group_aligned=True)` (its longer
+  static length; load rows then multiples of GROUP_TILE_ALIGN, not of block_m). The
+  fused kernels, whose chunks hold whole block-aligned tiles, keep False.
   Raises ValueError if the tile does not fit in `smem` bytes."""
   if mode not in _MODE_OPERANDS:
     raise ValueError(f"unknown {mode=}; expected one of {tuple(_MODE_OPERANDS)}")
@@ -611,7 +641,8 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raster = RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
               epi_slots=launch.epi_slots, raster_rows=raster, m=m, k=k, n=n,
-              num_tiles=num_row_tiles(m, g, block_m), block_m=block_m, block_k=block_k,
+              num_tiles=num_row_tiles(m, g, block_m, group_aligned), block_m=block_m,
+              load_align=GROUP_TILE_ALIGN if group_aligned else block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)
 
 
@@ -641,8 +672,10 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
       raise ValueError(f"all operands must share one dtype, got {x.dtype} and {in_dtype}")
   params = row_tiled_params(m, k, n, g, mode=mode, transpose_b=transpose_b, out_dtype=out_dtype,
                             in_dtype=in_dtype, save_hu=save_hu, config=config,
-                            b_col_offsets=b_col_offsets)
-  plan = _row_tile_plan(group_sizes, m, config.block_m, zero_window)
+                            b_col_offsets=b_col_offsets,
+                            group_aligned=config.group_aligned_tiles)
+  plan = _row_tile_plan(group_sizes, m, config.block_m, zero_window,
+                        group_aligned=config.group_aligned_tiles)
   num_out = 3 if (mode == "swiglu" and save_hu) else 1
   for x in epi_inputs:
     if x.shape != (m, n) or x.dtype != out_dtype:

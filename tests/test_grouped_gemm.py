@@ -376,6 +376,53 @@ def test_epilogue_slots_and_raster_order_change_no_bit():
           == 2 * 128 * 64 * 2)
 
 
+@pytest.mark.parametrize("m,block_m,seed", [(300 + 84, 64, 0), (1024, 128, 1), (2048, 128, 2)])
+def test_group_aligned_row_tile_plan(m, block_m, seed):
+  """`_row_tile_plan(group_aligned=True)`: every row once (live rows by their group's
+  tiles, dead rows by ZERO tiles), within the static length; a live tile's rows are one
+  group's, its load box [load_row, + block_m) lies inside [0, m) and holds them,
+  load_row is a multiple of 8 and at most 7 rows before its group (or clamped to
+  m - block_m); each group has cdiv(rows + start % 8, block_m) tiles, so only its last
+  can be partial (the block-aligned plan computes a boundary block once per group)."""
+  rng = np.random.default_rng(seed)
+  g = 24
+  sizes = rng.multinomial(m - 37, np.full(g, 1.0 / g)).astype(np.int32)
+  sizes[[3, 11]] = 0                                    # empty groups; the rest stays dead
+  gs = jnp.asarray(sizes)
+  nt = gg.num_row_tiles(m, g, block_m, group_aligned=True)
+  plan = np.asarray(gg._row_tile_plan(gs, m, block_m, group_aligned=True)).reshape(5, -1)
+  assert plan.shape[1] == nt
+  group, load_row, lo, hi, kind = plan
+  owner = np.full(m, -1)
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  for t in np.nonzero(kind)[0]:
+    assert 0 <= load_row[t] <= lo[t] < hi[t] <= load_row[t] + block_m <= m
+    assert load_row[t] % 8 == 0
+    assert np.all(owner[lo[t]:hi[t]] == -1), "a row is stored twice"
+    owner[lo[t]:hi[t]] = group[t] if kind[t] == gg._COMPUTE else 99
+    if kind[t] == gg._COMPUTE:
+      first = starts[group[t]] // 8 * 8
+      assert load_row[t] == min(first + (lo[t] - first) // block_m * block_m, m - block_m)
+  expected = np.concatenate([np.full(int(n), gi) for gi, n in enumerate(sizes)]
+                            + [np.full(m - sizes.sum(), 99)])
+  np.testing.assert_array_equal(owner, expected)
+  tiles = np.bincount(group[kind == gg._COMPUTE], minlength=g)
+  np.testing.assert_array_equal(tiles, -(-(sizes + starts % 8) // block_m) * (sizes > 0))
+  # fewer MMA rows than the block-aligned plan wherever boundaries are unaligned
+  block = np.asarray(gg._row_tile_plan(gs, m, block_m)).reshape(5, -1)
+  assert np.sum(kind == gg._COMPUTE) < np.sum(block[4] == gg._COMPUTE)
+
+
+def test_group_aligned_tiles_change_no_bit():
+  """KernelConfig.group_aligned_tiles=True (tiles from each group's first row): the
+  FFN's forward and backward in the MoE layer's mode give CONFIG's bits (groups of 37,
+  90 and 61 rows: tiles loaded from rows 32 and 120, straddling the previous group)."""
+  import dataclasses
+  variant = _layer_mode_ffn(dataclasses.replace(CONFIG, group_aligned_tiles=True),
+                            *_knob_operands())
+  chex.assert_trees_all_equal(variant, _knob_reference())
+
+
 def test_row_split_invariance_bitwise():
   """The same rows give the same bits whether launched together or split."""
   m, k, n = 256, 128, 128

@@ -338,11 +338,12 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
 
 
 @pytest.mark.parametrize("bound,fused,kernel,dedup,grad", [
-    # v1's dispatch (dedup_tokens=False) with a receive bound (the XLA glue) and tiles
-    # walked in bands (the kernels' tile order): independent, so one lowering covers all
-    # three. The default config (de-duplicated: v1's 10 kernels, the same kernel configs,
+    # v1's dispatch (dedup_tokens=False) with a receive bound (the XLA glue), tiles
+    # walked in bands (the kernels' tile order) and cut from each expert's first row
+    # (group_aligned_tiles: load rows multiples of 8): independent, so one lowering
+    # covers all four. The default config (de-duplicated: v1's 10 kernels, the same kernel configs,
     # plus the owner's live-rows copy per dispatch) lowers in tests/test_dedup.py
-    (1.5, None, uniep_jax.KernelConfig(raster_rows=8), False, True),
+    (1.5, None, uniep_jax.KernelConfig(raster_rows=8, group_aligned_tiles=True), False, True),
     # Kernels A and B; the forward only: its backward is v1's (the default's lowering
     # has those kernels), and each Mosaic GPU kernel costs ~1.7 CPU-s to lower
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None, False, False),

@@ -105,6 +105,17 @@ class KernelConfig:
     fused kernels' GEMMs on a CTA subset (Kernels A and C) walk the same bands since
     v2.2 (before: row-major, so their large-weight GEMMs lacked the bands' gain; not
     yet timed); the walk() path of Kernel B stays row-major.
+  group_aligned_tiles: EXPERIMENTAL. False: a row tile is a block_m-aligned block of
+    rows intersected with one expert's rows, so every block that straddles two
+    experts is computed twice, all block_m rows each time (~block_m wasted rows per
+    expert boundary: at deepseek-like EP 4, 64 local experts over 512 row blocks,
+    ~12% more MMA work in each row-tiled launch; where every expert holds a multiple
+    of block_m rows, as in bench/ffn_ab.py's balanced split, none). True: each
+    expert's rows are cut into tiles from its own first row (rounded down to 8 rows),
+    so only its last tile is partial (~block_m / 2 wasted rows per expert). The
+    standalone row-tiled launches (gate/up, down, da, dx) only; the fused kernels'
+    chunked GEMMs keep block-aligned tiles. The bits do not depend on it (a row's
+    result does not depend on its position in the tile).
   """
 
   block_m: int = 128
@@ -114,6 +125,7 @@ class KernelConfig:
   num_sms: Optional[int] = None
   epilogue_slots: int = 1
   raster_rows: Optional[int] = None
+  group_aligned_tiles: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
