@@ -18,8 +18,10 @@ Roles (by CTA index c on "sm", grid = num_sms, 3 warpgroups each)
   c >= n_comm   GEMM CTAs: `grouped_gemm._row_tiled_kernel`, mode "plain" (v1's down
                 GEMM body, same tile plan and block_k, so y has v1's bits) on CTAs
                 [n_comm, num_sms), row-major; after each tile's epilogue stores, each
-                compute warpgroup waits for its stores and signals done[k] (local),
-                k = load_row // B.
+                compute warpgroup waits for its stores and signals done[k] (local)
+                for the chunk k of its rows [lo, hi) (k = lo // B; with
+                KernelConfig.group_aligned_tiles a tile's rows may span two chunks:
+                then it signals both).
   c <  n_comm   transfer CTAs, warpgroup 0:
                   for k in range(own_live_chunks):          # dynamic
                     wait done[k] >= expected[k]              (no decrement: many waiters)
@@ -31,11 +33,12 @@ Roles (by CTA index c on "sm", grid = num_sms, 3 warpgroups each)
 Chunks and work lists
 ---------------------
 y (this rank's receive layout) is cut into C = cdiv(M_p, B) chunks of B =
-`FusedConfig.recv_chunk_rows` rows (a multiple of block_m: a row tile lies in one
-chunk). The return segments (receive rows -> the sources' sorted rows) are cut at
-the SOURCE's (this rank's) chunk boundaries: `fused_dispatch_gemm.chunk_work_lists`
-with the roles of the two row columns swapped. expected[k] = 2 x n_tiles x (row tiles
-of the plan in chunk k that run: compute or zero), the signals of chunk k's tiles.
+`FusedConfig.recv_chunk_rows` rows (a multiple of block_m: a block-aligned row tile
+lies in one chunk, a group-aligned one in at most two). The return segments (receive
+rows -> the sources' sorted rows) are cut at the SOURCE's (this rank's) chunk
+boundaries: `fused_dispatch_gemm.chunk_work_lists` with the roles of the two row
+columns swapped. expected[k] = 2 x n_tiles x (row tiles of the plan that run, compute
+or zero, with rows in chunk k), the signals of chunk k's tiles (`chunk_signals`).
 own_live_chunks = cdiv(rows this rank received, B): later chunks return nothing.
 
 Buffers
@@ -100,14 +103,25 @@ def source_chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, rows: int, item_
   return jnp.concatenate([work[:, w:2 * w], work[:, :w], work[:, 2 * w:]], axis=1)
 
 
+def tile_chunks(lo, hi, chunk_rows: int):
+  """(first, last) chunk of a tile's rows [lo, hi): one chunk for a block-aligned tile
+  (B is a multiple of block_m), up to two for a group-aligned one."""
+  return lo // chunk_rows, (hi - 1) // chunk_rows
+
+
 def chunk_signals(plan, *, num_tiles: int, n_tiles: int, chunk_rows: int, num_chunks: int):
   """expected[k] (int32 [C]): the done[k] signals of chunk k, 2 per (row tile, column
-  tile) that runs (compute or zero) with its rows in chunk k."""
-  load_row = plan[num_tiles:2 * num_tiles]
+  tile) that runs (compute or zero) with rows in chunk k (a tile whose rows span two
+  chunks signals both)."""
+  lo = plan[2 * num_tiles:3 * num_tiles]
+  hi = plan[3 * num_tiles:4 * num_tiles]
   kind = plan[4 * num_tiles:5 * num_tiles]
-  chunk = jnp.where(kind != gg._NONE, load_row // chunk_rows, num_chunks)
-  per_chunk = jnp.zeros((num_chunks + 1,), jnp.int32).at[chunk].add(1)[:num_chunks]
-  return per_chunk * (gg._NUM_COMPUTE_WGS * n_tiles)
+  first, last = tile_chunks(lo, hi, chunk_rows)
+  runs = kind != gg._NONE
+  per_chunk = (jnp.zeros((num_chunks + 1,), jnp.int32)
+               .at[jnp.where(runs, first, num_chunks)].add(1)
+               .at[jnp.where(runs & (last != first), last, num_chunks)].add(1))
+  return per_chunk[:num_chunks] * (gg._NUM_COMPUTE_WGS * n_tiles)
 
 
 def _kernel(plan_gmem, work_gmem, expected_gmem, a_gmem, w_gmem, y_gmem, back_gmem, *,
@@ -153,9 +167,14 @@ def _kernel(plan_gmem, work_gmem, expected_gmem, a_gmem, w_gmem, y_gmem, back_gm
 
   @pl.when(c >= n_comm)
   def _gemm():
-    def signal(load_row):   # this warpgroup's stores of the tile are complete
+    def signal(lo, hi):   # this warpgroup's stores of the tile are complete
       plgpu.wait_smem_to_gmem(0)
-      pl.semaphore_signal(done.at[load_row // chunk_rows])
+      first, last = tile_chunks(lo, hi, chunk_rows)
+      pl.semaphore_signal(done.at[first])
+
+      @pl.when(last != first)
+      def _():
+        pl.semaphore_signal(done.at[last])
 
     gg._row_tiled_kernel(plan_gmem, a_gmem, w_gmem, y_gmem, cta_offset=n_comm,
                          num_ctas=num_sms - n_comm, after_tile=signal, **gemm_kw)
@@ -182,7 +201,7 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
                      f"{cta_n} (the transfer sends y's columns as they are: no padding)")
   if chunk_rows % kernel.block_m:
     raise ValueError(f"recv_chunk_rows={chunk_rows} must be a multiple of block_m="
-                     f"{kernel.block_m} (a GEMM row tile must lie in one chunk)")
+                     f"{kernel.block_m} (a GEMM row tile must lie in at most two chunks)")
   if m_p < transfer.chunk_rows:
     raise ValueError(f"a has {m_p} rows, fewer than one transfer item (TransferConfig."
                      f"chunk_rows={transfer.chunk_rows}): the transfer's load box must fit "
@@ -194,7 +213,8 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
   smem = device_lib.smem_capacity()
   gemm_kw = gg.row_tiled_params(m_p, k, hidden, el, mode="plain", transpose_b=False,
                                 out_dtype=a.dtype, in_dtype=a.dtype, save_hu=False,
-                                config=kernel, smem=smem)
+                                config=kernel, smem=smem,
+                                group_aligned=kernel.group_aligned_tiles)
   col_tile = transfer.col_tile_for(hidden, itemsize=jnp.dtype(a.dtype).itemsize,
                                    smem_bytes=smem - gg._SMEM_RESERVE)
   item_rows = transfer.chunk_rows
@@ -204,7 +224,8 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
                                  rows=rows, item_rows=item_rows, chunk_rows=chunk_rows,
                                  num_chunks=num_chunks, live_rows=live_rows)
   w = fdg.num_items(rows, el, num_chunks, item_rows)
-  plan = gg._row_tile_plan(group_sizes, m_p, kernel.block_m, zero_window)
+  plan = gg._row_tile_plan(group_sizes, m_p, kernel.block_m, zero_window,
+                           group_aligned=kernel.group_aligned_tiles)
   expected = chunk_signals(plan, num_tiles=gemm_kw["num_tiles"],
                            n_tiles=hidden // cta_n, chunk_rows=chunk_rows,
                            num_chunks=num_chunks)

@@ -421,7 +421,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
                       num_ctas: Optional[int] = None,
                       before_tile: Optional[Callable[[Any], None]] = None,
-                      after_tile: Optional[Callable[[Any], None]] = None,
+                      after_tile: Optional[Callable[[Any, Any], None]] = None,
                       walk: Optional[Callable[[Callable[..., None]], None]] = None):
   """The row-tiled body. Hooks for kernels that embed it (all default off, and
   then the traced program is exactly that of the standalone kernel):
@@ -436,9 +436,9 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         every COMPUTE tile, i.e. before the first TMA load of its block_m rows
         [load_row, load_row + block_m) of the lhs operands. When it returns, the
         caller guarantees those rows are readable (e.g. a semaphore wait).
-    after_tile(load_row)  called by each of the two COMPUTE warpgroups after it has
+    after_tile(lo, hi)  called by each of the two COMPUTE warpgroups after it has
         issued the epilogue stores of a compute or zero tile (not "dswiglu"), e.g. to
-        wait for them and signal that its columns of rows [load_row, + block_m) are
+        wait for them and signal that its columns of the tile's rows [lo, hi) are
         written (`down_gemm_return.py`).
     walk(tile)  replaces the tile loop (cta_offset/num_ctas are then ignored):
         called once by all three warpgroups inside the SMEM scope, it must call
@@ -567,7 +567,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
                             count=hi - lo, rows=block_m, col0=col0, ragged=True)
             if after_tile is not None:
-              after_tile(load_row)
+              after_tile(lo, hi)
           pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
 
         a_views, b_views = operand_views(group, load_row, nt)

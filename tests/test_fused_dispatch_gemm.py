@@ -200,7 +200,7 @@ def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
       gg._row_tiled_kernel(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem,
                            cta_offset=offset, num_ctas=count,
                            before_tile=lambda load_row: plgpu.commit_smem(),
-                           after_tile=lambda load_row: plgpu.wait_smem_to_gmem(0), **params)
+                           after_tile=lambda lo, hi: plgpu.wait_smem_to_gmem(0), **params)
 
   kernel = plgpu.kernel(
       body, out_type=tuple(jax.ShapeDtypeStruct((m, n), jnp.bfloat16) for _ in range(3)),
@@ -349,6 +349,7 @@ def test_kernel_c_source_chunked_work_lists_and_signal_counts():
   from pallas_kernels import down_gemm_return as dgr
   rng = np.random.default_rng(17)
   r, el, t, k, item_rows, b, block_m = 4, 3, 64, 2, 16, 64, 32
+  spanning = 0   # group-aligned tiles whose rows span two chunks
   for rank, plan in enumerate(skewed_plans(rng, r, el, t, k, 3.0)):
     seg = layout.return_segments(plan, rank)
     recv_rows = plan.recv_valid.shape[0]
@@ -376,18 +377,26 @@ def test_kernel_c_source_chunked_work_lists_and_signal_counts():
               for q in range(m)}
       assert got == want
     m_p = -(-recv_rows // block_m) * block_m
-    tile_plan = gg._row_tile_plan(plan.recv_group_sizes, m_p, block_m, zero_window=16)
-    nt = gg.num_row_tiles(m_p, el, block_m)
-    expected = np.asarray(dgr.chunk_signals(tile_plan, num_tiles=nt, n_tiles=3, chunk_rows=b,
-                                            num_chunks=num_chunks))
-    tp = np.asarray(tile_plan).reshape(5, nt)
-    want = np.zeros(num_chunks, int)
-    for load_row, kind in zip(tp[1], tp[4]):
-      if kind != gg._NONE:
-        want[load_row // b] += 2 * 3
-    np.testing.assert_array_equal(expected, want)
-    live_chunks = -(-int(plan.num_received) // b)
-    assert np.all(expected[:live_chunks] > 0)      # every live chunk has tiles to wait for
+    for group_aligned in (False, True):   # KernelConfig.group_aligned_tiles
+      tile_plan = gg._row_tile_plan(plan.recv_group_sizes, m_p, block_m, zero_window=16,
+                                    group_aligned=group_aligned)
+      nt = gg.num_row_tiles(m_p, el, block_m, group_aligned)
+      expected = np.asarray(dgr.chunk_signals(tile_plan, num_tiles=nt, n_tiles=3,
+                                              chunk_rows=b, num_chunks=num_chunks))
+      tp = np.asarray(tile_plan).reshape(5, nt)
+      want = np.zeros(num_chunks, int)
+      covered = np.zeros(m_p, bool)
+      for lo, hi, kind in zip(tp[2], tp[3], tp[4]):
+        if kind != gg._NONE:   # one signal per chunk its rows touch, per warpgroup and column tile
+          for kc in sorted({lo // b, (hi - 1) // b}):
+            want[kc] += 2 * 3
+          spanning += lo // b != (hi - 1) // b
+          covered[lo:hi] = True
+      np.testing.assert_array_equal(expected, want)
+      live_chunks = -(-int(plan.num_received) // b)
+      assert np.all(expected[:live_chunks] > 0)    # every live chunk has tiles to wait for
+      assert covered[:int(plan.num_received)].all()  # and they store every live row
+  assert spanning > 0
 
 
 @pytest.mark.parametrize("recv_rows,block_m,b", [(None, 32, 64), (200, 32, 64), (256, 16, 32)])

@@ -359,7 +359,13 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     # de-duplication: its kernels are this case's wgrad launch and, forward, the case above's
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  down_return_ctas=16, wgrad_return_ctas=16,
-                                 dispatch_in_kernel=False), None, True, True)])
+                                 dispatch_in_kernel=False), None, True, True),
+    # its forward with group-aligned row tiles: Kernel C's tiles then signal the one or
+    # two chunks their rows touch (its backward is the case above's with the flag)
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
+                                 down_return_ctas=16, wgrad_return_ctas=16,
+                                 dispatch_in_kernel=False),
+     uniep_jax.KernelConfig(group_aligned_tiles=True), True, False)])
 def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
@@ -389,7 +395,7 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
                 + (1 + send_buffer if dedup else 0))
     expected = forward + (backward if grad else 0)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
-  assert ("gather_live_rows_scaled" in text) == dedup
+  assert ("gather_live_rows_scaled" in text) == (dedup and grad)   # the dy rows' weighted copy
   # no host-stepped loop between the kernels (XLA:GPU drives a while loop from the host;
   # ragged.SEARCH_METHOD)
   assert not host_stepped_loops(text)
