@@ -63,7 +63,9 @@ TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/
            uniep_jax.KernelConfig(block_k=128, max_concurrent_steps=3),
            uniep_jax.KernelConfig(block_m=64),
            uniep_jax.KernelConfig(epilogue_slots=2),
-           uniep_jax.KernelConfig(raster_rows=4)]   # tiles in bands (auto is row-major here)
+           uniep_jax.KernelConfig(raster_rows=4),   # tiles in bands (auto is row-major here)
+           # block-aligned row tiles (the default cuts them from each expert's first row)
+           uniep_jax.KernelConfig(group_aligned_tiles=False)]
 TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
              for c, n, t in itertools.product((32, 128), (16, 64), (128, 256))]
 # the de-duplicated dispatches' send rows gathered into a send buffer first (the other
@@ -169,7 +171,8 @@ def main(argv=None):
   reference = {}
   tag_of = lambda kc: (f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"  # noqa: E731
                        + ("/e2" if kc.epilogue_slots == 2 else "")
-                       + (f"/r{kc.raster_rows}" if kc.raster_rows is not None else ""))
+                       + (f"/r{kc.raster_rows}" if kc.raster_rows is not None else "")
+                       + ("" if kc.group_aligned_tiles else "/bt"))
 
   def write(partial=False):
     payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,

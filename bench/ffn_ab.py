@@ -113,7 +113,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
               profile_dir: str | None = None, skip_timing: bool = False,
               rows: set | None = None, checks_on: bool = True,
               rasters: tuple = (8,), groups: str = "balanced") -> dict:
-  cfg = KernelConfig(raster_rows=1)   # the baseline rows walk the tiles row-major
+  # the baseline rows walk the tiles row-major, in block-aligned row tiles (the _ga rows:
+  # group-aligned, KernelConfig's default since 2026-11-28)
+  cfg = KernelConfig(raster_rows=1, group_aligned_tiles=False)
   g = shape.local_experts
   live = shape.rows
   m = live * dead_factor

@@ -141,7 +141,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   unique rows inside the transfer's launch (`TransferConfig.expand_in_transfer`), `@tel`
   and its last source's expansion on the transfer CTAs too (expand_last_on_all); `@op` slot_reduction="owner_partials" (other bits:
   its checksums differ from slot order's); `@chunk<N>` the transfer's chunk_rows;
-  `@ga` row tiles cut from each expert's first row (`KernelConfig.group_aligned_tiles`)."""
+  `@ga` row tiles cut from each expert's first row (`KernelConfig.group_aligned_tiles`,
+  the default since 2026-11-28), `@bt` block-aligned row tiles (the tiles before)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -152,8 +153,9 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, num_sms=int(m.group(1))))
     elif suffix == "f32router":
       cfg = dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, logits_matmul="float32"))
-    elif suffix == "ga":
-      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, group_aligned_tiles=True))
+    elif suffix in ("ga", "bt"):
+      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(
+          cfg.kernel, group_aligned_tiles=suffix == "ga"))
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
     elif suffix in ("te", "tel"):
@@ -168,7 +170,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt)")
   return cfg
 
 

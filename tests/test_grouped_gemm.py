@@ -414,11 +414,14 @@ def test_group_aligned_row_tile_plan(m, block_m, seed):
 
 
 def test_group_aligned_tiles_change_no_bit():
-  """KernelConfig.group_aligned_tiles=True (tiles from each group's first row): the
-  FFN's forward and backward in the MoE layer's mode give CONFIG's bits (groups of 37,
-  90 and 61 rows: tiles loaded from rows 32 and 120, straddling the previous group)."""
+  """KernelConfig.group_aligned_tiles (CONFIG's default True: tiles from each group's
+  first row; groups of 37, 90 and 61 rows: tiles loaded from rows 32 and 120,
+  straddling the previous group) and False (block-aligned row blocks, each straddling
+  block computed once per group): the FFN's forward and backward in the MoE layer's
+  mode give the same bits."""
   import dataclasses
-  variant = _layer_mode_ffn(dataclasses.replace(CONFIG, group_aligned_tiles=True),
+  assert CONFIG.group_aligned_tiles
+  variant = _layer_mode_ffn(dataclasses.replace(CONFIG, group_aligned_tiles=False),
                             *_knob_operands())
   chex.assert_trees_all_equal(variant, _knob_reference())
 

@@ -339,11 +339,11 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
 
 @pytest.mark.parametrize("bound,fused,kernel,dedup,grad", [
     # v1's dispatch (dedup_tokens=False) with a receive bound (the XLA glue), tiles
-    # walked in bands (the kernels' tile order) and cut from each expert's first row
-    # (group_aligned_tiles: load rows multiples of 8): independent, so one lowering
-    # covers all four. The default config (de-duplicated: v1's 10 kernels, the same kernel configs,
+    # walked in bands (the kernels' tile order) and cut at block_m-aligned row blocks
+    # (group_aligned_tiles=False; the other cases lower the default, each expert's
+    # tiles from its first row): independent, so one lowering covers all four. The default config (de-duplicated: v1's 10 kernels, the same kernel configs,
     # plus the owner's live-rows copy per dispatch) lowers in tests/test_dedup.py
-    (1.5, None, uniep_jax.KernelConfig(raster_rows=8, group_aligned_tiles=True), False, True),
+    (1.5, None, uniep_jax.KernelConfig(raster_rows=8, group_aligned_tiles=False), False, True),
     # Kernels A and B; the forward only: its backward is v1's (the default's lowering
     # has those kernels), and each Mosaic GPU kernel costs ~1.7 CPU-s to lower
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256), None, False, False),
@@ -360,12 +360,12 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  down_return_ctas=16, wgrad_return_ctas=16,
                                  dispatch_in_kernel=False), None, True, True),
-    # its forward with group-aligned row tiles: Kernel C's tiles then signal the one or
-    # two chunks their rows touch (its backward is the case above's with the flag)
+    # its forward with block-aligned row tiles (the case above has the default,
+    # group-aligned ones: Kernel C's tiles signal the one or two chunks their rows touch)
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  down_return_ctas=16, wgrad_return_ctas=16,
                                  dispatch_in_kernel=False),
-     uniep_jax.KernelConfig(group_aligned_tiles=True), True, False)])
+     uniep_jax.KernelConfig(group_aligned_tiles=False), True, False)])
 def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every

@@ -105,17 +105,23 @@ class KernelConfig:
     fused kernels' GEMMs on a CTA subset (Kernels A and C) walk the same bands since
     v2.2 (before: row-major, so their large-weight GEMMs lacked the bands' gain; not
     yet timed); the walk() path of Kernel B stays row-major.
-  group_aligned_tiles: EXPERIMENTAL. False: a row tile is a block_m-aligned block of
-    rows intersected with one expert's rows, so every block that straddles two
-    experts is computed twice, all block_m rows each time (~block_m wasted rows per
-    expert boundary: at deepseek-like EP 4, 64 local experts over 512 row blocks,
-    ~12% more MMA work in each row-tiled launch; where every expert holds a multiple
-    of block_m rows, as in bench/ffn_ab.py's balanced split, none). True: each
-    expert's rows are cut into tiles from its own first row (rounded down to 8 rows),
-    so only its last tile is partial (~block_m / 2 wasted rows per expert). The
-    standalone row-tiled launches (gate/up, down, da, dx) only; the fused kernels'
-    chunked GEMMs keep block-aligned tiles. The bits do not depend on it (a row's
-    result does not depend on its position in the tile).
+  group_aligned_tiles: True (default since 2026-11-28): each expert's rows are cut
+    into row tiles from its own first row (rounded down to 8 rows), so only its last
+    tile is partial (~block_m / 2 wasted rows per expert). False (before): a row tile
+    is a block_m-aligned block of rows intersected with one expert's rows, so every
+    block that straddles two experts is computed twice, all block_m rows each time
+    (~block_m wasted rows per expert boundary: at deepseek-like EP 4, 64 local experts
+    over 512 row blocks, ~12% more MMA work in each row-tiled launch; none where every
+    expert holds a multiple of block_m rows, as in bench/ffn_ab.py's balanced split).
+    Applies to the row-tiled launches (gate/up, down, da, dx) and Kernel C's down GEMM
+    (its tiles then signal the one or two chunks their rows touch); Kernel A keeps
+    block-aligned tiles. Measured (H200, JAX 0.11.2): bench/ffn_ab.py --groups routed
+    on one GPU, deepseek-like FFN fwd+bwd at EP 4's rows 30.76 -> 30.02 ms, qwen3-like
+    6.19 -> 6.18; the layer at EP 2 (2x H200), deepseek-like uniep_dc_rbw_dd 42.48 ->
+    40.43 ms, qwen3-like level in the timing (8.90 / 9.28, inside the trials' spread;
+    its profile: span 9.37 -> 9.16 ms per call); at EP 4 (4x H200) qwen3-like 9.89 ->
+    9.90 (level). The bits do not depend on it (a row's result does not depend on its
+    position in the tile; the same checksums in every run).
   """
 
   block_m: int = 128
@@ -125,7 +131,7 @@ class KernelConfig:
   num_sms: Optional[int] = None
   epilogue_slots: int = 1
   raster_rows: Optional[int] = None
-  group_aligned_tiles: bool = False
+  group_aligned_tiles: bool = True
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
