@@ -184,20 +184,18 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   # the tile order: bands of R row tiles (KernelConfig.raster_rows), each R of `rasters`
   checks = {}
   for raster in rasters:
+    # block-aligned tiles in bands (bits against row-major's), then group-aligned ones
+    # (KernelConfig.group_aligned_tiles; bits against the banded block-aligned's)
     cfg_r = dataclasses.replace(cfg, raster_rows=raster)
-    t(f"gate_up_fwd_skip_r{raster}", gate_up(cfg.block_k, cfg_r), x, wgu_p, gs)
-    ffn_banded = jax.jit(ffn(cfg_r, zero_dead_rows=False, fuse_da_epilogue=True))
-    t(f"ffn_fwdbwd_skip_fused_da_r{raster}", ffn_banded, x, wgu, wd, gs, dy)
-    if rows is None or f"ffn_fwdbwd_skip_fused_da_r{raster}" in rows:
-      checks[f"raster_{raster}"] = _compare_bits(ffn_row_major, ffn_banded,
-                                                 (x, wgu, wd, gs, dy), live)
-    cfg_ga = dataclasses.replace(cfg_r, group_aligned_tiles=True)
-    t(f"gate_up_fwd_skip_r{raster}_ga", gate_up(cfg.block_k, cfg_ga), x, wgu_p, gs)
-    ffn_ga = jax.jit(ffn(cfg_ga, zero_dead_rows=False, fuse_da_epilogue=True))
-    t(f"ffn_fwdbwd_skip_fused_da_r{raster}_ga", ffn_ga, x, wgu, wd, gs, dy)
-    if rows is None or f"ffn_fwdbwd_skip_fused_da_r{raster}_ga" in rows:
-      checks[f"raster_{raster}_ga"] = _compare_bits(ffn_banded, ffn_ga,
-                                                    (x, wgu, wd, gs, dy), live)
+    reference = ffn_row_major
+    for tag, c in (("", cfg_r), ("_ga", dataclasses.replace(cfg_r, group_aligned_tiles=True))):
+      t(f"gate_up_fwd_skip_r{raster}{tag}", gate_up(cfg.block_k, c), x, wgu_p, gs)
+      variant = jax.jit(ffn(c, zero_dead_rows=False, fuse_da_epilogue=True))
+      t(f"ffn_fwdbwd_skip_fused_da_r{raster}{tag}", variant, x, wgu, wd, gs, dy)
+      if rows is None or f"ffn_fwdbwd_skip_fused_da_r{raster}{tag}" in rows:
+        checks[f"raster_{raster}{tag}"] = _compare_bits(reference, variant,
+                                                        (x, wgu, wd, gs, dy), live)
+      reference = variant
   if checks_on:
     checks.update(_compare_fused_da(x, wgu, wd, gs, dy, cfg, live))
     checks["epilogue_slots_2"] = _compare_bits(ffn_row_major, ffn_epi2,

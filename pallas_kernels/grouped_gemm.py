@@ -27,12 +27,17 @@ All products accumulate in float32 (wgmma); outputs are cast once at the end.
 Row-tiled kernel (forward, dgrad, swiglu, dswiglu)
 --------------------------------------------------
 Work list. Before the launch, plain JAX turns `group_sizes` into a static-size
-list of T = cdiv(M, block_m) + G row tiles (`_row_tile_plan`). A row tile is the
-intersection of one group (or of the dead rows, treated as a pseudo-group
-G) with one block_m-aligned row block: fields
+list of T row tiles (`_row_tile_plan`, T = `num_row_tiles`). With
+KernelConfig.group_aligned_tiles (the default) a group's rows are cut into tiles of
+block_m rows from its first row rounded down to 8, so only its last tile is partial;
+without it (and in Kernel A) a row tile is the intersection of one group with one
+block_m-aligned row block (a block straddling two groups is computed once for each,
+T = cdiv(M, block_m) + G). The dead rows (a pseudo-group G) always take block pieces.
+Fields:
   group     which rhs[g] to use,
-  load_row  first row of the block_m rows loaded (the block start; M is
-            padded to a multiple of block_m, so a load never leaves the array),
+  load_row  first row of the block_m rows loaded (the block start, or the group's
+            8-aligned row, clamped to M - block_m; M is padded to a multiple of
+            block_m, so a load never leaves the array),
   lo, hi    the rows [lo, hi) this tile stores,
   kind      0 none (list padding), 1 compute, 2 zero (dead rows).
 There is no Python loop over groups: compile time does not depend on G.

@@ -171,8 +171,9 @@ class TransferConfig:
     transfer's launch on `copy_ctas` more CTAs, source by source as each one's rows
     land (`pallas_kernels/transfer_expand.py`). The same bits (checked on 2 and 4
     H200s). Off by default: slower where measured (2x H200, qwen3-like EP 2, fwd+bwd:
-    8.80 -> 9.39 ms, bench/results/moe_layer_NVIDIA_H200_ep2_run39_te_qwen3.json; EP 4
-    not yet measured; pallas_kernels/NOTES_transfer_expand.md).
+    8.80 -> 9.39 ms, bench/results/moe_layer_NVIDIA_H200_ep2_run39_te_qwen3.json; 4x
+    H200, qwen3-like EP 4: 9.90 -> 9.78 ms, run 46, the same checksums; deepseek-like
+    at EP 4 not yet measured; pallas_kernels/NOTES_transfer_expand.md).
   copy_ctas: CTAs of that expansion (num_ctas + copy_ctas must fit on the SMs).
   expand_last_on_all: EXPERIMENTAL (with expand_in_transfer): the last source's
     expansion, the one left exposed after every transfer, dealt over the transfer CTAs
