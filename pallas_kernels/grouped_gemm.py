@@ -30,7 +30,7 @@ Work list. Before the launch, plain JAX turns `group_sizes` into a static-size
 list of T row tiles (`_row_tile_plan`, T = `num_row_tiles`). With
 KernelConfig.group_aligned_tiles (the default) a group's rows are cut into tiles of
 block_m rows from its first row rounded down to 8, so only its last tile is partial;
-without it (and in Kernel A) a row tile is the intersection of one group with one
+without it (and in Kernels A and B) a row tile is the intersection of one group with one
 block_m-aligned row block (a block straddling two groups is computed once for each,
 T = cdiv(M, block_m) + G). The dead rows (a pseudo-group G) always take block pieces.
 Fields:
@@ -250,9 +250,11 @@ def _pad_axis(x, axis: int, size: int):
 def _group_bounds(group_sizes, m: int):
   """[start_g, end_g) of every group, clipped to [0, m]. int32 [G] each."""
   sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-  ends = jnp.minimum(jnp.cumsum(sizes), m)
-  starts = jnp.minimum(ends - sizes, m)
-  starts = jnp.maximum(starts, 0)
+  cumsum = jnp.cumsum(sizes)
+  ends = jnp.minimum(cumsum, m)
+  # from the unclipped sums: a group past m is empty (starts were once ends - sizes,
+  # which made the groups overlap when the sizes summed past m)
+  starts = jnp.minimum(cumsum - sizes, m)
   return starts, ends
 
 
@@ -616,8 +618,9 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
   b_col_offsets: per rhs operand, where its n output columns start in it (mode
   "swiglu" reads w_gate_up twice, at 0 and F); () = all 0.
   group_aligned: the work list `_row_tile_plan(..., group_aligned=True)` (its longer
-  static length; load rows then multiples of GROUP_TILE_ALIGN, not of block_m). The
-  fused kernels, whose chunks hold whole block-aligned tiles, keep False.
+  static length; load rows then multiples of GROUP_TILE_ALIGN, not of block_m). Kernels
+  A and B keep False (Kernel A's chunks hold whole block-aligned tiles); Kernel C passes
+  KernelConfig.group_aligned_tiles (its tiles signal the one or two chunks they touch).
   Raises ValueError if the tile does not fit in `smem` bytes."""
   if mode not in _MODE_OPERANDS:
     raise ValueError(f"unknown {mode=}; expected one of {tuple(_MODE_OPERANDS)}")

@@ -413,6 +413,45 @@ def test_group_aligned_row_tile_plan(m, block_m, seed):
   assert np.sum(kind == gg._COMPUTE) < np.sum(block[4] == gg._COMPUTE)
 
 
+@pytest.mark.parametrize("group_aligned", [False, True])
+def test_group_sizes_past_m_are_clipped(group_aligned):
+  """Sizes summing past M: the groups are clipped in order (a group past M is empty, no
+  two groups share a row) and the plan fits its static length. (Before, starts were
+  computed from the clipped ends, so [100, 100] over 128 rows gave group 1 rows 28..127.)"""
+  m, block_m = 128, 64
+  for sizes in ([100, 100], [128] * 5, [30, 200, 7]):
+    gs = jnp.asarray(sizes, jnp.int32)
+    starts, ends = (np.asarray(a) for a in gg._group_bounds(gs, m))
+    want_ends = np.minimum(np.cumsum(sizes), m)
+    np.testing.assert_array_equal(ends, want_ends)
+    np.testing.assert_array_equal(starts, np.minimum(np.cumsum(sizes) - sizes, m))
+    plan = np.asarray(gg._row_tile_plan(gs, m, block_m, group_aligned=group_aligned))
+    group, _, lo, hi, kind = plan.reshape(5, -1)
+    owner = np.full(m, -1)
+    for t in np.nonzero(kind == gg._COMPUTE)[0]:
+      assert np.all(owner[lo[t]:hi[t]] == -1)
+      owner[lo[t]:hi[t]] = group[t]
+    want = np.concatenate([np.full(int(e - st), gi) for gi, (st, e) in enumerate(zip(starts, ends))])
+    np.testing.assert_array_equal(owner[:len(want)], want)
+
+
+def test_group_aligned_load_clamp_changes_no_bit():
+  """A group-aligned tile whose block_m rows would run past M loads from M - block_m
+  (its rows further down the stage): the plain forward gives the block-aligned plan's
+  bits. Group 2 starts at row 150 -> tile from 144, clamped to 128 (M 256, block_m 128)."""
+  import dataclasses
+  m, k, n = 256, 64, 256
+  kx, kw = jax.random.split(jax.random.key(41))
+  x = rand(kx, (m, k))
+  w = rand(kw, (3, k, n), k**-0.5)
+  gs = jnp.array([100, 50, 90], jnp.int32)
+  plan = np.asarray(gg._row_tile_plan(gs, m, 128, group_aligned=True)).reshape(5, -1)
+  assert 128 in plan[1][(plan[4] == gg._COMPUTE) & (plan[0] == 2)]   # the clamped load
+  run = lambda cfg: gg.gmm(x, w, gs, config=cfg, interpret=INTERPRET)  # noqa: E731
+  chex.assert_trees_all_equal(run(dataclasses.replace(CONFIG, group_aligned_tiles=True)),
+                              run(dataclasses.replace(CONFIG, group_aligned_tiles=False)))
+
+
 def test_group_aligned_tiles_change_no_bit():
   """KernelConfig.group_aligned_tiles (CONFIG's default True: tiles from each group's
   first row; groups of 37, 90 and 61 rows: tiles loaded from rows 32 and 120,

@@ -113,9 +113,9 @@ class KernelConfig:
     (~block_m wasted rows per expert boundary: at deepseek-like EP 4, 64 local experts
     over 512 row blocks, ~12% more MMA work in each row-tiled launch; none where every
     expert holds a multiple of block_m rows, as in bench/ffn_ab.py's balanced split).
-    Applies to the row-tiled launches (gate/up, down, da, dx) and Kernel C's down GEMM
-    (its tiles then signal the one or two chunks their rows touch); Kernel A keeps
-    block-aligned tiles. Measured (H200, JAX 0.11.2): bench/ffn_ab.py --groups routed
+    Applies to the standalone row-tiled launches (gate/up, down, da, dx) and Kernel C's
+    down GEMM (its tiles then signal the one or two chunks their rows touch); Kernels A
+    and B (and the fused backward's da, FusedConfig.backward) keep block-aligned tiles. Measured (H200, JAX 0.11.2): bench/ffn_ab.py --groups routed
     on one GPU, deepseek-like FFN fwd+bwd at EP 4's rows 30.76 -> 30.02 ms, qwen3-like
     6.19 -> 6.18; the layer at EP 2 (2x H200), deepseek-like uniep_dc_rbw_dd 42.48 ->
     40.43 ms, qwen3-like level in the timing (8.90 / 9.28, inside the trials' spread;
