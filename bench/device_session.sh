@@ -55,6 +55,10 @@
 #            in a process of its own (bench/transfer_expand_probe.py; $TEPROBE_VARIANTS)
 #   smem     one GPU: which SMEM scalar reads fault (bench/smem_scalar_probe.py, each
 #            variant in its own process)
+#   ffnab    one GPU: the expert FFN's grouped-GEMM launches at the layer's shapes
+#            (bench/ffn_ab.py; $FFNAB_ARGS its flags, e.g. "--shapes deepseek-like
+#            --groups routed --raster 8 --no-checks --profile"; traces under ffnab/trace_*
+#            are packed too)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -160,6 +164,8 @@ run_phase() {  # name seconds
     xfer)    timeout "$secs" python3 -m bench.transfer_check --out "$dir" ${XFER_ARGS:-} \
                > "$dir/log" 2>&1 ;;
     smem)    timeout "$secs" python3 -m bench.smem_scalar_probe --out "$dir" > "$dir/log" 2>&1 ;;
+    ffnab)   timeout "$secs" python3 -m bench.ffn_ab --out "$dir" ${FFNAB_ARGS:-} \
+               > "$dir/log" 2>&1 ;;
     teprobe) timeout "$secs" python3 -m bench.transfer_expand_probe --out "$dir" \
                ${TEPROBE_VARIANTS:+--variants "$TEPROBE_VARIANTS"} > "$dir/log" 2>&1 ;;
     *)       echo "unknown phase $name" > "$dir/log"; false ;;
