@@ -153,6 +153,29 @@ def time_ms(fn, *args, trials: int = 7, min_batch_s: float = 0.05, max_reps: int
               max_ms=max(per_call), reps=reps, trials=trials)
 
 
+def time_interleaved_ms(fns: dict, *args, trials: int = 5) -> dict:
+  """Median ms per call of each `fns[name] = (fn, reps)`, its batches of `reps` calls
+  interleaved round robin over the names, trial by trial: a drift of the machine
+  (clocks, temperature) over the run then reaches every name alike, where timing one
+  name's trials after another's gives the later ones the drift. {name: dict(median_ms,
+  min_ms, max_ms, reps, trials)}."""
+  sync_each = jax.devices()[0].platform == "cpu"
+  per_call = {name: [] for name in fns}
+  for _ in range(trials):
+    for name, (fn, reps) in fns.items():
+      t0 = time.perf_counter()
+      out = None
+      for _ in range(reps):
+        out = fn(*args)
+        if sync_each:
+          block(out)
+      block(out)
+      per_call[name].append((time.perf_counter() - t0) / reps * 1e3)
+      del out
+  return {name: dict(median_ms=statistics.median(v), min_ms=min(v), max_ms=max(v),
+                     reps=fns[name][1], trials=trials) for name, v in per_call.items()}
+
+
 def git_commit() -> str:
   """The commit of the code that runs: $GIT_COMMIT, else the file BENCH_COMMIT at
   the repository root (written by bench/stamp_commit.sh before a device call,

@@ -20,6 +20,11 @@ Backends: "xla_capacity" (cf 1.25; dropped assignments reported), "xla_dropless"
 
 Cases run in priority order and stop when the time budget is spent; skipped
 cases are listed in the JSON. Median ms per call; ratios are same-run ratios.
+After a case's backends are timed one after another, --interleaved-trials (default 5)
+rounds time one batch of each in turn (interleaved_median_ms, and its ratio to
+xla_capacity): in 2x H200 runs 41, 42 and 44 the backend timed last in a qwen3-like case
+read 0.3-0.4 ms slower in its median than profiles and short batches showed, a drift over
+the run that the interleaved rounds spread over every backend alike.
 --compile-workers N > 1: each shape's programs are compiled ahead (`compile_ahead`: the
 xla_* baselines first and alone, then the rest in N threads), then timed one at a time
 (compile_s: a program's own lower + compile; the uniep programs take 50-130 s each at
@@ -307,6 +312,9 @@ def main(argv=None):
   ap.add_argument("--min-batch-s", type=float, default=0.5,
                   help="each timed batch of back-to-back calls lasts at least this long")
   ap.add_argument("--max-reps", type=int, default=20, help="calls per timed batch, at most")
+  ap.add_argument("--interleaved-trials", type=int, default=5,
+                  help="after a case's backends: this many rounds of one batch per backend, "
+                       "round robin (interleaved_median_ms); 0: none")
   ap.add_argument("--compile-workers", type=int, default=1,
                   help="> 1: every program of a shape compiled ahead, in that many threads "
                        "(`compile_ahead`), before any is timed; 1: each at its first call")
@@ -370,6 +378,7 @@ def main(argv=None):
                         rank_rows=loads["rows"],
                         receive_buffer_bytes=uniep_jax.receive_buffer_bytes(
                             shape.tokens, shape.top_k, shape.hidden, ep))
+        timed = {}   # backend -> (fn, reps, row): the interleaved pass below
         for backend in backends:
           if time.time() - t_start > args.budget_s:
             skipped.append(dict(shape=name, routing=routing, direction=direction,
@@ -401,6 +410,7 @@ def main(argv=None):
             # dispatch is exposed and divided by the few calls of the batch
             short = common.time_ms(fn, x, p, trials=5, min_batch_s=0.1, max_reps=10)
             row["short_batch_median_ms"], row["short_batch_reps"] = short["median_ms"], short["reps"]
+            timed[backend] = (fn, row["reps"], row)
             out = fn(x, p)
             if direction == "fwd":
               row["dropped"] = int(out[1])
@@ -414,6 +424,23 @@ def main(argv=None):
           results.append(row)
           _checkpoint(args, meta, dense, results, skipped, ep)
           print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        # every backend of this case again, their batches round robin, trial by trial:
+        # the A/B the medians above cannot give when the machine drifts over the run
+        if args.interleaved_trials and len(timed) > 1 and time.time() - t_start <= args.budget_s:
+          try:
+            inter = common.time_interleaved_ms({b: (f, reps) for b, (f, reps, _) in timed.items()},
+                                               x, p, trials=args.interleaved_trials)
+            for b, (_, _, row) in timed.items():
+              row["interleaved_median_ms"] = inter[b]["median_ms"]
+              row["interleaved_min_ms"] = inter[b]["min_ms"]
+            _checkpoint(args, meta, dense, results, skipped, ep)
+            print({b: round(v["median_ms"], 3) for b, v in inter.items()}, "(interleaved)",
+                  flush=True)
+          except Exception as e:  # noqa: BLE001
+            traceback.print_exc(limit=2)
+            for _, _, row in timed.values():
+              row["interleaved_error"] = repr(e)[:300]
+        del timed
       del x, p
     del fns, ran
   # same-run ratios
@@ -426,6 +453,9 @@ def main(argv=None):
            and (r["shape"], r["routing"], r["direction"]) == (row["shape"], row["routing"], row["direction"])]
     if cap:
       row["speedup_vs_xla_capacity"] = cap[0]["median_ms"] / row["median_ms"]
+      if "interleaved_median_ms" in row and "interleaved_median_ms" in cap[0]:
+        row["interleaved_speedup_vs_xla_capacity"] = (cap[0]["interleaved_median_ms"]
+                                                      / row["interleaved_median_ms"])
       if "short_batch_median_ms" in row and "short_batch_median_ms" in cap[0]:
         row["short_batch_speedup_vs_xla_capacity"] = (cap[0]["short_batch_median_ms"]
                                                       / row["short_batch_median_ms"])
@@ -465,7 +495,8 @@ def floor_ms(row: dict, which: str = "") -> float:
 
 def print_table(results):
   print(f"{'shape':14s} {'routing':9s} {'dir':7s} {'backend':20s} {'ms':>9s} {'floor':>8s} "
-        f"{'xfloor':>7s} {'hot':>8s} {'xhot':>6s} {'vs_cap':>7s} {'dropped':>8s}")
+        f"{'xfloor':>7s} {'hot':>8s} {'xhot':>6s} {'vs_cap':>7s} {'dropped':>8s} "
+        f"{'inter_ms':>9s} {'i_vs_cap':>8s}")
   for r in results:
     ms = r.get("median_ms")
     floor, hot = floor_ms(r), floor_ms(r, "hot_rank_")
@@ -474,7 +505,9 @@ def print_table(results):
           f"{r.get('x_over_floor', float('nan')):7.2f} {hot:8.2f} "
           f"{r.get('x_over_hot_rank_floor', float('nan')):6.2f} "
           f"{r.get('speedup_vs_xla_capacity', float('nan')):7.2f} "
-          f"{str(r.get('dropped', '')):>8s}")
+          f"{str(r.get('dropped', '')):>8s} "
+          f"{r.get('interleaved_median_ms', float('nan')):9.2f} "
+          f"{r.get('interleaved_speedup_vs_xla_capacity', float('nan')):8.2f}")
 
 
 def plot(results, path):

@@ -85,6 +85,8 @@ def test_moe_layer_records_times_and_checksums(tmp_path):
   assert {r["backend"] for r in rows} == {"xla_capacity", "xla_dropless_padded"} == set(skewed)
   for r in all_rows:
     assert r["median_ms"] > 0 and len(r["checksum"]) == 2 and "error" not in r
+    # both backends of a case timed again, interleaved round robin
+    assert r["interleaved_median_ms"] > 0 and r["interleaved_min_ms"] <= r["interleaved_median_ms"]
     assert r["short_batch_median_ms"] > 0 and r["reps"] <= 2
     # the skewed routing runs the executable the balanced one compiled, on other data
     assert r["executable_reused"] == (r["routing"] == "skewed")
@@ -362,3 +364,19 @@ def test_probe_variants_run_isolated(tmp_path):
   ok, bad = json.loads(path.read_text())["results"]
   assert ok["variant"] == "static_f32" and ok["returncode"] == 0 and ok["equal"] is True
   assert bad["returncode"] not in (0, None) and "no_such_variant" in bad["error_tail"]
+
+
+def test_time_interleaved_goes_round_robin():
+  """bench.common.time_interleaved_ms: trial by trial, one batch of `reps` calls per
+  name in turn (so a drift of the machine reaches every name alike), and each name's
+  median over its own batches."""
+  from bench import common
+  calls = []
+  fns = {name: ((lambda name=name: calls.append(name) or 0), reps)
+         for name, reps in (("a", 2), ("b", 1), ("c", 3))}
+  out = common.time_interleaved_ms(fns, trials=2)
+  assert calls == ["a", "a", "b", "c", "c", "c"] * 2
+  assert set(out) == {"a", "b", "c"}
+  assert all(v["trials"] == 2 and v["min_ms"] <= v["median_ms"] <= v["max_ms"]
+             for v in out.values())
+  assert [out[n]["reps"] for n in "abc"] == [2, 1, 3]
