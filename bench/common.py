@@ -139,18 +139,22 @@ def time_ms(fn, *args, trials: int = 7, min_batch_s: float = 0.05, max_reps: int
   block(fn(*args))
   one = max(time.perf_counter() - t0, 1e-6)
   reps = int(min(max_reps, max(1, min_batch_s / one)))
-  per_call = []
-  for _ in range(trials):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(reps):
-      out = fn(*args)
-      if sync_each:
-        block(out)
-    block(out)
-    per_call.append((time.perf_counter() - t0) / reps * 1e3)
+  per_call = [_batch_ms(fn, args, reps, sync_each) for _ in range(trials)]
   return dict(median_ms=statistics.median(per_call), min_ms=min(per_call),
               max_ms=max(per_call), reps=reps, trials=trials)
+
+
+def _batch_ms(fn, args, reps: int, sync_each: bool) -> float:
+  """ms per call of one batch of `reps` back-to-back calls, waited for at its end (each
+  call waited for with sync_each)."""
+  t0 = time.perf_counter()
+  out = None
+  for _ in range(reps):
+    out = fn(*args)
+    if sync_each:
+      block(out)
+  block(out)
+  return (time.perf_counter() - t0) / reps * 1e3
 
 
 def time_interleaved_ms(fns: dict, *args, trials: int = 5) -> dict:
@@ -163,15 +167,7 @@ def time_interleaved_ms(fns: dict, *args, trials: int = 5) -> dict:
   per_call = {name: [] for name in fns}
   for _ in range(trials):
     for name, (fn, reps) in fns.items():
-      t0 = time.perf_counter()
-      out = None
-      for _ in range(reps):
-        out = fn(*args)
-        if sync_each:
-          block(out)
-      block(out)
-      per_call[name].append((time.perf_counter() - t0) / reps * 1e3)
-      del out
+      per_call[name].append(_batch_ms(fn, args, reps, sync_each))
   return {name: dict(median_ms=statistics.median(v), min_ms=min(v), max_ms=max(v),
                      reps=fns[name][1], trials=trials) for name, v in per_call.items()}
 
