@@ -62,8 +62,8 @@ import os
 import sys
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from bench import common
 from bench.grouped_gemm import CONFIGS, group_sizes_for, time_fn
@@ -107,6 +107,13 @@ def _profile(fn, args, trace_dir: str, calls: int = 2) -> dict:
   return dict(span_per_call_ms=dev["span_per_call_us"] / 1e3,
               busy_per_call_ms=dev["busy_per_call_us"] / 1e3,
               kernels=dev["kernels"], timeline_one_call=dev["timeline"][-n:] if n else [])
+
+
+def _tile_variants(cfg, raster: int) -> list:
+  """(tag, KernelConfig) of the _rR rows: tiles in bands of `raster` row tiles,
+  block-aligned (tag "") and group-aligned ("_ga", KernelConfig.group_aligned_tiles)."""
+  cfg_r = dataclasses.replace(cfg, raster_rows=raster)
+  return [("", cfg_r), ("_ga", dataclasses.replace(cfg_r, group_aligned_tiles=True))]
 
 
 def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
@@ -185,10 +192,9 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   checks = {}
   for raster in rasters:
     # block-aligned tiles in bands (bits against row-major's), then group-aligned ones
-    # (KernelConfig.group_aligned_tiles; bits against the banded block-aligned's)
-    cfg_r = dataclasses.replace(cfg, raster_rows=raster)
+    # (bits against the banded block-aligned's)
     reference = ffn_row_major
-    for tag, c in (("", cfg_r), ("_ga", dataclasses.replace(cfg_r, group_aligned_tiles=True))):
+    for tag, c in _tile_variants(cfg, raster):
       t(f"gate_up_fwd_skip_r{raster}{tag}", gate_up(cfg.block_k, c), x, wgu_p, gs)
       variant = jax.jit(ffn(c, zero_dead_rows=False, fuse_da_epilogue=True))
       t(f"ffn_fwdbwd_skip_fused_da_r{raster}{tag}", variant, x, wgu, wd, gs, dy)
@@ -213,10 +219,8 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
     cases = [("ffn_fwdbwd_skip_fused_da", ffn(zero_dead_rows=False, fuse_da_epilogue=True),
               (x, wgu, wd, gs, dy))]
     for raster in rasters:   # the layer's tile order, block-aligned and group-aligned tiles
-      cfg_r = dataclasses.replace(cfg, raster_rows=raster)
-      for tag, c in ((f"_r{raster}", cfg_r),
-                     (f"_r{raster}_ga", dataclasses.replace(cfg_r, group_aligned_tiles=True))):
-        cases.append((f"ffn_fwdbwd_skip_fused_da{tag}",
+      for tag, c in _tile_variants(cfg, raster):
+        cases.append((f"ffn_fwdbwd_skip_fused_da_r{raster}{tag}",
                       ffn(c, zero_dead_rows=False, fuse_da_epilogue=True), (x, wgu, wd, gs, dy)))
     if alt is not None:
       alt_w = (wg, wu, wd) if "w_gate" in inspect.signature(alt.grouped_swiglu_ffn).parameters \
@@ -244,7 +248,7 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm, dense=gemm)
   for raster in rasters:
-    for tag in ("", "_ga"):
+    for tag, _ in _tile_variants(cfg, raster):
       flops[f"gate_up_fwd_skip_r{raster}{tag}"] = 2 * gemm
       flops[f"ffn_fwdbwd_skip_fused_da_r{raster}{tag}"] = 9 * gemm
   tflops = {k: (flops[k] / (v * 1e-3) / 1e12 if v else None) for k, v in ms.items()}

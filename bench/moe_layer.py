@@ -378,7 +378,7 @@ def main(argv=None):
                         rank_rows=loads["rows"],
                         receive_buffer_bytes=uniep_jax.receive_buffer_bytes(
                             shape.tokens, shape.top_k, shape.hidden, ep))
-        timed = {}   # backend -> (fn, reps, row): the interleaved pass below
+        timed = {}   # backend -> (fn, row): the interleaved pass below
         for backend in backends:
           if time.time() - t_start > args.budget_s:
             skipped.append(dict(shape=name, routing=routing, direction=direction,
@@ -410,7 +410,7 @@ def main(argv=None):
             # dispatch is exposed and divided by the few calls of the batch
             short = common.time_ms(fn, x, p, trials=5, min_batch_s=0.1, max_reps=10)
             row["short_batch_median_ms"], row["short_batch_reps"] = short["median_ms"], short["reps"]
-            timed[backend] = (fn, row["reps"], row)
+            timed[backend] = (fn, row)
             out = fn(x, p)
             if direction == "fwd":
               row["dropped"] = int(out[1])
@@ -428,9 +428,9 @@ def main(argv=None):
         # the A/B the medians above cannot give when the machine drifts over the run
         if args.interleaved_trials and len(timed) > 1 and time.time() - t_start <= args.budget_s:
           try:
-            inter = common.time_interleaved_ms({b: (f, reps) for b, (f, reps, _) in timed.items()},
+            inter = common.time_interleaved_ms({b: (f, r["reps"]) for b, (f, r) in timed.items()},
                                                x, p, trials=args.interleaved_trials)
-            for b, (_, _, row) in timed.items():
+            for b, (_, row) in timed.items():
               row["interleaved_median_ms"] = inter[b]["median_ms"]
               row["interleaved_min_ms"] = inter[b]["min_ms"]
             _checkpoint(args, meta, dense, results, skipped, ep)
@@ -438,7 +438,7 @@ def main(argv=None):
                   flush=True)
           except Exception as e:  # noqa: BLE001
             traceback.print_exc(limit=2)
-            for _, _, row in timed.values():
+            for _, row in timed.values():
               row["interleaved_error"] = repr(e)[:300]
         del timed
       del x, p

@@ -115,12 +115,13 @@ class KernelConfig:
     expert holds a multiple of block_m rows, as in bench/ffn_ab.py's balanced split).
     Applies to the standalone row-tiled launches (gate/up, down, da, dx) and Kernel C's
     down GEMM (its tiles then signal the one or two chunks their rows touch); Kernels A
-    and B (and the fused backward's da, FusedConfig.backward) keep block-aligned tiles. Measured (H200, JAX 0.11.2): bench/ffn_ab.py --groups routed
-    on one GPU, deepseek-like FFN fwd+bwd at EP 4's rows 30.76 -> 30.02 ms, qwen3-like
-    6.19 -> 6.18; the layer at EP 2 (2x H200), deepseek-like uniep_dc_rbw_dd 42.48 ->
-    40.43 ms, qwen3-like level in the timing (8.90 / 9.28, inside the trials' spread;
-    its profile: span 9.37 -> 9.16 ms per call); at EP 4 (4x H200) qwen3-like 9.89 ->
-    9.90 (level). The bits do not depend on it (a row's result does not depend on its
+    and B (and the fused backward's da, FusedConfig.backward) keep block-aligned tiles.
+    Measured (H200, JAX 0.11.2): bench/ffn_ab.py --groups routed on one GPU,
+    deepseek-like FFN fwd+bwd at EP 4's rows 30.76 -> 30.02 ms, qwen3-like 6.19 ->
+    6.18; the layer at EP 2 (2x H200), deepseek-like uniep_dc_rbw_dd 42.48 -> 40.43
+    ms, qwen3-like level in the timing (8.90 / 9.28, inside the trials' spread; its
+    profile: span 9.37 -> 9.16 ms per call); at EP 4 (4x H200) qwen3-like 9.89 -> 9.90
+    (level). The bits do not depend on it (a row's result does not depend on its
     position in the tile; the same checksums in every run).
   """
 
