@@ -31,13 +31,6 @@ live rows balanced over the E/R local experts and M = factor x live rows
                    run: the tiles walked in bands of R row tiles;
                    every other row walks them row-major, raster_rows=1); its bits
                    against row-major's: fused_da_check["raster_R"]
-  da_huP           the da launch alone (mode "dswiglu": dy @ w_down^T, dh and du in its
-                   epilogue; dead tiles skipped) at KernelConfig.hu_prefetch = P for P in
-                   --hu-prefetch (default 0,1,2), the FFN's default tiling otherwise
-  ffn_fwdbwd_layer_huP  the FFN fwd+bwd in the layer's mode at KernelConfig()'s
-                   defaults (raster auto, group-aligned tiles) with hu_prefetch = P; its
-                   bits against P = 0's: fused_da_check["hu_prefetch_P"] (also with
-                   --no-checks; needs 0 in --hu-prefetch)
   dense            jnp.dot of one GEMM's FLOPs (cuBLAS), the rate to compare with
   alt_ffn_fwdbwd   with --alt PATH: that module's grouped_swiglu_ffn fwd+bwd
                    (zero_dead_rows=False, fuse_da_epilogue=True; separate w_gate,
@@ -126,8 +119,7 @@ def _tile_variants(cfg, raster: int) -> list:
 def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
               profile_dir: str | None = None, skip_timing: bool = False,
               rows: set | None = None, checks_on: bool = True,
-              rasters: tuple = (8,), groups: str = "balanced",
-              hu_prefetches: tuple = (0, 1, 2)) -> dict:
+              rasters: tuple = (8,), groups: str = "balanced") -> dict:
   # the baseline rows walk the tiles row-major, in block-aligned row tiles (the _ga rows:
   # group-aligned, KernelConfig's default since 2026-11-28)
   cfg = KernelConfig(raster_rows=1, group_aligned_tiles=False)
@@ -196,25 +188,8 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
   t("dx", lambda a, b, s: gg._row_tiled_call(
       [a], [b], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
     dhu, gg._pad_axis(wgu_p, 1, h_out), gs)
-  checks = {}
-  # KernelConfig.hu_prefetch: the da launch alone, and the FFN at the layer's defaults
-  h_res = jax.random.normal(ks[2], (m, f_p), bf)
-  u_res = jax.random.normal(ks[3], (m, f_p), bf)
-  h_k = gg._round_up(h, cfg.block_k)
-  wd_t = gg._pad_axis(gg._pad_axis(wd, 1, f_p), 2, h_k)           # [G, F_p, H]: w_down^T
-  layer_ffns = {}
-  for p in hu_prefetches:
-    c = KernelConfig(hu_prefetch=p)
-    t(f"da_hu{p}", lambda a, b, s, hh, uu, c=c: gg._row_tiled_call(
-        [a], [b], s, mode="dswiglu", transpose_b=True, out_dtype=bf, save_hu=False, config=c,
-        interpret=False, zero_window=c.block_k, epi_inputs=(hh, uu)),
-      dy, wd_t, gs, h_res, u_res)
-    layer_ffns[p] = jax.jit(ffn(c, zero_dead_rows=False, fuse_da_epilogue=True))
-    t(f"ffn_fwdbwd_layer_hu{p}", layer_ffns[p], x, wgu, wd, gs, dy)
-    if p and 0 in layer_ffns and (rows is None or f"ffn_fwdbwd_layer_hu{p}" in rows):
-      checks[f"hu_prefetch_{p}"] = _compare_bits(layer_ffns[0], layer_ffns[p],
-                                                 (x, wgu, wd, gs, dy), live)
   # the tile order: bands of R row tiles (KernelConfig.raster_rows), each R of `rasters`
+  checks = {}
   for raster in rasters:
     # block-aligned tiles in bands (bits against row-major's), then group-aligned ones
     # (bits against the banded block-aligned's)
@@ -272,9 +247,6 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
                gate_up_as_plain=2 * gemm, dx=2 * gemm,
                ffn_fwdbwd=9 * gemm, ffn_fwdbwd_skip=9 * gemm, ffn_fwdbwd_skip_fused_da=9 * gemm,
                alt_ffn_fwdbwd=9 * gemm, dense=gemm)
-  for p in hu_prefetches:
-    flops[f"da_hu{p}"] = gemm
-    flops[f"ffn_fwdbwd_layer_hu{p}"] = 9 * gemm
   for raster in rasters:
     for tag, _ in _tile_variants(cfg, raster):
       flops[f"gate_up_fwd_skip_r{raster}{tag}"] = 2 * gemm
@@ -351,9 +323,6 @@ def main(argv=None):
                   help="comma list: raster_rows of the _rR rows (one pair of rows each)")
   ap.add_argument("--groups", default="balanced", choices=("balanced", "routed"),
                   help="the experts' row counts: equal, or a multinomial draw (routing)")
-  ap.add_argument("--hu-prefetch", default="0,1,2",
-                  help="comma list: KernelConfig.hu_prefetch of the da_huP / ffn_fwdbwd_layer_huP "
-                       "rows ('' for none)")
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
@@ -371,8 +340,7 @@ def main(argv=None):
                             rows=set(args.rows.split(",")) if args.rows else None,
                             checks_on=not args.no_checks,
                             rasters=tuple(int(v) for v in args.raster.split(",")),
-                            groups=args.groups,
-                            hu_prefetches=tuple(int(v) for v in args.hu_prefetch.split(",") if v)))
+                            groups=args.groups))
       common.write_json(path, dict(meta, benchmark="ffn_ab", rows=rows))
   return 0
 

@@ -221,19 +221,7 @@ def _launch_of(config: KernelConfig, mode: str, in_dtype, out_dtype) -> "_Launch
   return _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
                  jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize,
                  epi_buffers=2 if mode == "dswiglu" else 1,
-                 epi_slots=(_hu_buffers(config, wg_n) if mode == "dswiglu"
-                            else config.epilogue_slots))
-
-
-def _hu_prefetch(config: KernelConfig, wg_n: int) -> int:
-  """Chunks of h, u a "dswiglu" tile loads during its mainloop (KernelConfig.hu_prefetch,
-  at most the warpgroup's chunks)."""
-  return min(config.hu_prefetch, wg_n // _EPI_N)
-
-
-def _hu_buffers(config: KernelConfig, wg_n: int) -> int:
-  """(h, u) buffer pairs per compute warpgroup of a "dswiglu" launch."""
-  return max(1, _hu_prefetch(config, wg_n))
+                 epi_slots=1 if mode == "dswiglu" else config.epilogue_slots)
 
 
 def _swizzle_transforms(dtype, minor: int):
@@ -373,53 +361,26 @@ def _silu_mul(h, u):
   return h * jax.nn.sigmoid(h) * u
 
 
-def _load_hu(h_gmem, u_gmem, hu_smem, hu_barrier, *, chunk: int, load_row, rows: int, col0):
-  """TMA-load h, u [rows, 64] of this warpgroup's chunk `chunk` (columns col0 + 64 chunk..,
-  rows load_row..) into its buffer pair chunk % buffers, arriving on that pair's barrier.
-  The caller has waited until earlier TMA stores have read the pair."""
-  wg = lax.axis_index("wg")
-  slots = hu_smem.shape[1]
-  slot = chunk % slots
-  col = col0 + chunk * _EPI_N
-  for i, src in enumerate((h_gmem, u_gmem)):
-    plgpu.copy_gmem_to_smem(src.at[pl.ds(load_row, rows), pl.ds(col, _EPI_N)],
-                            hu_smem.at[wg, slot, i], hu_barrier.at[wg * slots + slot])
-
-
-def _prefetch_hu(h_gmem, u_gmem, hu_smem, hu_barrier, *, chunks: int, load_row, rows: int,
-                 col0):
-  """KernelConfig.hu_prefetch: the loads of a "dswiglu" tile's first `chunks` chunks,
-  issued during its mainloop, once the previous tile's stores have read the buffers."""
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  for c in range(chunks):
-    _load_hu(h_gmem, u_gmem, hu_smem, hu_barrier, chunk=c, load_row=load_row, rows=rows,
-             col0=col0)
-
-
 def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load_row,
-                      smem_row, gmem_row, count, rows: int, col0, prefetched: int = 0):
+                      smem_row, gmem_row, count, rows: int, col0):
   """The "dswiglu" epilogue of one compute warpgroup: da [rows, wg_n] (f32, the
   accumulator) -> dh, du of the same rows and F columns, chunk by chunk:
-    TMA-load h, u [rows, 64] (rows load_row.., the saved residuals) into one of this
-    warpgroup's buffer pairs (hu_smem [warpgroups, pairs, 2, rows, 64]; chunk c uses
-    pair c % pairs; the first `prefetched` chunks were loaded during the mainloop by
-    `_prefetch_hu`), wait its barrier, read them (each thread reads the
+    TMA-load h, u [rows, 64] (rows load_row.., the saved residuals) into this
+    warpgroup's buffer pair, wait its barrier, read them (each thread reads the
     elements it later overwrites: same layout, no cross-thread hazard), compute
       s = sigmoid(h), dh = da * u * s * (1 + h (1 - s)), du = da * h * s   (f32)
     write dh, du over h, u, fence, and store rows [lo, hi) with the TMA ladder.
-  Before a chunk's loads in the epilogue, earlier stores must have read the buffers.
+  Before each chunk's loads, the previous chunk's stores must have read the buffer.
   dhu_gmem: one [M, 2N] buffer [dh | du] (du's columns start at N)."""
   du_col_offset = dhu_gmem.shape[1] // 2
   wg = lax.axis_index("wg")
-  slots = hu_smem.shape[1]
+  buf = hu_smem.at[wg]
+  bar = hu_barrier.at[wg]
   for c in range(da.shape[1] // _EPI_N):
     col = col0 + c * _EPI_N
-    buf = hu_smem.at[wg, c % slots]
-    bar = hu_barrier.at[wg * slots + c % slots]
-    if c >= prefetched:
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      _load_hu(h_gmem, u_gmem, hu_smem, hu_barrier, chunk=c, load_row=load_row, rows=rows,
-               col0=col0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for i, src in enumerate((h_gmem, u_gmem)):
+      plgpu.copy_gmem_to_smem(src.at[pl.ds(load_row, rows), pl.ds(col, _EPI_N)], buf.at[i], bar)
     plgpu.barrier_wait(bar)
     h = buf.at[0][...].astype(jnp.float32)
     u = buf.at[1][...].astype(jnp.float32)
@@ -462,7 +423,6 @@ def _raster(s, num_tiles: int, n_tiles: int, rows: int):
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
                       b_col_offsets: tuple = (), epi_slots: int = 1, raster_rows: int = 1,
-                      hu_prefetch: int = 0,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, load_align: int,
                       block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
@@ -514,7 +474,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   a_transforms = _swizzle_transforms(in_dtype, block_k)
   b_transforms = _swizzle_transforms(in_dtype, block_k if transpose_b else cta_n)
 
-  def mma_step(idxs, *args, first_step_hook=None):
+  def mma_step(_, *args):
     *smems, accs = args
     a_smems, b_smems = smems[:num_a], smems[num_a:]
     wg_cols = pl.ds(lax.axis_index("wg") * wg_n, wg_n)
@@ -524,19 +484,17 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       else:
         b = b_smems[bi].at[:, wg_cols]
       plgpu.wgmma(accs[ci], a_smems[ai], b)
-    if first_step_hook is not None:   # while the first step's MMAs run
-      pl.when(idxs[0] == 0)(first_step_hook)
     plgpu.wgmma_wait(0)  # the stage is released (consumed) after this step
     return accs
 
-  def make_pipeline(compute_context, k_steps, first_step_hook=None):
+  def make_pipeline(compute_context, k_steps):
     a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms)
     if transpose_b:
       b_spec = plgpu.BlockSpec((cta_n, block_k), lambda ki: (0, ki), transforms=b_transforms)
     else:
       b_spec = plgpu.BlockSpec((block_k, cta_n), lambda ki: (ki, 0), transforms=b_transforms)
     return plgpu.emit_pipeline_warp_specialized(
-        functools.partial(mma_step, first_step_hook=first_step_hook),
+        mma_step,
         grid=(k_steps,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[a_spec] * num_a + [b_spec] * num_b,
@@ -563,10 +521,9 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   alloc_pipeline = make_pipeline(ignore, jnp.int32(k_iters))
 
   if mode == "dswiglu":   # h, u buffer pairs (also the output staging) + their barriers
-    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, 2, block_m, _EPI_N),
+    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, block_m, _EPI_N),
                                       out_gmems[0].dtype),
-                  hu_barrier=plgpu.Barrier(num_arrivals=2,
-                                           num_barriers=_NUM_COMPUTE_WGS * epi_slots))
+                  hu_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=_NUM_COMPUTE_WGS))
   else:
     scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N),
                                       out_gmems[0].dtype))
@@ -595,30 +552,23 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
             before_tile(load_row)
 
         k_steps = jnp.where(kind == _COMPUTE, k_iters, 0)
-        col0 = nt * cta_n + lax.axis_index("wg") * wg_n   # this warpgroup's first column
-        prefetch = None
-        if hu_prefetch:
-          prefetch = functools.partial(_prefetch_hu, *epi_in_gmems, epi_smem, hu_barrier,
-                                       chunks=hu_prefetch, load_row=load_row, rows=block_m,
-                                       col0=col0)
 
         def compute_context(eval_pipeline):
           def acc_scope(*accs):
-            if prefetch is not None:   # a zero tile has no first step
-              pl.when(k_steps == 0)(prefetch)
             eval_pipeline(tuple(accs))
             vals = [acc[...] for acc in accs]
             if mode == "swiglu":
               outs = [_silu_mul(vals[0], vals[1])] + (vals if save_hu else [])
             else:
               outs = vals
+            col0 = nt * cta_n + lax.axis_index("wg") * wg_n
             if mode == "dswiglu":
               if out_gmems_ is not None or gmem_row is not None:
                 raise ValueError("mode 'dswiglu' stores its own outputs: no walk() redirection")
               # one [m, 2n] output [dh | du]
               _dswiglu_epilogue(vals[0], *epi_in_gmems, out_gmems[0], epi_smem, hu_barrier,
                                 load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
-                                count=hi - lo, rows=block_m, col0=col0, prefetched=hu_prefetch)
+                                count=hi - lo, rows=block_m, col0=col0)
               return
             _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
@@ -628,8 +578,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
           pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
 
         a_views, b_views = operand_views(group, load_row, nt)
-        make_pipeline(compute_context, k_steps, prefetch)(*a_views, *b_views,
-                                                          allocations=pipeline_allocs)
+        make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
 
     if walk is not None:
       walk(lambda lin, out_gmems=None, gmem_row=None: tile(lin, out_gmems, gmem_row))
@@ -699,8 +648,7 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     weight_bytes = k * n * launch.num_b * jnp.dtype(in_dtype).itemsize
     raster = RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
-              epi_slots=launch.epi_slots, raster_rows=raster,
-              hu_prefetch=_hu_prefetch(config, wg_n) if mode == "dswiglu" else 0, m=m, k=k, n=n,
+              epi_slots=launch.epi_slots, raster_rows=raster, m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m, group_aligned), block_m=block_m,
               load_align=GROUP_TILE_ALIGN if group_aligned else block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)

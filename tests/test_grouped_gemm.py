@@ -157,59 +157,6 @@ def test_fused_modes_no_races(mode):
                          save_hu=False, config=CONFIG, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("prefetch,block_n", [(1, 128), (2, 128), (2, 256)])
-def test_dswiglu_hu_prefetch_changes_no_bit(prefetch, block_n):
-  """KernelConfig.hu_prefetch: the da launch's h, u loads of a tile's first chunks
-  issued during its mainloop (after the first k-step's MMAs; before the pipeline for a
-  zero tile of dead rows) instead of in the epilogue. Same bits as hu_prefetch=0, over
-  several tiles per CTA (barrier phases and buffer reuse across tiles), compute and zero
-  tiles, 2 chunks per warpgroup (block_n 128: prefetch 1 leaves the second chunk to the
-  epilogue, reusing the one buffer pair) and 4 (block_n 256 with 2 pairs: chunks 2, 3
-  reuse the prefetched pairs). The race detector is on; the interpret mode runs TMA
-  synchronously, so a missing wait shows only on the GPU (bench/ffn_ab.py's check)."""
-  import dataclasses
-  m, k, n = 256, 128, 512
-  ks = jax.random.split(jax.random.key(11), 4)
-  gs = jnp.asarray(GROUP_SIZES)
-  g = len(GROUP_SIZES)
-  dy, wd = rand(ks[0], (m, k)), rand(ks[1], (g, n, k), k**-0.5)
-  total = int(GROUP_SIZES.sum())
-  h, u = rand(ks[2], (m, n)).at[total:].set(0), rand(ks[3], (m, n)).at[total:].set(0)
-  base = dataclasses.replace(CONFIG, block_n=block_n)
-
-  def da(cfg, interpret):
-    return gg._row_tiled_call([dy], [wd], gs, mode="dswiglu", transpose_b=True, out_dtype=BF16,
-                              save_hu=False, config=cfg, interpret=interpret, epi_inputs=(h, u))
-
-  reference = jax.jit(functools.partial(da, base, INTERPRET))()
-  variant = jax.jit(functools.partial(da, dataclasses.replace(base, hu_prefetch=prefetch),
-                                      INTERPRET_RACES))()
-  assert_no_races()
-  chex.assert_trees_all_equal(variant, reference)
-  np.testing.assert_array_equal(f32(reference[0][total:]), 0.0)
-
-
-def test_hu_prefetch_buffers_and_stages():
-  """Each prefetched chunk is one more (h, u) buffer pair per warpgroup (32 KiB bf16 at
-  block_m 128): at 128/128/64 two pairs leave room for 2 of 3 stages; the knob is
-  validated."""
-  import dataclasses
-  params = lambda cfg: gg.row_tiled_params(  # noqa: E731
-      4096, 4096, 1024, 2, mode="dswiglu", transpose_b=True, out_dtype=BF16, in_dtype=BF16,
-      save_hu=False, config=cfg)
-  cfg = KernelConfig()
-  assert params(cfg)["stages"] == 3 and params(cfg)["hu_prefetch"] == 0
-  assert params(dataclasses.replace(cfg, hu_prefetch=1))["stages"] == 3
-  two = params(dataclasses.replace(cfg, hu_prefetch=2))
-  assert two["stages"] == 2 and two["epi_slots"] == 2 and two["hu_prefetch"] == 2
-  # other modes ignore it
-  assert gg.row_tiled_params(4096, 4096, 1024, 2, mode="plain", transpose_b=False,
-                             out_dtype=BF16, in_dtype=BF16, save_hu=False,
-                             config=dataclasses.replace(cfg, hu_prefetch=2))["hu_prefetch"] == 0
-  with pytest.raises(ValueError, match="hu_prefetch=3 must be 0, 1 or 2"):
-    KernelConfig(hu_prefetch=3)
-
-
 def test_grouped_matmul_gradients():
   m, k, n = 256, 96, 128
   ks = jax.random.split(jax.random.key(4), 3)

@@ -123,14 +123,6 @@ class KernelConfig:
     profile: span 9.37 -> 9.16 ms per call); at EP 4 (4x H200) qwen3-like 9.89 -> 9.90
     (level). The bits do not depend on it (a row's result does not depend on its
     position in the tile; the same checksums in every run).
-  hu_prefetch: the da launch (mode "dswiglu") reads the saved h, u of each tile in its
-    epilogue, 64 columns ("a chunk") at a time, to write dh, du. 0: each chunk's
-    loads are issued in the epilogue and waited for there (two round trips to HBM per
-    tile with block_n 128, the compute warpgroups idle). n >= 1: the first n chunks of
-    the tile are loaded into n buffer pairs per warpgroup while its mainloop runs
-    (issued after the first k-step's MMAs); the rest as before. Each buffer pair is
-    32 KiB per warpgroup (bf16, block_m 128), so n = 2 leaves room for 2 pipeline
-    stages instead of 3 (the stage count fits itself). The bits do not depend on it.
   """
 
   block_m: int = 128
@@ -141,7 +133,6 @@ class KernelConfig:
   epilogue_slots: int = 1
   raster_rows: Optional[int] = None
   group_aligned_tiles: bool = True
-  hu_prefetch: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -156,8 +147,6 @@ class KernelConfig:
       raise ValueError(f"epilogue_slots={self.epilogue_slots} must be 1 or 2")
     if self.raster_rows is not None and self.raster_rows < 1:
       raise ValueError(f"raster_rows={self.raster_rows} must be >= 1 (or None: auto)")
-    if self.hu_prefetch not in (0, 1, 2):
-      raise ValueError(f"hu_prefetch={self.hu_prefetch} must be 0, 1 or 2")
 
 
 @dataclasses.dataclass(frozen=True)
