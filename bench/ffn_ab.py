@@ -36,7 +36,9 @@ live rows balanced over the E/R local experts and M = factor x live rows
                    (zero_dead_rows=False, fuse_da_epilogue=True; separate w_gate,
                    w_up if its signature takes them), e.g. an earlier version:
                    `git show REV:pallas_kernels/grouped_gemm.py > abtmp/gg_alt.py`
-                   (abtmp/ in .git/info/exclude, carried to the device)
+                   (abtmp/ in .git/info/exclude: name it in the device call's carry);
+                   fused_da_check["alt_bits"]: ffn_fwdbwd_skip_fused_da's bits against
+                   it (same config), for a change that must not change any
 
   --groups balanced (default: the live rows split equally, every expert a multiple of
   128 rows on the four shapes) | routed (a multinomial draw of the live rows over the
@@ -212,8 +214,10 @@ def run_shape(shape, dead_factor: int, alt, reps: int, trials: int,
       t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, **alt_kw)),
         x, wg, wu, wd, gs, dy)
     else:
-      t("alt_ffn_fwdbwd", _fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, **alt_kw)),
-        x, wgu, wd, gs, dy)
+      alt_fn = jax.jit(_fwdbwd(lambda *a: alt.grouped_swiglu_ffn(*a, **alt_kw)))
+      t("alt_ffn_fwdbwd", alt_fn, x, wgu, wd, gs, dy)
+      if rows is None or "alt_ffn_fwdbwd" in rows:   # same config: the same bits expected
+        checks["alt_bits"] = _compare_bits(alt_fn, ffn_row_major, (x, wgu, wd, gs, dy), live)
   profiles = {}
   if profile_dir is not None:
     cases = [("ffn_fwdbwd_skip_fused_da", ffn(zero_dead_rows=False, fuse_da_epilogue=True),

@@ -107,13 +107,22 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
     np.testing.assert_array_equal(f32(out[g]), 0.0)
 
 
-@pytest.mark.parametrize("mode", ["swiglu", "dswiglu"])
-def test_fused_modes_no_races(mode):
+# Groups holding whole 128-row tiles beside partial ones (group-aligned tiles: the
+# expert at row 337 starts its tiles at row 336, so its first tile is partial too); 104
+# dead rows. Full tiles take the swizzled epilogue path, partial ones the ladder.
+GROUP_SIZES_FULL_TILES = np.array([0, 300, 37, 200, 0, 127], np.int32)  # sum 664 of M = 768
+
+
+@pytest.mark.parametrize("mode,group_sizes", [("swiglu", GROUP_SIZES), ("dswiglu", GROUP_SIZES),
+                                              ("swiglu", GROUP_SIZES_FULL_TILES),
+                                              ("dswiglu", GROUP_SIZES_FULL_TILES)])
+def test_fused_modes_no_races(mode, group_sizes):
   """The fused variants of the row-tiled kernel against their definition."""
-  m, k, n = 256, 128, 128
+  m = 256 if group_sizes is GROUP_SIZES else 768
+  k, n = 128, 128
   ks = jax.random.split(jax.random.key(3), 4)
-  gs = jnp.asarray(GROUP_SIZES)
-  g = len(GROUP_SIZES)
+  gs = jnp.asarray(group_sizes)
+  g = len(group_sizes)
   if mode == "swiglu":
     # on w_gate_up [g, k, 2n] = [w_gate | w_up], read at column offsets 0 and n
     x = rand(ks[0], (m, k))
@@ -138,7 +147,7 @@ def test_fused_modes_no_races(mode):
     # rows (past the groups) come back zero
     n = 256                                   # a plain-width launch: CTA tile 2 x 128
     dy, wd = rand(ks[0], (m, k)), rand(ks[1], (g, n, k), k**-0.5)
-    total = int(GROUP_SIZES.sum())
+    total = int(group_sizes.sum())
     h, u = rand(ks[2], (m, n)).at[total:].set(0), rand(ks[3], (m, n)).at[total:].set(0)
     (dhu,) = gg._row_tiled_call([dy], [wd], gs, mode="dswiglu", transpose_b=True,
                                 out_dtype=BF16, save_hu=False, config=CONFIG,
