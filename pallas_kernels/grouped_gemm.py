@@ -61,16 +61,10 @@ SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 3 stages; up to 4 fi
   per stage  A [block_m, block_k] per lhs operand (16 KiB) and
              B [block_k, 2 wg_n] per rhs operand (16 or 32 KiB), 128B swizzle;
              48 KiB;
-  epilogue   per compute warpgroup [slots, block_m, 64] in the output dtype (16 KiB
-             per slot in bf16; slots = KernelConfig.epilogue_slots, 1 by default;
-             "dswiglu" has [2 (h, u), block_m, 64] instead). In bf16 one allocation
-             per warpgroup with two views (`_epilogue_scratch`, a plgpu.RefUnion):
-             128B-swizzled in 8-row tiles for a full tile (all block_m rows, stored
-             at a row that is a multiple of 8: one TMA per chunk, and register stores
-             without bank conflicts), unswizzled for a partial tile, whose row range
-             can start anywhere (the ladder below). Until 2026-11-28 every tile went
-             unswizzled: the WGMMA layout's 8 rows per warp access then hit the same
-             banks (8-way conflicts), which made short-K launches' epilogues slow.
+  epilogue   [2 warpgroups, slots, block_m, 64] in the output dtype, unswizzled so
+             a row range can start anywhere (16 KiB per warpgroup and slot in
+             bf16; slots = KernelConfig.epilogue_slots, 1 by default; "dswiglu"
+             has its own [2 warpgroups, 2 (h, u), block_m, 64]).
   `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB).
 
 Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
@@ -92,7 +86,7 @@ Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
                before chunk i >= 2 waits for chunk i - 2's, `_store_epilogue`);
                then `commit_smem()` (proxy fence) before the TMA store. No
                barrier is shared between warpgroups in the epilogue.
-Partial row ranges (unswizzled view) are stored with a ladder of power-of-two-row TMA stores
+Partial row ranges are stored with a ladder of power-of-two-row TMA stores
 (block_m, block_m/2, ..., 1 rows; the bits of hi - lo), so rows outside
 [lo, hi) are never written.
 
@@ -329,100 +323,35 @@ def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int]
 # ----------------------------------------------------------------------------
 
 
-def _epilogue_scratch(shape, dtype):
-  """The SMEM staging of an epilogue: one allocation of `shape` (..., rows, _EPI_N) per
-  compute warpgroup. With a 2-byte dtype each is seen two ways (`plgpu.RefUnion`):
-  unswizzled and row-addressable (any row range: the TMA ladder of a partial tile) and
-  128B-swizzled in 8-row tiles (a full tile: register stores and loads free of bank
-  conflicts, one TMA per chunk). Unswizzled, the 8 rows a warp's WGMMA-layout access
-  touches all start in the same bank (rows of 128 B): an 8-way conflict on every staged
-  chunk. A warpgroup uses one view of its own allocation at a time; one union per
-  warpgroup keeps that contract per buffer (`_epilogue_views`). Other dtypes: the
-  unswizzled view only."""
-  def one():
-    if jnp.dtype(dtype).itemsize != 2:
-      return plgpu.SMEM(shape, dtype)
-    return plgpu.RefUnion(plgpu.SMEM(shape, dtype),
-                          plgpu.SMEM(shape, dtype, transforms=_swizzle_transforms(dtype, _EPI_N)))
-  return tuple(one() for _ in range(_NUM_COMPUTE_WGS))
-
-
-# rows of one swizzled SMEM tile of the epilogue (TilingTransform((8, ...))): a swizzled
-# TMA store's first global row must be a multiple of it
-_SWIZZLE_ROWS = 8
-
-
-def _full_tile(smem_row, gmem_row, count, rows: int):
-  """Does a tile's store go through the swizzled view: all `rows` rows from SMEM row 0,
-  to a global row that is a multiple of _SWIZZLE_ROWS (the tiles of the standalone
-  launches store at their load row; Kernel C's returned rows may start anywhere)."""
-  return (smem_row == 0) & (count == rows) & (gmem_row % _SWIZZLE_ROWS == 0)
-
-
-def _epilogue_views(scratch, dtype):
-  """Per compute warpgroup, (unswizzled, swizzled or None): the views of an
-  `_epilogue_scratch(shape, dtype)` allocation inside its scope."""
-  if jnp.dtype(dtype).itemsize != 2:
-    return [(ref, None) for ref in scratch]
-  return [tuple(union) for union in scratch]
-
-
-def _per_warpgroup(views, body):
-  """body(unswizzled, swizzled) on this compute warpgroup's own epilogue buffers (a
-  static choice per warpgroup, so each union is only ever touched by its owner)."""
-  wg = lax.axis_index("wg")
-  for w, (plain, swizzled) in enumerate(views):
-    pl.when(wg == w)(functools.partial(body, plain, swizzled))
-
-
 def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, rows: int,
-                    col0, ragged: bool, epi_swizzled=None):
+                    col0, ragged: bool):
   """Each compute warpgroup stores its [rows, wg_n] values through its own SMEM
-  slots (epi_smem [slots, rows, _EPI_N], this warpgroup's), chunk by chunk (see the module
+  slots (epi_smem [warpgroups, slots, rows, _EPI_N]), chunk by chunk (see the module
   doc, "epilogue"). One slot: before each chunk, wait until every earlier TMA store
   has read the slot. Two slots (KernelConfig.epilogue_slots=2): chunk i goes through
   slot i % 2 and its stores are ONE bulk-async group, so chunk i is written while
   chunk i - 1's store is still reading the other slot; before chunk i >= 2, wait
   until at most one group (chunk i - 1's) is pending, i.e. chunk i - 2's store, the
   last reader of this slot, is done; before the tile's first chunk wait for all (the
-  previous tile's stores, done long before after a whole mainloop).
-  epi_swizzled: the swizzled view of the same slots (`_epilogue_scratch`), or None. A
-  full tile (all `rows` rows, from SMEM row 0; every tile when not `ragged`) goes through
-  it with one TMA per chunk; a partial one through epi_smem and the ladder."""
-  slots = epi_smem.shape[0]
+  previous tile's stores, done long before after a whole mainloop)."""
+  wg = lax.axis_index("wg")
+  slots = epi_smem.shape[1]
   per_store = slots == 1   # one slot: each store its own group (as measured before)
-  full = None
-  if epi_swizzled is not None and ragged:
-    full = _full_tile(smem_row, gmem_row, count, rows)
   i = 0
   for val, out_gmem in zip(vals, out_gmems):
     for c in range(val.shape[1] // _EPI_N):
-      slot = epi_smem.at[i % slots]
+      slot = epi_smem.at[wg, i % slots]
       if slots == 1 or i == 0:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
       elif i >= slots:
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-      chunk = val[:, c * _EPI_N:(c + 1) * _EPI_N].astype(slot.dtype)
+      slot[...] = val[:, c * _EPI_N:(c + 1) * _EPI_N].astype(slot.dtype)
+      plgpu.commit_smem()
       dst = out_gmem.at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)]
-
-      def store_full(slot):
-        slot[...] = chunk
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(pl.multiple_of(gmem_row, _SWIZZLE_ROWS), rows)],
-                                commit_group=per_store)
-
-      def store_ragged():
-        slot[...] = chunk
-        plgpu.commit_smem()
+      if ragged:
         ladder_store(slot, dst, smem_row, gmem_row, count, rows, commit_group=per_store)
-
-      if not ragged:
-        store_full(slot if epi_swizzled is None else epi_swizzled.at[i % slots])
-      elif full is None:
-        store_ragged()
       else:
-        pl.when(full)(lambda: store_full(epi_swizzled.at[i % slots]))
-        pl.when(~full)(store_ragged)
+        plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)], commit_group=per_store)
       if not per_store:
         plgpu.commit_smem_to_gmem_group()
       i += 1
@@ -433,59 +362,35 @@ def _silu_mul(h, u):
 
 
 def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load_row,
-                      smem_row, gmem_row, count, rows: int, col0, hu_swizzled=None):
+                      smem_row, gmem_row, count, rows: int, col0):
   """The "dswiglu" epilogue of one compute warpgroup: da [rows, wg_n] (f32, the
   accumulator) -> dh, du of the same rows and F columns, chunk by chunk:
     TMA-load h, u [rows, 64] (rows load_row.., the saved residuals) into this
-    warpgroup's buffer pair (hu_smem [2, rows, 64]), wait its barrier (hu_barrier), read them (each thread reads the
+    warpgroup's buffer pair, wait its barrier, read them (each thread reads the
     elements it later overwrites: same layout, no cross-thread hazard), compute
       s = sigmoid(h), dh = da * u * s * (1 + h (1 - s)), du = da * h * s   (f32)
     write dh, du over h, u, fence, and store rows [lo, hi) with the TMA ladder.
   Before each chunk's loads, the previous chunk's stores must have read the buffer.
-  dhu_gmem: one [M, 2N] buffer [dh | du] (du's columns start at N).
-  hu_swizzled: the swizzled view of hu_smem (`_epilogue_scratch`), or None. The loads
-  (always all `rows` rows) then land in it and are read from it free of bank
-  conflicts; a full tile writes dh, du back in place and stores each with one TMA, a
-  partial one waits until the whole warpgroup has read h, u (the two views map the
-  bytes differently) and writes them through hu_smem for the ladder."""
+  dhu_gmem: one [M, 2N] buffer [dh | du] (du's columns start at N)."""
   du_col_offset = dhu_gmem.shape[1] // 2
-  buf = hu_smem
-  load_buf = buf if hu_swizzled is None else hu_swizzled
-  bar = hu_barrier
-  full = None if hu_swizzled is None else _full_tile(smem_row, gmem_row, count, rows)
+  wg = lax.axis_index("wg")
+  buf = hu_smem.at[wg]
+  bar = hu_barrier.at[wg]
   for c in range(da.shape[1] // _EPI_N):
     col = col0 + c * _EPI_N
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for i, src in enumerate((h_gmem, u_gmem)):
-      plgpu.copy_gmem_to_smem(src.at[pl.ds(load_row, rows), pl.ds(col, _EPI_N)], load_buf.at[i],
-                              bar)
+      plgpu.copy_gmem_to_smem(src.at[pl.ds(load_row, rows), pl.ds(col, _EPI_N)], buf.at[i], bar)
     plgpu.barrier_wait(bar)
-    h = load_buf.at[0][...].astype(jnp.float32)
-    u = load_buf.at[1][...].astype(jnp.float32)
+    h = buf.at[0][...].astype(jnp.float32)
+    u = buf.at[1][...].astype(jnp.float32)
     dh, du = swiglu_grad(da[:, c * _EPI_N:(c + 1) * _EPI_N], h, u)
-    dh, du = dh.astype(buf.dtype), du.astype(buf.dtype)
-
-    def store(dst_buf, ladder: bool):
-      dst_buf.at[0][...] = dh
-      dst_buf.at[1][...] = du
-      plgpu.commit_smem()
-      for i, offset in enumerate((0, du_col_offset)):
-        dst = dhu_gmem.at[:, pl.ds(offset + col, _EPI_N)]
-        if ladder:
-          ladder_store(dst_buf.at[i], dst, smem_row, gmem_row, count, rows)
-        else:
-          plgpu.copy_smem_to_gmem(dst_buf.at[i],
-                                  dst.at[pl.ds(pl.multiple_of(gmem_row, _SWIZZLE_ROWS), rows)])
-
-    if hu_swizzled is None:
-      store(buf, ladder=True)
-    else:
-      pl.when(full)(lambda: store(load_buf, ladder=False))
-
-      @pl.when(~full)
-      def _partial():
-        plgpu.commit_smem()   # all of h, u read (swizzled view) before the unswizzled writes
-        store(buf, ladder=True)
+    buf.at[0][...] = dh.astype(buf.dtype)
+    buf.at[1][...] = du.astype(buf.dtype)
+    plgpu.commit_smem()
+    for i, offset in enumerate((0, du_col_offset)):
+      ladder_store(buf.at[i], dhu_gmem.at[:, pl.ds(offset + col, _EPI_N)], smem_row, gmem_row,
+                   count, rows)
 
 
 # ----------------------------------------------------------------------------
@@ -615,12 +520,13 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   # Dynamic grid (k_steps is traced) so the allocation matches every tile's pipeline.
   alloc_pipeline = make_pipeline(ignore, jnp.int32(k_iters))
 
-  out_dtype = out_gmems[0].dtype
   if mode == "dswiglu":   # h, u buffer pairs (also the output staging) + their barriers
-    scoped = dict(epi_scratch=_epilogue_scratch((2, block_m, _EPI_N), out_dtype),
+    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 2, block_m, _EPI_N),
+                                      out_gmems[0].dtype),
                   hu_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=_NUM_COMPUTE_WGS))
   else:
-    scoped = dict(epi_scratch=_epilogue_scratch((epi_slots, block_m, _EPI_N), out_dtype))
+    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N),
+                                      out_gmems[0].dtype))
 
   @functools.partial(
       pl.run_scoped,
@@ -628,9 +534,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       collective_axes="wg",
       **scoped,
   )
-  def _scope(pipeline_allocs, epi_scratch, hu_barrier=None):
-    epi_views = _epilogue_views(epi_scratch, out_dtype)
-
+  def _scope(pipeline_allocs, epi_smem, hu_barrier=None):
     def tile(lin, out_gmems_=None, gmem_row=None):
       t = lin // n_tiles
       nt = lin % n_tiles
@@ -662,16 +566,13 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
               if out_gmems_ is not None or gmem_row is not None:
                 raise ValueError("mode 'dswiglu' stores its own outputs: no walk() redirection")
               # one [m, 2n] output [dh | du]
-              wg = lax.axis_index("wg")
-              _per_warpgroup(epi_views, lambda hu, hu_swizzled: _dswiglu_epilogue(
-                  vals[0], *epi_in_gmems, out_gmems[0], hu, hu_barrier.at[wg],
-                  load_row=load_row, smem_row=lo - load_row, gmem_row=lo, count=hi - lo,
-                  rows=block_m, col0=col0, hu_swizzled=hu_swizzled))
+              _dswiglu_epilogue(vals[0], *epi_in_gmems, out_gmems[0], epi_smem, hu_barrier,
+                                load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
+                                count=hi - lo, rows=block_m, col0=col0)
               return
-            _per_warpgroup(epi_views, lambda epi, epi_swizzled: _store_epilogue(
-                outs, out_gmems if out_gmems_ is None else out_gmems_, epi,
-                smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
-                count=hi - lo, rows=block_m, col0=col0, ragged=True, epi_swizzled=epi_swizzled))
+            _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
+                            smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
+                            count=hi - lo, rows=block_m, col0=col0, ragged=True)
             if after_tile is not None:
               after_tile(lo, hi)
           pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
@@ -866,12 +767,10 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
       pl.run_scoped,
       pipeline_allocs=alloc_pipeline.get_allocations(
           lhs_gmem.at[:, pl.ds(0, cta_k)], dout_gmem.at[:, pl.ds(0, block_n)]),
-      epi_scratch=_epilogue_scratch((epi_slots, block_m, _EPI_N), out_gmem.dtype),
+      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N), out_gmem.dtype),
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, epi_scratch):
-    epi_views = _epilogue_views(epi_scratch, out_gmem.dtype)
-
+  def _scope(pipeline_allocs, epi_smem):
     def tile(lin):
       g = lin // (k_tiles * n_tiles)
       kt = (lin // n_tiles) % k_tiles
@@ -885,11 +784,9 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
         def acc_scope(acc):
           eval_pipeline(acc)
           wg = lax.axis_index("wg")
-          val = acc[...]
-          _per_warpgroup(epi_views, lambda epi, epi_swizzled: _store_epilogue(
-              [val], [out_gmem.at[g]], epi, smem_row=0, gmem_row=kt * cta_k + wg * block_m,
-              count=block_m, rows=block_m, col0=nt * block_n, ragged=False,
-              epi_swizzled=epi_swizzled))
+          _store_epilogue([acc[...]], [out_gmem.at[g]], epi_smem, smem_row=0,
+                          gmem_row=kt * cta_k + wg * block_m, count=block_m, rows=block_m,
+                          col0=nt * block_n, ragged=False)
         pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n), jnp.float32))
 
       make_pipeline(compute_context, num_blocks, first_block, start, end)(
