@@ -59,6 +59,8 @@
 #            (bench/ffn_ab.py; $FFNAB_ARGS its flags, e.g. "--shapes deepseek-like
 #            --groups routed --raster 8 --no-checks --profile"; traces under ffnab/trace_*
 #            are packed too)
+#   epiprobe one GPU: the short-K launches timed with parts of their epilogue removed
+#            (bench/epilogue_probe.py, timing only; $EPIPROBE_ARGS its flags)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -165,6 +167,8 @@ run_phase() {  # name seconds
                > "$dir/log" 2>&1 ;;
     smem)    timeout "$secs" python3 -m bench.smem_scalar_probe --out "$dir" > "$dir/log" 2>&1 ;;
     ffnab)   timeout "$secs" python3 -m bench.ffn_ab --out "$dir" ${FFNAB_ARGS:-} \
+               > "$dir/log" 2>&1 ;;
+    epiprobe) timeout "$secs" python3 -m bench.epilogue_probe --out "$dir" ${EPIPROBE_ARGS:-} \
                > "$dir/log" 2>&1 ;;
     teprobe) timeout "$secs" python3 -m bench.transfer_expand_probe --out "$dir" \
                ${TEPROBE_VARIANTS:+--variants "$TEPROBE_VARIANTS"} > "$dir/log" 2>&1 ;;

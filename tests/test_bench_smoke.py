@@ -380,3 +380,31 @@ def test_time_interleaved_goes_round_robin():
   assert all(v["trials"] == 2 and v["min_ms"] <= v["median_ms"] <= v["max_ms"]
              for v in out.values())
   assert [out[n]["reps"] for n in "abc"] == [2, 1, 3]
+
+
+def test_epilogue_probe_variants_change_the_kernel_and_restore():
+  """bench/epilogue_probe.py's variants each lower another Mosaic GPU program (the names
+  it swaps are the ones the kernel body looks up), and the module is whole again after."""
+  import jax
+  import jax.numpy as jnp
+  from bench import epilogue_probe as ep
+  from pallas_kernels import grouped_gemm as gg
+  from uniep_jax.config import KernelConfig
+  bf, s = jnp.bfloat16, jax.ShapeDtypeStruct
+  m, h, f, g = 1024, 256, 256, 2
+  fn = lambda dy, w, gs, hh, uu: gg._row_tiled_call(  # noqa: E731
+      [dy], [w], gs, mode="dswiglu", transpose_b=True, out_dtype=bf, save_hu=False,
+      epi_inputs=(hh, uu), config=KernelConfig(), interpret=False, zero_window=64)
+  args = (s((m, h), bf), s((g, f, h), bf), s((g,), jnp.int32), s((m, f), bf), s((m, f), bf))
+  sizes = {}   # the serialized kernel varies by a few bytes between lowerings: compare sizes
+  for v in ("as_is", "no_tma_store", "no_hu_loads", "no_epilogue", "as_is"):
+    with ep._variant(v):
+      sizes.setdefault(v, []).append(len(jax.jit(lambda *xs: fn(*xs)).trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text()))
+  assert abs(sizes["as_is"][0] - sizes["as_is"][1]) < 100
+  first = sorted(n[0] for n in sizes.values())
+  assert all(b - a > 1000 for a, b in zip(first, first[1:])), sizes
+  with pytest.raises(ValueError):
+    with ep._variant("bogus"):
+      pass
+  assert gg.ladder_store.__name__ == "ladder_store" and gg.plgpu.__name__.endswith("mosaic_gpu")

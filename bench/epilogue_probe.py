@@ -1,0 +1,153 @@
+"""Where the short-K grouped-GEMM launches lose their time: the epilogue or the tile restart?
+(ONE GPU, timing only: the probe variants compute wrong outputs on purpose.)
+
+At EP 4 the launches whose contraction is H (gate/up "swiglu", da "dswiglu") and the short
+down launch run 10-45% under the rate of the long-K ones (NOTES_grouped_gemm.md, "The short-K
+launches' excess"). Each launch is timed as built and with parts of its epilogue removed AT
+TRACE TIME, by swapping names the kernel body looks up in pallas_kernels.grouped_gemm while
+it is lowered (restored right after):
+
+  as_is        the kernel as built
+  no_tma_store gg.ladder_store a no-op: values still staged in SMEM, never stored
+  no_hu_loads  ("dswiglu" only) the epilogue's h, u TMA loads and their barrier wait gone:
+               it computes from whatever the buffers hold
+  no_epilogue  gg._store_epilogue / gg._dswiglu_epilogue no-ops: the mainloop (MMAs) and
+               the per-tile pipeline restart only
+
+as_is - no_epilogue is what the epilogue costs; no_epilogue against the FLOPs at the
+long-K rate is the restart's share.
+
+  python -m bench.epilogue_probe [--shapes qwen3-like,mixtral-like] [--out DIR]
+
+Writes epilogue_probe_<device>.json (median ms per launch and variant) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from bench.grouped_gemm import CONFIGS, time_fn
+from pallas_kernels import device as device_lib
+from pallas_kernels import grouped_gemm as gg
+from uniep_jax.config import KernelConfig
+
+
+def _noop(*_, **__):
+  return None
+
+
+class _PlgpuWithout(types.SimpleNamespace):
+  """plgpu as gg sees it, minus the named functions (no-ops)."""
+
+  def __init__(self, real, names):
+    super().__init__(_real=real, _names=frozenset(names))
+
+  def __getattr__(self, name):
+    if name in self._names:
+      return _noop
+    return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def _variant(name: str):
+  saved = dict(ladder_store=gg.ladder_store, _store_epilogue=gg._store_epilogue,
+               _dswiglu_epilogue=gg._dswiglu_epilogue, plgpu=gg.plgpu)
+  if name == "no_tma_store":
+    gg.ladder_store = _noop
+  elif name == "no_hu_loads":
+    gg.plgpu = _PlgpuWithout(saved["plgpu"], ("copy_gmem_to_smem", "barrier_wait"))
+  elif name == "no_epilogue":
+    gg._store_epilogue = _noop
+    gg._dswiglu_epilogue = _noop
+  elif name != "as_is":
+    raise ValueError(name)
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      setattr(gg, k, v)
+
+
+def run_shape(shape, reps: int, trials: int) -> dict:
+  cfg = KernelConfig()   # the layer's defaults (raster auto, group-aligned tiles)
+  g, live, h, f = shape.local_experts, shape.rows, shape.hidden, shape.ffn
+  m = 4 * live           # the receive layout at EP 4: three quarters dead, skipped
+  bf = jnp.bfloat16
+  ks = jax.random.split(jax.random.key(0), 6)
+  gs = jnp.asarray(np.random.default_rng(0).multinomial(live, np.full(g, 1.0 / g)), jnp.int32)
+  f_p = gg._swiglu_padded_f(f, cfg)
+  x = jax.random.normal(ks[0], (m, h), bf)
+  wgu = (jax.random.normal(ks[1], (g, h, 2 * f_p)) * h ** -0.5).astype(bf)
+  wd = (jax.random.normal(ks[2], (g, f_p, h)) * f_p ** -0.5).astype(bf)
+  a = jax.random.normal(ks[3], (m, f_p), bf)
+  hh = jax.random.normal(ks[4], (m, f_p), bf)
+  uu = jax.random.normal(ks[5], (m, f_p), bf)
+  dhu = jax.random.normal(ks[5], (m, 2 * f_p), bf)
+  kw = dict(config=cfg, interpret=False, zero_window=cfg.block_k)
+  launches = {
+      "gate_up_swiglu": (lambda x, w, s: gg._row_tiled_call(
+          [x], [w, w], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
+          b_col_offsets=(0, f_p), **kw), (x, wgu, gs), 2 * live * h * 2 * f),
+      "down_plain": (lambda a, w, s: gg._row_tiled_call(
+          [a], [w], s, mode="plain", transpose_b=False, out_dtype=bf, save_hu=False, **kw),
+          (a, wd, gs), 2 * live * f * h),
+      "da_dswiglu": (lambda dy, w, s, hh, uu: gg._row_tiled_call(
+          [dy], [w], s, mode="dswiglu", transpose_b=True, out_dtype=bf, save_hu=False,
+          epi_inputs=(hh, uu), **kw), (x, wd, gs, hh, uu), 2 * live * h * f),
+      "dx_plain_t": (lambda d, w, s: gg._row_tiled_call(
+          [d], [w], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
+          (dhu, wgu, gs), 2 * live * 2 * f * h),
+  }
+  ms, tflops = {}, {}
+  for lname, (fn, args, flops) in launches.items():
+    variants = ["as_is", "no_tma_store", "no_epilogue"]
+    if lname == "da_dswiglu":
+      variants.insert(2, "no_hu_loads")
+    for v in variants:
+      key = f"{lname}/{v}"
+      try:
+        with _variant(v):   # a new function object: jit's trace cache is keyed on it
+          compiled = jax.jit(lambda *xs, fn=fn: fn(*xs)).lower(*args).compile()
+        ms[key] = 1e3 * time_fn(compiled, *args, reps=reps, trials=trials)
+        tflops[key] = flops / (ms[key] * 1e-3) / 1e12
+      except Exception as e:  # noqa: BLE001 - record and go on
+        ms[key] = None
+        print(f"  {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      print(f"  {key:32s} {ms[key] and round(ms[key], 3)} ms "
+            f"{tflops.get(key) and round(tflops[key])} TFLOP/s", flush=True)
+  return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
+              group_sizes=[int(v) for v in jax.device_get(gs)], median_ms=ms, tflops=tflops)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--shapes", default="qwen3-like,mixtral-like")
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--trials", type=int, default=3)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  common.dump_stacks_on_usr1()
+  out = common.out_dir(args.out)
+  meta = common.run_metadata()
+  print(meta, flush=True)
+  rows = []
+  path = os.path.join(out, f"epilogue_probe_{device_lib.device_name()}.json")
+  for name in args.shapes.split(","):
+    print(f"[{name}]", flush=True)
+    rows.append(run_shape(CONFIGS[name], args.reps, args.trials))
+    common.write_json(path, dict(meta, benchmark="epilogue_probe", rows=rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
