@@ -89,7 +89,7 @@ def _variant(name: str):
       setattr(gg, k, v)
 
 
-def run_shape(shape, reps: int, trials: int) -> dict:
+def run_shape(shape, reps: int, trials: int, only=None) -> dict:
   cfg = KernelConfig()   # the layer's defaults (raster auto, group-aligned tiles)
   g, live, h, f = shape.local_experts, shape.rows, shape.hidden, shape.ffn
   m = 4 * live           # the receive layout at EP 4: three quarters dead, skipped
@@ -148,6 +148,7 @@ def run_shape(shape, reps: int, trials: int) -> dict:
     variants = ["as_is", "no_tma_store", "no_epilogue"]
     if lname == "da_dswiglu":
       variants.insert(2, "no_hu_loads")
+    variants = [v for v in variants if only is None or v in only]
     for v in variants:
       key = f"{lname}/{v}"
       try:
@@ -172,6 +173,8 @@ def main(argv=None):
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--trials", type=int, default=3)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--variants", default=None,
+                  help="comma list: time only these variants (the ping-pong rows always run)")
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
@@ -181,7 +184,8 @@ def main(argv=None):
   path = os.path.join(out, f"epilogue_probe_{device_lib.device_name()}.json")
   for name in args.shapes.split(","):
     print(f"[{name}]", flush=True)
-    rows.append(run_shape(CONFIGS[name], args.reps, args.trials))
+    rows.append(run_shape(CONFIGS[name], args.reps, args.trials,
+                          only=set(args.variants.split(",")) if args.variants else None))
     common.write_json(path, dict(meta, benchmark="epilogue_probe", rows=rows))
   return 0
 

@@ -31,8 +31,9 @@ Synchronisation (per CTA; every barrier's completions are each waited exactly on
 order, by one warpgroup, so the implicit phase tracking holds):
   produced[w, s]  arrivals 2 (the A and B TMA of a step): producer the memory
                   warpgroup, consumer compute warpgroup w before that step's wgmma.
-  consumed[w, s]  arrivals 1: producer compute warpgroup w after the step's
-                  `wgmma_wait(0)`, consumer the memory warpgroup before it refills
+  consumed[w, s]  arrivals 1: producer compute warpgroup w once the step's MMAs are
+                  done (`wgmma_wait(1)` after the next step's are issued, or the
+                  tile's final `wgmma_wait(0)`), consumer the memory warpgroup before it refills
                   slot s of ring w (and, at the end, for the last `stages` steps).
   turn[w]         arrivals 1: producer the other compute warpgroup when its mainloop
                   is done, consumer warpgroup w before each of its mainloops (but
@@ -157,18 +158,30 @@ def _kernel(plan_gmem, a_gmem, b_gmem, out_gmem, *, transpose_b: bool, k: int, n
           plgpu.barrier_wait(turn.at[wg])
 
         def acc_scope(acc):
+          # one k-step's MMAs stay in flight: step kk's are issued before step kk - 1's
+          # are waited for and its slot released (a single warpgroup keeps the tensor
+          # cores busy only if it never drains them between steps)
           def step(kk, c):
             slot = c % stages
             bar = wg * stages + slot
             plgpu.barrier_wait(produced.at[bar])
             b = b_ring.at[wg, slot]
             plgpu.wgmma(acc, a_ring.at[wg, slot], b.T if transpose_b else b)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[bar])
+            plgpu.wgmma_wait(1)
+
+            @pl.when(kk > 0)
+            def _release_previous():
+              plgpu.barrier_arrive(consumed.at[wg * stages + (c - 1) % stages])
             return c + 1
 
           c_next = lax.fori_loop(0, tile["k_steps"], step, c)
-          plgpu.barrier_arrive(turn.at[1 - wg])   # the other warpgroup's MMAs may start
+          # the other warpgroup's MMAs may start: they queue behind this tile's last ones
+          plgpu.barrier_arrive(turn.at[1 - wg])
+          plgpu.wgmma_wait(0)
+
+          @pl.when(tile["k_steps"] > 0)
+          def _release_last():
+            plgpu.barrier_arrive(consumed.at[wg * stages + (c_next - 1) % stages])
 
           @pl.when(tile["kind"] != gg._NONE)
           def _epilogue():
