@@ -15,10 +15,8 @@ it is lowered (restored right after):
                never holds: the mainloop (MMAs) and the per-tile pipeline restart only
 
 as_is - no_epilogue is what the epilogue costs; no_epilogue against the FLOPs at the
-long-K rate is the restart's share. Also the down and dx launches by the EXPERIMENTAL
-ping-pong kernel (pallas_kernels/pingpong_gemm.py: each compute warpgroup's epilogue
-behind the other's mainloop), "<launch>/pingpong", with its bits against as_is's
-(pingpong_bits: the live rows, and two runs).
+long-K rate is the restart's share. (Runs 3 and 4 also timed an
+experimental ping-pong kernel, removed since: NOTES_grouped_gemm.md.)
 
   python -m bench.epilogue_probe [--shapes qwen3-like,mixtral-like] [--out DIR]
 
@@ -42,7 +40,6 @@ from bench import common
 from bench.grouped_gemm import CONFIGS, time_fn
 from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
-from pallas_kernels import pingpong_gemm as pp
 from uniep_jax.config import KernelConfig
 
 
@@ -119,31 +116,7 @@ def run_shape(shape, reps: int, trials: int, only=None) -> dict:
           [d], [w], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
           (dhu, wgu, gs), 2 * live * 2 * f * h),
   }
-  # the EXPERIMENTAL ping-pong kernel (pallas_kernels/pingpong_gemm.py) on the plain launches
-  pingpong = {
-      "down_plain": lambda a, w, s: pp.pingpong_gmm(a, w, s, config=cfg, interpret=False,
-                                                    zero_window=cfg.block_k),
-      "dx_plain_t": lambda d, w, s: pp.pingpong_gmm(d, w, s, transpose_b=True, config=cfg,
-                                                    interpret=False, zero_window=cfg.block_k),
-  }
-  ms, tflops, bits = {}, {}, {}
-  for lname, fn in pingpong.items():
-    _, args, flops = launches[lname]
-    key = f"{lname}/pingpong"
-    try:
-      compiled = jax.jit(fn).lower(*args).compile()
-      ms[key] = 1e3 * time_fn(compiled, *args, reps=reps, trials=trials)
-      tflops[key] = flops / (ms[key] * 1e-3) / 1e12
-      ref = jax.jit(launches[lname][0])(*args)[0][:live]
-      got, again = compiled(*args)[:live], compiled(*args)[:live]
-      bits[key] = dict(bitwise_equal_to_as_is=bool((ref == got).all()),
-                       repeatable=bool((got == again).all()))
-    except Exception as e:  # noqa: BLE001 - record and go on
-      ms[key] = None
-      bits[key] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-      print(f"  {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    print(f"  {key:32s} {ms[key] and round(ms[key], 3)} ms "
-          f"{tflops.get(key) and round(tflops[key])} TFLOP/s {bits[key]}", flush=True)
+  ms, tflops = {}, {}
   for lname, (fn, args, flops) in launches.items():
     variants = ["as_is", "no_tma_store", "no_epilogue"]
     if lname == "da_dswiglu":
@@ -162,8 +135,7 @@ def run_shape(shape, reps: int, trials: int, only=None) -> dict:
       print(f"  {key:32s} {ms[key] and round(ms[key], 3)} ms "
             f"{tflops.get(key) and round(tflops[key])} TFLOP/s", flush=True)
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
-              group_sizes=[int(v) for v in jax.device_get(gs)], median_ms=ms, tflops=tflops,
-              pingpong_bits=bits)
+              group_sizes=[int(v) for v in jax.device_get(gs)], median_ms=ms, tflops=tflops)
 
 
 def main(argv=None):
@@ -174,7 +146,7 @@ def main(argv=None):
   ap.add_argument("--trials", type=int, default=3)
   ap.add_argument("--out", default=None)
   ap.add_argument("--variants", default=None,
-                  help="comma list: time only these variants (the ping-pong rows always run)")
+                  help="comma list: time only these variants")
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
