@@ -8,6 +8,9 @@ TRACE TIME, by swapping names the kernel body looks up in pallas_kernels.grouped
 it is lowered (restored right after):
 
   as_is        the kernel as built
+  slots2       KernelConfig.epilogue_slots=2 (not "dswiglu"): a chunk is staged while
+               the previous chunk's store still reads the other slot (are the waits
+               between a tile's chunks part of the cost?)
   no_tma_store gg.ladder_store a no-op: values still staged in SMEM, never stored
   no_hu_loads  ("dswiglu" only) the epilogue's h, u TMA loads and their barrier wait gone:
                it computes from whatever the buffers hold
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import types
@@ -77,7 +81,7 @@ def _variant(name: str):
       return wrapped
     gg._store_epilogue = never(saved["_store_epilogue"])
     gg._dswiglu_epilogue = never(saved["_dswiglu_epilogue"])
-  elif name != "as_is":
+  elif name not in ("as_is", "slots2"):   # slots2: a KernelConfig change, no patch
     raise ValueError(name)
   try:
     yield
@@ -101,29 +105,34 @@ def run_shape(shape, reps: int, trials: int, only=None) -> dict:
   hh = jax.random.normal(ks[4], (m, f_p), bf)
   uu = jax.random.normal(ks[5], (m, f_p), bf)
   dhu = jax.random.normal(ks[5], (m, 2 * f_p), bf)
-  kw = dict(config=cfg, interpret=False, zero_window=cfg.block_k)
-  launches = {
-      "gate_up_swiglu": (lambda x, w, s: gg._row_tiled_call(
-          [x], [w, w], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
-          b_col_offsets=(0, f_p), **kw), (x, wgu, gs), 2 * live * h * 2 * f),
-      "down_plain": (lambda a, w, s: gg._row_tiled_call(
-          [a], [w], s, mode="plain", transpose_b=False, out_dtype=bf, save_hu=False, **kw),
-          (a, wd, gs), 2 * live * f * h),
-      "da_dswiglu": (lambda dy, w, s, hh, uu: gg._row_tiled_call(
-          [dy], [w], s, mode="dswiglu", transpose_b=True, out_dtype=bf, save_hu=False,
-          epi_inputs=(hh, uu), **kw), (x, wd, gs, hh, uu), 2 * live * h * f),
-      "dx_plain_t": (lambda d, w, s: gg._row_tiled_call(
-          [d], [w], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
-          (dhu, wgu, gs), 2 * live * 2 * f * h),
-  }
+  def launches(c):
+    kw = dict(config=c, interpret=False, zero_window=c.block_k)
+    return {
+        "gate_up_swiglu": (lambda x, w, s: gg._row_tiled_call(
+            [x], [w, w], s, mode="swiglu", transpose_b=False, out_dtype=bf, save_hu=True,
+            b_col_offsets=(0, f_p), **kw), (x, wgu, gs), 2 * live * h * 2 * f),
+        "down_plain": (lambda a, w, s: gg._row_tiled_call(
+            [a], [w], s, mode="plain", transpose_b=False, out_dtype=bf, save_hu=False, **kw),
+            (a, wd, gs), 2 * live * f * h),
+        "da_dswiglu": (lambda dy, w, s, hh, uu: gg._row_tiled_call(
+            [dy], [w], s, mode="dswiglu", transpose_b=True, out_dtype=bf, save_hu=False,
+            epi_inputs=(hh, uu), **kw), (x, wd, gs, hh, uu), 2 * live * h * f),
+        "dx_plain_t": (lambda d, w, s: gg._row_tiled_call(
+            [d], [w], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
+            (dhu, wgu, gs), 2 * live * 2 * f * h),
+    }
+
   ms, tflops = {}, {}
-  for lname, (fn, args, flops) in launches.items():
-    variants = ["as_is", "no_tma_store", "no_epilogue"]
+  for lname in launches(cfg):
+    variants = ["as_is", "slots2", "no_tma_store", "no_epilogue"]
     if lname == "da_dswiglu":
-      variants.insert(2, "no_hu_loads")
+      variants.insert(3, "no_hu_loads")
+      variants.remove("slots2")   # its h, u buffers are its only staging
     variants = [v for v in variants if only is None or v in only]
     for v in variants:
       key = f"{lname}/{v}"
+      c = dataclasses.replace(cfg, epilogue_slots=2) if v == "slots2" else cfg
+      fn, args, flops = launches(c)[lname]
       try:
         with _variant(v):   # a new function object: jit's trace cache is keyed on it
           compiled = jax.jit(lambda *xs, fn=fn: fn(*xs)).lower(*args).compile()
