@@ -1,6 +1,8 @@
 """Where the short-K grouped-GEMM launches lose their time: the epilogue or the tile restart?
 (ONE GPU, timing only: the probe variants compute wrong outputs on purpose.)
 
+The wgrads (dw_gate_up, dw_down) too: their tiles' K is an expert's rows (~1024 on
+deepseek-like at EP 4), so their epilogue may matter as well.
 At EP 4 the launches whose contraction is H (gate/up "swiglu", da "dswiglu") and the short
 down launch run 10-45% under the rate of the long-K ones (NOTES_grouped_gemm.md, "The short-K
 launches' excess"). Each launch is timed as built and with parts of its epilogue removed AT
@@ -11,7 +13,8 @@ it is lowered (restored right after):
   slots2       KernelConfig.epilogue_slots=2 (not "dswiglu"): a chunk is staged while
                the previous chunk's store still reads the other slot (are the waits
                between a tile's chunks part of the cost?)
-  no_tma_store gg.ladder_store a no-op: values still staged in SMEM, never stored
+  no_tma_store gg.ladder_store (and the wgrad's plgpu.copy_smem_to_gmem) no-ops: values
+               still staged in SMEM, never stored
   no_hu_loads  ("dswiglu" only) the epilogue's h, u TMA loads and their barrier wait gone:
                it computes from whatever the buffers hold
   no_epilogue  gg._store_epilogue / gg._dswiglu_epilogue behind a run-time condition that
@@ -68,16 +71,17 @@ def _variant(name: str):
   saved = dict(ladder_store=gg.ladder_store, _store_epilogue=gg._store_epilogue,
                _dswiglu_epilogue=gg._dswiglu_epilogue, plgpu=gg.plgpu)
   if name == "no_tma_store":
-    gg.ladder_store = _noop
+    gg.ladder_store = _noop                                  # the row-tiled launches
+    gg.plgpu = _PlgpuWithout(saved["plgpu"], ("copy_smem_to_gmem",))   # the wgrad's
   elif name == "no_hu_loads":
     gg.plgpu = _PlgpuWithout(saved["plgpu"], ("copy_gmem_to_smem", "barrier_wait"))
   elif name == "no_epilogue":
-    # the epilogue behind a run-time condition that never holds (a tile's row count is
-    # never negative): the accumulator stays live, so the MMAs are kept (a plain no-op
-    # let MLIR drop them: 1150-1180 "TFLOP/s" on H200, over the 989 peak, run of ca33348)
+    # the epilogue behind a run-time condition that never holds (a tile's first output
+    # row is never negative): the accumulator stays live, so the MMAs are kept (a plain
+    # no-op let MLIR drop them: 1150-1180 "TFLOP/s" on H200, over the 989 peak, run 1)
     def never(fn):
-      def wrapped(*args, count, **kw):
-        pl.when(count < 0)(lambda: fn(*args, count=count, **kw))
+      def wrapped(*args, gmem_row, **kw):
+        pl.when(gmem_row < 0)(lambda: fn(*args, gmem_row=gmem_row, **kw))
       return wrapped
     gg._store_epilogue = never(saved["_store_epilogue"])
     gg._dswiglu_epilogue = never(saved["_dswiglu_epilogue"])
@@ -120,6 +124,10 @@ def run_shape(shape, reps: int, trials: int, only=None) -> dict:
         "dx_plain_t": (lambda d, w, s: gg._row_tiled_call(
             [d], [w], s, mode="plain", transpose_b=True, out_dtype=bf, save_hu=False, **kw),
             (dhu, wgu, gs), 2 * live * 2 * f * h),
+        "dw_gate_up_wgrad": (lambda x, d, s: gg._wgrad_call(
+            x, d, s, out_dtype=bf, config=c, interpret=False), (x, dhu, gs), 2 * live * h * 2 * f),
+        "dw_down_wgrad": (lambda a, dy, s: gg._wgrad_call(
+            a, dy, s, out_dtype=bf, config=c, interpret=False), (a, x, gs), 2 * live * f * h),
     }
 
   ms, tflops = {}, {}
