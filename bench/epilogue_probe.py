@@ -13,6 +13,8 @@ it is lowered (restored right after):
   slots2       KernelConfig.epilogue_slots=2 (not "dswiglu"): a chunk is staged while
                the previous chunk's store still reads the other slot (are the waits
                between a tile's chunks part of the cost?)
+  full_tile_tma  a candidate fix (bits unchanged): a full tile's chunk stored by one TMA
+               behind one branch, the ladder (8 branches per chunk) only for partial tiles
   no_tma_store gg.ladder_store (and the wgrad's plgpu.copy_smem_to_gmem) no-ops: values
                still staged in SMEM, never stored
   no_hu_loads  ("dswiglu" only) the epilogue's h, u TMA loads and their barrier wait gone:
@@ -40,6 +42,7 @@ import types
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
@@ -73,6 +76,23 @@ def _variant(name: str):
   if name == "no_tma_store":
     gg.ladder_store = _noop                                  # the row-tiled launches
     gg.plgpu = _PlgpuWithout(saved["plgpu"], ("copy_smem_to_gmem",))   # the wgrad's
+  elif name == "full_tile_tma":
+    # a candidate fix, bits unchanged: a full tile (count == max_rows, from SMEM row 0) is
+    # stored by ONE TMA behind one branch instead of walking the ladder's 8 branches
+    ladder = saved["ladder_store"]
+
+    def full_or_ladder(src, dst, smem_start, gmem_start, count, max_rows, **kw):
+      full = (count == max_rows) & (smem_start == 0)
+
+      @pl.when(full)
+      def _full():
+        plgpu.copy_smem_to_gmem(src, dst.at[pl.ds(gmem_start, max_rows)],
+                                commit_group=kw.get("commit_group", True))
+
+      @pl.when(~full)
+      def _partial():
+        ladder(src, dst, smem_start, gmem_start, count, max_rows, **kw)
+    gg.ladder_store = full_or_ladder
   elif name == "no_hu_loads":
     gg.plgpu = _PlgpuWithout(saved["plgpu"], ("copy_gmem_to_smem", "barrier_wait"))
   elif name == "no_epilogue":
@@ -132,10 +152,12 @@ def run_shape(shape, reps: int, trials: int, only=None) -> dict:
 
   ms, tflops = {}, {}
   for lname in launches(cfg):
-    variants = ["as_is", "slots2", "no_tma_store", "no_epilogue"]
+    variants = ["as_is", "slots2", "full_tile_tma", "no_tma_store", "no_epilogue"]
     if lname == "da_dswiglu":
-      variants.insert(3, "no_hu_loads")
+      variants.insert(4, "no_hu_loads")
       variants.remove("slots2")   # its h, u buffers are its only staging
+    if lname.endswith("_wgrad"):
+      variants.remove("full_tile_tma")   # its tiles are always full: one TMA already
     variants = [v for v in variants if only is None or v in only]
     for v in variants:
       key = f"{lname}/{v}"

@@ -408,3 +408,37 @@ def test_epilogue_probe_variants_change_the_kernel_and_restore():
     with ep._variant("bogus"):
       pass
   assert gg.ladder_store.__name__ == "ladder_store" and gg.plgpu.__name__.endswith("mosaic_gpu")
+
+
+def test_epilogue_probe_full_tile_tma_keeps_the_bits():
+  """The probe's candidate fix `full_tile_tma` (one TMA for a full tile's chunk, the
+  ladder for partial ones) stores the same bits, in the interpret mode, on groups with
+  full and partial tiles and dead rows (plain and dswiglu launches)."""
+  import chex
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from bench import epilogue_probe as ep
+  from pallas_kernels import grouped_gemm as gg
+  from pallas_testlib import INTERPRET
+  from uniep_jax.config import KernelConfig
+  bf = jnp.bfloat16
+  gs = jnp.asarray(np.array([0, 300, 37, 200, 0, 127], np.int32))
+  m, k, n, g = 768, 128, 256, 6
+  ks = jax.random.split(jax.random.key(7), 4)
+  a = jax.random.normal(ks[0], (m, k), jnp.float32).astype(bf)
+  w = (jax.random.normal(ks[1], (g, n, k), jnp.float32) * k ** -0.5).astype(bf)
+  hh, uu = (jax.random.normal(kk, (m, n), jnp.float32).astype(bf) for kk in ks[2:])
+  cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
+
+  def launches(a, w, s, hh, uu):
+    kw = dict(transpose_b=True, out_dtype=bf, save_hu=False, config=cfg, interpret=INTERPRET)
+    return (gg._row_tiled_call([a], [w], s, mode="plain", **kw)[0],
+            gg._row_tiled_call([a], [w], s, mode="dswiglu", epi_inputs=(hh, uu), **kw)[0])
+
+  out = {}
+  for v in ("as_is", "full_tile_tma"):
+    with ep._variant(v):
+      out[v] = jax.jit(lambda *xs: launches(*xs)).lower(a, w, gs, hh, uu).compile()(
+          a, w, gs, hh, uu)
+  chex.assert_trees_all_equal(out["full_tile_tma"], out["as_is"])
