@@ -147,7 +147,9 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   and its last source's expansion on the transfer CTAs too (expand_last_on_all); `@op` slot_reduction="owner_partials" (other bits:
   its checksums differ from slot order's); `@chunk<N>` the transfer's chunk_rows;
   `@ga` row tiles cut from each expert's first row (`KernelConfig.group_aligned_tiles`,
-  the default since 2026-11-28), `@bt` block-aligned row tiles (the tiles before)."""
+  the default since 2026-11-28), `@bt` block-aligned row tiles (the tiles before);
+  `@ds` the plain launches' stores deferred into the next tile's mainloop
+  (`KernelConfig.defer_stores`, EXPERIMENTAL)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -161,6 +163,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
     elif suffix in ("ga", "bt"):
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(
           cfg.kernel, group_aligned_tiles=suffix == "ga"))
+    elif suffix == "ds":
+      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, defer_stores=True))
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
     elif suffix in ("te", "tel"):
@@ -175,7 +179,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @ds)")
   return cfg
 
 

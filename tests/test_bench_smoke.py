@@ -26,6 +26,7 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   assert moe_layer.backend_config("uniep_dd@tel").transfer.expand_last_on_all is True
   assert moe_layer.backend_config("uniep_dc_rbw_dd@bt").kernel.group_aligned_tiles is False
   assert moe_layer.backend_config("uniep_dc_rbw_dd@bt@ga").kernel.group_aligned_tiles is True
+  assert moe_layer.backend_config("uniep_dd@ds").kernel.defer_stores is True
 
 
 def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):

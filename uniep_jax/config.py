@@ -123,6 +123,13 @@ class KernelConfig:
     profile: span 9.37 -> 9.16 ms per call); at EP 4 (4x H200) qwen3-like 9.89 -> 9.90
     (level). The bits do not depend on it (a row's result does not depend on its
     position in the tile; the same checksums in every run).
+  defer_stores: EXPERIMENTAL, not yet run on a GPU. The "plain" row-tiled launches
+    (down, dx, the forward and dgrad) stage each tile's output in SMEM (one slot per
+    64-column chunk) and issue its TMA stores during the NEXT tile's first k-step,
+    while that step's MMAs run, instead of in the epilogue (the epilogue's TMA stores
+    and waits are ~half its cost, bench/epilogue_probe.py). Not in the fused kernels'
+    launches (their hooks expect each tile stored in its own epilogue). The bits do
+    not depend on it.
   """
 
   block_m: int = 128
@@ -133,6 +140,7 @@ class KernelConfig:
   epilogue_slots: int = 1
   raster_rows: Optional[int] = None
   group_aligned_tiles: bool = True
+  defer_stores: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
