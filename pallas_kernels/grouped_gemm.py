@@ -567,25 +567,25 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   )
   def _scope(pipeline_allocs, epi_smem, hu_barrier=None):
     def tile_of(lin):
+      """(nt, group, load_row, lo, hi, kind) of linear tile index lin."""
       t = lin // n_tiles
-      return dict(t=t, nt=lin % n_tiles, group=plan_gmem[t],
-                  load_row=pl.multiple_of(plan_gmem[num_tiles + t], load_align),
-                  lo=plan_gmem[2 * num_tiles + t], hi=plan_gmem[3 * num_tiles + t],
-                  kind=plan_gmem[4 * num_tiles + t])
+      return (lin % n_tiles, plan_gmem[t],
+              pl.multiple_of(plan_gmem[num_tiles + t], load_align),
+              plan_gmem[2 * num_tiles + t], plan_gmem[3 * num_tiles + t],
+              plan_gmem[4 * num_tiles + t])
 
     def issue_stores_of(s):
       """KernelConfig.defer_stores: the TMA stores of schedule step s's tile (this
       CTA's), staged in this warpgroup's slots by that tile's epilogue."""
-      prev = tile_of(_raster(s, num_tiles, n_tiles, raster_rows))
-      col0 = prev["nt"] * cta_n + lax.axis_index("wg") * wg_n
+      nt, _, load_row, lo, hi, kind = tile_of(_raster(s, num_tiles, n_tiles, raster_rows))
+      wg = lax.axis_index("wg")
+      col0 = nt * cta_n + wg * wg_n
 
-      @pl.when(prev["kind"] != _NONE)
+      @pl.when(kind != _NONE)
       def _issue():
         for c in range(wg_n // _EPI_N):
-          ladder_store(epi_smem.at[lax.axis_index("wg"), c],
-                       out_gmems[0].at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)],
-                       prev["lo"] - prev["load_row"], prev["lo"], prev["hi"] - prev["lo"],
-                       block_m)
+          ladder_store(epi_smem.at[wg, c], out_gmems[0].at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)],
+                       lo - load_row, lo, hi - lo, block_m)
 
     def issue_previous(s):
       """The previous step's stores (deferred), if this CTA had one."""
@@ -593,9 +593,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       pl.when(s >= grid)(lambda: issue_stores_of(s - grid))
 
     def tile(lin, out_gmems_=None, gmem_row=None, s=None):
-      cur = tile_of(lin)
-      nt, group, load_row, lo, hi, kind = (cur[k] for k in ("nt", "group", "load_row", "lo",
-                                                             "hi", "kind"))
+      nt, group, load_row, lo, hi, kind = tile_of(lin)
       if defer_stores:   # a padding tile has no epilogue: issue the previous one's here
         @pl.when((kind == _NONE) & (lax.axis_index("wg") < _NUM_COMPUTE_WGS))
         def _flush_before_padding():
