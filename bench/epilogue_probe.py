@@ -21,6 +21,9 @@ it is lowered (restored right after):
                still staged in SMEM, never stored
   no_hu_loads  ("dswiglu" only) the epilogue's h, u TMA loads and their barrier wait gone:
                it computes from whatever the buffers hold
+  wgrad_r1 / wgrad_r4 / wgrad_r16  (wgrads only) KernelConfig.wgrad_raster 1 (row-major,
+               the order before 2026-11-28's 26th session), 4, 16; as_is is the auto 8.
+               Same bits, so not timing-only: how much the tile order saves
   no_epilogue  gg._store_epilogue / gg._dswiglu_epilogue behind a run-time condition that
                never holds: the mainloop (MMAs) and the per-tile pipeline restart only
 
@@ -107,7 +110,8 @@ def _variant(name: str):
       return wrapped
     gg._store_epilogue = never(saved["_store_epilogue"])
     gg._dswiglu_epilogue = never(saved["_dswiglu_epilogue"])
-  elif name not in ("as_is", "slots2", "defer_stores"):   # KernelConfig changes, no patch
+  elif name not in ("as_is", "slots2", "defer_stores", "wgrad_r1", "wgrad_r4", "wgrad_r16"):
+    # the others are KernelConfig changes, no patch
     raise ValueError(name)
   try:
     yield
@@ -116,7 +120,7 @@ def _variant(name: str):
       setattr(gg, k, v)
 
 
-def run_shape(shape, reps: int, trials: int, only=None) -> dict:
+def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> dict:
   cfg = KernelConfig()   # the layer's defaults (raster auto, group-aligned tiles)
   g, live, h, f = shape.local_experts, shape.rows, shape.hidden, shape.ffn
   m = 4 * live           # the receive layout at EP 4: three quarters dead, skipped
@@ -152,8 +156,11 @@ def run_shape(shape, reps: int, trials: int, only=None) -> dict:
             a, dy, s, out_dtype=bf, config=c, interpret=False), (a, x, gs), 2 * live * f * h),
     }
 
-  ms, tflops = {}, {}
+  ms, tflops, bits_equal = {}, {}, {}
   for lname in launches(cfg):
+    if only_launches is not None and lname not in only_launches:
+      continue
+    as_is_out = None
     variants = ["as_is", "slots2", "full_tile_tma", "defer_stores", "no_tma_store",
                 "no_epilogue"]
     if lname == "da_dswiglu":
@@ -161,26 +168,38 @@ def run_shape(shape, reps: int, trials: int, only=None) -> dict:
       variants.remove("slots2")   # its h, u buffers are its only staging
     if lname.endswith("_wgrad"):
       variants.remove("full_tile_tma")   # its tiles are always full: one TMA already
+      variants[1:1] = ["wgrad_r1", "wgrad_r4", "wgrad_r16"]
     if not lname.endswith("_plain") and not lname.endswith("_plain_t"):
       variants.remove("defer_stores")    # KernelConfig.defer_stores: plain launches only
     variants = [v for v in variants if only is None or v in only]
     for v in variants:
       key = f"{lname}/{v}"
       c = {"slots2": dataclasses.replace(cfg, epilogue_slots=2),
-           "defer_stores": dataclasses.replace(cfg, defer_stores=True)}.get(v, cfg)
+           "defer_stores": dataclasses.replace(cfg, defer_stores=True),
+           "wgrad_r1": dataclasses.replace(cfg, wgrad_raster=1),
+           "wgrad_r4": dataclasses.replace(cfg, wgrad_raster=4),
+           "wgrad_r16": dataclasses.replace(cfg, wgrad_raster=16)}.get(v, cfg)
       fn, args, flops = launches(c)[lname]
       try:
         with _variant(v):   # a new function object: jit's trace cache is keyed on it
           compiled = jax.jit(lambda *xs, fn=fn: fn(*xs)).lower(*args).compile()
         ms[key] = 1e3 * time_fn(compiled, *args, reps=reps, trials=trials)
         tflops[key] = flops / (ms[key] * 1e-3) / 1e12
+        if v == "as_is" or v.startswith("wgrad_r"):   # same bits by contract: check them
+          out_v = compiled(*args)
+          if v == "as_is":
+            as_is_out = out_v
+          elif as_is_out is not None:
+            bits_equal[key] = bool(jnp.array_equal(out_v, as_is_out))
+            print(f"  {key}: bits equal to as_is: {bits_equal[key]}", flush=True)
       except Exception as e:  # noqa: BLE001 - record and go on
         ms[key] = None
         print(f"  {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
       print(f"  {key:32s} {ms[key] and round(ms[key], 3)} ms "
             f"{tflops.get(key) and round(tflops[key])} TFLOP/s", flush=True)
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
-              group_sizes=[int(v) for v in jax.device_get(gs)], median_ms=ms, tflops=tflops)
+              group_sizes=[int(v) for v in jax.device_get(gs)], median_ms=ms, tflops=tflops,
+              bits_equal_to_as_is=bits_equal)
 
 
 def main(argv=None):
@@ -192,6 +211,8 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   ap.add_argument("--variants", default=None,
                   help="comma list: time only these variants")
+  ap.add_argument("--launches", default=None,
+                  help="comma list: time only these launches (e.g. dw_gate_up_wgrad)")
   args = ap.parse_args(argv)
   common.dump_stacks_on_usr1()
   out = common.out_dir(args.out)
@@ -202,7 +223,9 @@ def main(argv=None):
   for name in args.shapes.split(","):
     print(f"[{name}]", flush=True)
     rows.append(run_shape(CONFIGS[name], args.reps, args.trials,
-                          only=set(args.variants.split(",")) if args.variants else None))
+                          only=set(args.variants.split(",")) if args.variants else None,
+                          only_launches=(set(args.launches.split(",")) if args.launches
+                                         else None)))
     common.write_json(path, dict(meta, benchmark="epilogue_probe", rows=rows))
   return 0
 

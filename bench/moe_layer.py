@@ -149,7 +149,9 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   `@ga` row tiles cut from each expert's first row (`KernelConfig.group_aligned_tiles`,
   the default since 2026-11-28), `@bt` block-aligned row tiles (the tiles before);
   `@ds` the plain launches' stores deferred into the next tile's mainloop
-  (`KernelConfig.defer_stores`, EXPERIMENTAL)."""
+  (`KernelConfig.defer_stores`, EXPERIMENTAL); `@wr<N>` the wgrads' tiles walked in
+  bands of N k tiles (`KernelConfig.wgrad_raster`; @wr1: row-major, the order before
+  2026-11-28's 26th session)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -165,6 +167,9 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
           cfg.kernel, group_aligned_tiles=suffix == "ga"))
     elif suffix == "ds":
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, defer_stores=True))
+    elif (m := re.fullmatch(r"wr(\d+)", suffix)) is not None:
+      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel,
+                                                               wgrad_raster=int(m.group(1))))
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
     elif suffix in ("te", "tel"):
@@ -179,7 +184,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @ds)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @ds, @wr<N>)")
   return cfg
 
 

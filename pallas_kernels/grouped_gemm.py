@@ -782,12 +782,14 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
 
 def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int,
                   block_m: int, block_n: int, block_k: int, stages: int, in_dtype,
-                  epi_slots: int = 1, cta_offset: int = 0, num_ctas: Optional[int] = None):
-  """The wgrad body. cta_offset, num_ctas (default off: the standalone kernel's
-  program): walk the output tiles on CTAs [cta_offset, cta_offset + num_ctas) of the
-  "sm" axis only (local CTA i takes tiles i, i + num_ctas, ...), for kernels that give
-  the other CTAs other work (`wgrad_return.py`). A tile's sum runs whole on one CTA in
-  a fixed order, so which CTA runs it changes no bit."""
+                  epi_slots: int = 1, raster_k: int = 1, cta_offset: int = 0,
+                  num_ctas: Optional[int] = None):
+  """The wgrad body. raster_k: each group's (k-tile, n-tile) grid walked in bands of
+  raster_k k-tiles (`_raster`; 1: row-major). cta_offset, num_ctas (default off: the
+  standalone kernel's program): walk the output tiles on CTAs [cta_offset, cta_offset +
+  num_ctas) of the "sm" axis only (local CTA i takes tiles i, i + num_ctas, ...), for
+  kernels that give the other CTAs other work (`wgrad_return.py`). A tile's sum runs
+  whole on one CTA in a fixed order, so which CTA runs it, and when, changes no bit."""
   _, k_out = lhs_gmem.shape
   _, n_out = dout_gmem.shape
   cta_k = _NUM_COMPUTE_WGS * block_m
@@ -843,8 +845,9 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
   def _scope(pipeline_allocs, epi_smem):
     def tile(lin):
       g = lin // (k_tiles * n_tiles)
-      kt = (lin // n_tiles) % k_tiles
-      nt = lin % n_tiles
+      within = _raster(lin % (k_tiles * n_tiles), k_tiles, n_tiles, raster_k)
+      kt = within // n_tiles
+      nt = within % n_tiles
       start = bounds_gmem[g]
       end = bounds_gmem[num_groups + g]
       first_block = start // block_k
@@ -876,6 +879,15 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+# KernelConfig.wgrad_raster=None: bands of WGRAD_RASTER_AUTO k-tiles. The CTAs running at
+# one time then cover ~b k-tiles x (SMs / b) n-tiles of a group, and every 64-row step
+# reads b lhs panels (2 block_m = 256 columns each) and SMs / b dout panels (block_n =
+# 128 columns): b = sqrt(132 * 128 / 256) ~ 8 minimises those bytes. Row-major (b = 1)
+# reads one lhs panel and ~132 dout panels per step, so a group whose dout leaves L2
+# (mixtral-like dw_gate_up: [8192, 28672], 470 MB) is read from HBM once per k-tile.
+WGRAD_RASTER_AUTO = 8
+
+
 def wgrad_launch(config: KernelConfig, in_dtype, out_dtype) -> _Launch:
   """The static shape of a wgrad launch (its SMEM: `_Launch.stage_bytes`, `epilogue_bytes`)."""
   return _Launch(config.block_k, config.block_k, config.block_n // 2, 1, 1, config.block_n,
@@ -889,9 +901,10 @@ def wgrad_params(m: int, num_groups: int, in_dtype, out_dtype, config: KernelCon
   truth for the standalone launch and for kernels that embed the body)."""
   launch = wgrad_launch(config, in_dtype, out_dtype)
   stages = launch.stages(config.max_concurrent_steps, m // config.block_k, config.block_m, smem)
+  raster_k = WGRAD_RASTER_AUTO if config.wgrad_raster is None else config.wgrad_raster
   return dict(num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
               block_k=config.block_k, stages=stages, in_dtype=in_dtype,
-              epi_slots=launch.epi_slots)
+              epi_slots=launch.epi_slots, raster_k=raster_k)
 
 
 def wgrad_bounds(group_sizes, m: int):

@@ -403,15 +403,18 @@ def test_epilogue_slots_and_raster_order_change_no_bit():
     bench/ffn_ab.py checks the bits on the GPU.
   - raster_rows=3: tiles walked in bands of 3 row tiles (a short last band) instead of
     row-major.
+  - wgrad_raster=1: the wgrads' tiles walked row-major (one k tile's n tiles after
+    another) instead of CONFIG's auto bands of 8 k tiles (here: every k tile of a group
+    in one band, n tiles outer; dw_gate_up has 2 k tiles x 4 n tiles).
   The FFN's forward and backward in the MoE layer's mode and a plain forward give the
-  same bits as CONFIG (one slot, row-major)."""
+  same bits as CONFIG (one slot, row-major row tiles, banded wgrad tiles)."""
   import dataclasses
   operands = _knob_operands()   # 2 column tiles
   x, _, w_down, _, gs = operands
   plain = lambda cfg: gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET_RACES)  # noqa: E731
 
   reference = _knob_reference() + (plain(CONFIG),)
-  variant_config = dataclasses.replace(CONFIG, epilogue_slots=2, raster_rows=3)
+  variant_config = dataclasses.replace(CONFIG, epilogue_slots=2, raster_rows=3, wgrad_raster=1)
   variant = _layer_mode_ffn(variant_config, *operands) + (plain(variant_config),)
   assert_no_races()
   chex.assert_trees_all_equal(variant, reference)
@@ -419,6 +422,10 @@ def test_epilogue_slots_and_raster_order_change_no_bit():
     KernelConfig(epilogue_slots=3)
   with pytest.raises(ValueError, match="raster_rows=0 must be >= 1"):
     KernelConfig(raster_rows=0)
+  with pytest.raises(ValueError, match="wgrad_raster=0 must be >= 1"):
+    KernelConfig(wgrad_raster=0)
+  assert gg.wgrad_params(256, 2, BF16, BF16, CONFIG)["raster_k"] == gg.WGRAD_RASTER_AUTO
+  assert gg.wgrad_params(256, 2, BF16, BF16, variant_config)["raster_k"] == 1
   # the SMEM model counts the second slot: 16 KiB more per warpgroup for a bf16 plain tile
   assert (gg.smem_bytes(dataclasses.replace(CONFIG, epilogue_slots=2)) - gg.smem_bytes(CONFIG)
           == 2 * 128 * 64 * 2)

@@ -130,6 +130,15 @@ class KernelConfig:
     and waits are ~half its cost, bench/epilogue_probe.py). Not in the fused kernels'
     launches (their hooks expect each tile stored in its own epilogue). The bits do
     not depend on it.
+  wgrad_raster: the order in which the persistent CTAs walk a wgrad launch's (k tile,
+    n tile) grid of each group's output dW[g] [K, N]: in bands of `wgrad_raster` k
+    tiles (2 block_m rows of dW each), n tiles outer and the band's k tiles inner
+    (`raster_rows`' walk, on the wgrad grid). 1: row-major, one k tile's n tiles
+    after another: the CTAs running at one time then each read their own dout panel
+    (all of the group's rows x block_n columns), so a group whose dout leaves L2 is
+    read from HBM once per k tile. None (default): bands of 8
+    (grouped_gemm.WGRAD_RASTER_AUTO). The bits do not depend on it (each tile's sum
+    runs whole on one CTA, in the same order).
   """
 
   block_m: int = 128
@@ -141,6 +150,7 @@ class KernelConfig:
   raster_rows: Optional[int] = None
   group_aligned_tiles: bool = True
   defer_stores: bool = False
+  wgrad_raster: Optional[int] = None
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -155,6 +165,8 @@ class KernelConfig:
       raise ValueError(f"epilogue_slots={self.epilogue_slots} must be 1 or 2")
     if self.raster_rows is not None and self.raster_rows < 1:
       raise ValueError(f"raster_rows={self.raster_rows} must be >= 1 (or None: auto)")
+    if self.wgrad_raster is not None and self.wgrad_raster < 1:
+      raise ValueError(f"wgrad_raster={self.wgrad_raster} must be >= 1 (or None: auto)")
 
 
 @dataclasses.dataclass(frozen=True)

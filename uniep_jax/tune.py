@@ -280,9 +280,9 @@ DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
 
 def reference_kernel(kernel: KernelConfig) -> KernelConfig:
   """The KernelConfig of a candidate's "pallas" reference: the same but for the tile
-  order (raster_rows 1), which by contract changes no bit; so a raster variant is
-  checked against the row-major order's bits, not only against itself."""
-  return dataclasses.replace(kernel, raster_rows=1)
+  order (raster_rows 1, wgrad_raster 1), which by contract changes no bit; so a raster
+  variant is checked against the row-major order's bits, not only against itself."""
+  return dataclasses.replace(kernel, raster_rows=1, wgrad_raster=1)
 
 
 def kernel_label(kernel: KernelConfig) -> str:
@@ -527,7 +527,8 @@ def check_candidate(cand: Candidate, problem: TuneProblem, device: DeviceFacts,
   per-launch stage counts rather than the requested max_concurrent_steps)."""
   stages = kernel_launch_stages(cand.kernel, problem, device.smem_bytes)
   k = cand.kernel
-  sig = (k.block_m, k.block_n, k.block_k, stages, k.epilogue_slots, k.raster_rows)
+  sig = (k.block_m, k.block_n, k.block_k, stages, k.epilogue_slots, k.raster_rows,
+         k.wgrad_raster)
   if uses_transfer:
     from uniep_jax.dispatch import ZERO_WINDOW_ROWS
     if k.block_k > ZERO_WINDOW_ROWS:
