@@ -22,7 +22,7 @@ it is lowered (restored right after):
   no_hu_loads  ("dswiglu" only) the epilogue's h, u TMA loads and their barrier wait gone:
                it computes from whatever the buffers hold
   wgrad_r1 / wgrad_r4 / wgrad_r16  (wgrads only) KernelConfig.wgrad_raster 1 (row-major,
-               the order before 2026-11-28's 26th session), 4, 16; as_is is the auto 8.
+               the order before 2026-11-28's 26th session), 4, 16; as_is is the auto (4).
                Same bits, so not timing-only: how much the tile order saves
   no_epilogue  gg._store_epilogue / gg._dswiglu_epilogue behind a run-time condition that
                never holds: the mainloop (MMAs) and the per-tile pipeline restart only

@@ -882,10 +882,14 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
 # KernelConfig.wgrad_raster=None: bands of WGRAD_RASTER_AUTO k-tiles. The CTAs running at
 # one time then cover ~b k-tiles x (SMs / b) n-tiles of a group, and every 64-row step
 # reads b lhs panels (2 block_m = 256 columns each) and SMs / b dout panels (block_n =
-# 128 columns): b = sqrt(132 * 128 / 256) ~ 8 minimises those bytes. Row-major (b = 1)
+# 128 columns): b ~ sqrt(132 * 128 / 256) ~ 8 minimises those bytes. Row-major (b = 1)
 # reads one lhs panel and ~132 dout panels per step, so a group whose dout leaves L2
 # (mixtral-like dw_gate_up: [8192, 28672], 470 MB) is read from HBM once per k-tile.
-WGRAD_RASTER_AUTO = 8
+# Measured (bench/epilogue_probe.py, 1x H200, the layer's EP 4 rows, ms for b = 1 / 4 /
+# 8 / 16): mixtral-like dw_gate_up 6.31 / 5.50 / 5.61 / 5.76, dw_down 2.60 / 2.53 / 2.69
+# / 2.61; deepseek-like and qwen3-like (groups whose operands stay in L2) level within
+# the run-to-run spread (~5% on deepseek-like). 4, not the bytes model's 8.
+WGRAD_RASTER_AUTO = 4
 
 
 def wgrad_launch(config: KernelConfig, in_dtype, out_dtype) -> _Launch:

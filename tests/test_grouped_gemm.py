@@ -404,7 +404,7 @@ def test_epilogue_slots_and_raster_order_change_no_bit():
   - raster_rows=3: tiles walked in bands of 3 row tiles (a short last band) instead of
     row-major.
   - wgrad_raster=1: the wgrads' tiles walked row-major (one k tile's n tiles after
-    another) instead of CONFIG's auto bands of 8 k tiles (here: every k tile of a group
+    another) instead of CONFIG's auto bands of 4 k tiles (here: every k tile of a group
     in one band, n tiles outer; dw_gate_up has 2 k tiles x 4 n tiles).
   The FFN's forward and backward in the MoE layer's mode and a plain forward give the
   same bits as CONFIG (one slot, row-major row tiles, banded wgrad tiles)."""

@@ -136,8 +136,8 @@ class KernelConfig:
     (`raster_rows`' walk, on the wgrad grid). 1: row-major, one k tile's n tiles
     after another: the CTAs running at one time then each read their own dout panel
     (all of the group's rows x block_n columns), so a group whose dout leaves L2 is
-    read from HBM once per k tile. None (default): bands of 8
-    (grouped_gemm.WGRAD_RASTER_AUTO). The bits do not depend on it (each tile's sum
+    read from HBM once per k tile. None (default): bands of 4
+    (grouped_gemm.WGRAD_RASTER_AUTO; measured there). The bits do not depend on it (each tile's sum
     runs whole on one CTA, in the same order).
   """
 
