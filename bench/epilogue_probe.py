@@ -24,6 +24,9 @@ it is lowered (restored right after):
   wgrad_r1 / wgrad_r4 / wgrad_r16  (wgrads only) KernelConfig.wgrad_raster 1 (row-major,
                the order before 2026-11-28's 26th session), 4, 16; as_is is the auto (4).
                Same bits, so not timing-only: how much the tile order saves
+  stages2 / stages4 / rows1 / rows4 / rows16  (only when named in --variants) KernelConfig
+               max_concurrent_steps 2 or 4 (a launch takes what fits in SMEM), raster_rows
+               1, 4 or 16 (the row-tiled launches' bands; auto: 8 or 1); same bits, checked
   no_epilogue  gg._store_epilogue / gg._dswiglu_epilogue behind a run-time condition that
                never holds: the mainloop (MMAs) and the per-tile pipeline restart only
 
@@ -74,6 +77,16 @@ class _PlgpuWithout(types.SimpleNamespace):
     return getattr(self._real, name)
 
 
+# KernelConfig changes that keep the bits (timed only when named in --variants)
+_SAME_BITS_CONFIGS = {
+    "wgrad_r1": dict(wgrad_raster=1), "wgrad_r4": dict(wgrad_raster=4),
+    "wgrad_r16": dict(wgrad_raster=16),
+    "stages2": dict(max_concurrent_steps=2), "stages4": dict(max_concurrent_steps=4),
+    "rows1": dict(raster_rows=1), "rows4": dict(raster_rows=4), "rows16": dict(raster_rows=16),
+}
+_OPT_IN = ("stages2", "stages4", "rows1", "rows4", "rows16")
+
+
 @contextlib.contextmanager
 def _variant(name: str):
   saved = dict(ladder_store=gg.ladder_store, _store_epilogue=gg._store_epilogue,
@@ -110,7 +123,7 @@ def _variant(name: str):
       return wrapped
     gg._store_epilogue = never(saved["_store_epilogue"])
     gg._dswiglu_epilogue = never(saved["_dswiglu_epilogue"])
-  elif name not in ("as_is", "slots2", "defer_stores", "wgrad_r1", "wgrad_r4", "wgrad_r16"):
+  elif name not in ("as_is", "slots2", "defer_stores") and name not in _SAME_BITS_CONFIGS:
     # the others are KernelConfig changes, no patch
     raise ValueError(name)
   try:
@@ -171,21 +184,21 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
       variants[1:1] = ["wgrad_r1", "wgrad_r4", "wgrad_r16"]
     if not lname.endswith("_plain") and not lname.endswith("_plain_t"):
       variants.remove("defer_stores")    # KernelConfig.defer_stores: plain launches only
+    variants += [v for v in _OPT_IN if only is not None and v in only]
     variants = [v for v in variants if only is None or v in only]
     for v in variants:
       key = f"{lname}/{v}"
       c = {"slots2": dataclasses.replace(cfg, epilogue_slots=2),
            "defer_stores": dataclasses.replace(cfg, defer_stores=True),
-           "wgrad_r1": dataclasses.replace(cfg, wgrad_raster=1),
-           "wgrad_r4": dataclasses.replace(cfg, wgrad_raster=4),
-           "wgrad_r16": dataclasses.replace(cfg, wgrad_raster=16)}.get(v, cfg)
+           **{n: dataclasses.replace(cfg, **kw) for n, kw in _SAME_BITS_CONFIGS.items()}
+           }.get(v, cfg)
       fn, args, flops = launches(c)[lname]
       try:
         with _variant(v):   # a new function object: jit's trace cache is keyed on it
           compiled = jax.jit(lambda *xs, fn=fn: fn(*xs)).lower(*args).compile()
         ms[key] = 1e3 * time_fn(compiled, *args, reps=reps, trials=trials)
         tflops[key] = flops / (ms[key] * 1e-3) / 1e12
-        if v == "as_is" or v.startswith("wgrad_r"):   # same bits by contract: check them
+        if v == "as_is" or v in _SAME_BITS_CONFIGS:   # same bits by contract: check them
           out_v = compiled(*args)
           if v == "as_is":
             as_is_out = out_v
