@@ -200,10 +200,13 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
         tflops[key] = flops / (ms[key] * 1e-3) / 1e12
         if v == "as_is" or v in _SAME_BITS_CONFIGS:   # same bits by contract: check them
           out_v = compiled(*args)
+          if not lname.endswith("_wgrad"):   # the dead rows' outputs are never written
+            out_v = jax.tree.map(lambda o: o[:live], out_v)
           if v == "as_is":
             as_is_out = out_v
           elif as_is_out is not None:
-            bits_equal[key] = bool(jnp.array_equal(out_v, as_is_out))
+            bits_equal[key] = all(bool(jnp.array_equal(a, b)) for a, b in zip(
+                jax.tree.leaves(out_v), jax.tree.leaves(as_is_out)))
             print(f"  {key}: bits equal to as_is: {bits_equal[key]}", flush=True)
       except Exception as e:  # noqa: BLE001 - record and go on
         ms[key] = None

@@ -151,7 +151,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   `@ds` the plain launches' stores deferred into the next tile's mainloop
   (`KernelConfig.defer_stores`, EXPERIMENTAL); `@wr<N>` the wgrads' tiles walked in
   bands of N k tiles (`KernelConfig.wgrad_raster`; @wr1: row-major, the order before
-  2026-11-28's 26th session)."""
+  2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
+  (`KernelConfig.raster_rows`; default auto: 8 where a group's weight leaves L2)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -167,6 +168,9 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
           cfg.kernel, group_aligned_tiles=suffix == "ga"))
     elif suffix == "ds":
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, defer_stores=True))
+    elif (m := re.fullmatch(r"rr(\d+)", suffix)) is not None:
+      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel,
+                                                               raster_rows=int(m.group(1))))
     elif (m := re.fullmatch(r"wr(\d+)", suffix)) is not None:
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel,
                                                                wgrad_raster=int(m.group(1))))
@@ -184,7 +188,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @ds, @wr<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @ds, @wr<N>, @rr<N>)")
   return cfg
 
 
