@@ -423,11 +423,18 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load
 
 
 # KernelConfig.raster_rows=None: bands of RASTER_AUTO_ROWS row tiles for a launch whose
-# weight per group (K x N x rhs operands) is at least RASTER_AUTO_MIN_BYTES, else
-# row-major. Measured on 1x H100 (KernelConfig's docstring): weights of 29-235 MB
-# gain 8-13% per FFN fwd+bwd, weights of 2.9-6.3 MB (L2-resident) lose 1-3%.
+# weight per group (K x N x rhs operands) is at least RASTER_AUTO_MIN_BYTES, bands of
+# RASTER_AUTO_ROWS_LARGE from RASTER_AUTO_LARGE_BYTES, else row-major. Measured on 1x H100
+# (KernelConfig's docstring): weights of 29-235 MB gain 8-13% per FFN fwd+bwd, weights
+# of 2.9-6.3 MB (L2-resident) lose 1-3%. On 4x H200 (2026-11-28, run 50) bands of 4
+# instead of 8: mixtral-like (weights of 117 and 235 MB) -0.4 to -0.7 ms per layer
+# fwd+bwd, deepseek-like (29 and 59 MB) +0.3 to +0.5 (inside its spread); one H200
+# (bench/epilogue_probe.py, mixtral-like): dx 6.07 -> 5.64 ms, gate/up 6.43 -> 6.24, da
+# 3.29 -> 3.21. Empirical: the two shapes measured, not a model.
 RASTER_AUTO_ROWS = 8
 RASTER_AUTO_MIN_BYTES = 16 << 20
+RASTER_AUTO_ROWS_LARGE = 4
+RASTER_AUTO_LARGE_BYTES = 96 << 20
 
 
 def _raster(s, num_tiles: int, n_tiles: int, rows: int):
@@ -715,7 +722,8 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
   raster = config.raster_rows
   if raster is None:   # auto: bands only where a group's weight leaves L2
     weight_bytes = k * n * launch.num_b * jnp.dtype(in_dtype).itemsize
-    raster = RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1
+    raster = (RASTER_AUTO_ROWS_LARGE if weight_bytes >= RASTER_AUTO_LARGE_BYTES
+              else RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
               epi_slots=launch.epi_slots, raster_rows=raster,
               defer_stores=_defers_stores(config, mode), m=m, k=k, n=n,

@@ -377,14 +377,16 @@ def test_raster_is_a_bijection_in_bands(rows, num_tiles, n_tiles):
 
 
 def test_raster_auto_bands_only_launches_whose_weight_leaves_l2():
-  """KernelConfig.raster_rows=None: bands of 8 row tiles where a group's weight is
-  >= 16 MiB (mixtral-like and deepseek-like launches: measured faster), row-major where
-  it stays in L2 (qwen3-like, small-experts: measured slower in bands)."""
+  """KernelConfig.raster_rows=None: bands of 4 row tiles where a group's weight is >= 96
+  MiB (mixtral-like: measured faster than 8), of 8 where it is >= 16 MiB (deepseek-like:
+  measured faster than row-major, level with 4), row-major where it stays in L2
+  (qwen3-like, small-experts: measured slower in bands)."""
   def raster(k, n, mode="plain", cfg=KernelConfig()):
     return gg.row_tiled_params(1024, k, n, 4, mode=mode, transpose_b=False, out_dtype=BF16,
                                in_dtype=BF16, save_hu=True, config=cfg)["raster_rows"]
-  assert raster(4096, 14336, "swiglu") == 8      # mixtral-like gate/up: 235 MB
-  assert raster(14336, 4096) == 8                # mixtral-like down: 117 MB
+  assert raster(4096, 14336, "swiglu") == 4      # mixtral-like gate/up: 235 MB
+  assert raster(14336, 4096) == 4                # mixtral-like down: 117 MB
+  assert raster(7168, 2048, "swiglu") == 8       # deepseek-like gate/up: 59 MB
   assert raster(2048, 7168) == 8                 # deepseek-like down: 29 MB
   assert raster(2048, 768, "swiglu") == 1        # qwen3-like gate/up: 6.3 MB
   assert raster(512, 1536) == 1                  # small-experts down (F padded): 1.5 MB

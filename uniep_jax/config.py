@@ -93,8 +93,10 @@ class KernelConfig:
     column tiles after another): a launch whose per-expert weight does not stay in
     L2 then reads it from HBM once per row tile (mixtral-like gate/up: 235 MB per
     expert, 112 column tiles per row tile on 132 SMs: ~30 GB per call at EP 4).
-    None (default): per launch, 8 if the launch's weight per expert is at least
-    16 MiB, else 1. Measured (bench/ffn_ab.py, 1x H100, commit 9a4cce4, the FFN
+    None (default): per launch, 4 if the launch's weight per expert is at least
+    96 MiB, 8 if it is at least 16 MiB, else 1 (4 since 2026-11-28: on 4x H200
+    mixtral-like's layer fwd+bwd -0.4 to -0.7 ms against 8, deepseek-like's level
+    within its spread; grouped_gemm.RASTER_AUTO_*). Measured (bench/ffn_ab.py, 1x H100, commit 9a4cce4, the FFN
     fwd+bwd in the MoE layer's mode, 4x dead rows; ms row-major -> bands of 8):
     mixtral-like 30.02 -> 27.50 (gate/up 7.69 -> 5.63), deepseek-like 29.71 -> 26.48
     (gate/up 6.63 -> 5.78), qwen3-like 5.95 -> 6.11, small-experts 1.78 -> 1.80
