@@ -152,7 +152,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   (`KernelConfig.defer_stores`, EXPERIMENTAL); `@wr<N>` the wgrads' tiles walked in
   bands of N k tiles (`KernelConfig.wgrad_raster`; @wr1: row-major, the order before
   2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
-  (`KernelConfig.raster_rows`; default auto: 8 where a group's weight leaves L2)."""
+  (`KernelConfig.raster_rows`; default auto: 4 where a group's weight is >= 96 MiB, 8
+  from 16 MiB, else row-major)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")

@@ -46,8 +46,8 @@ Persistent grid. num_sms CTAs ("sm") walk the schedule s = 0 .. T x n_tiles - 1
 with `plgpu.nd_loop`; CTA i takes s = i, i + num_sms, ... Schedule index s is
 tile (t, nt) in bands of `KernelConfig.raster_rows` row tiles (`_raster`): within a
 band, column tiles outer, the band's row tiles inner (raster_rows 1: row-major, n
-fastest), so the ~num_sms tiles in flight share weight tiles (None: 8 for launches
-whose weight per group is >= 16 MiB, else 1). Kind-0
+fastest), so the ~num_sms tiles in flight share weight tiles (None: 4 for launches
+whose weight per group is >= 96 MiB, 8 from 16 MiB, else 1). Kind-0
 tiles are skipped; kind-2 tiles run a pipeline of 0 steps, so their epilogue
 stores a zero accumulator (no MMA, no operand loads).
 
@@ -116,7 +116,9 @@ masked: the masked rows multiply exact zeros, so dout rows of neighbouring
 groups (or dead rows) must be finite, which holds for cotangents of finite
 losses. Same barriers as above (2 operands), same epilogue (always full tiles).
 No atomics, no split over rows: the sum over a group's rows runs sequentially
-over its row blocks in one CTA.
+over its row blocks in one CTA. Tile order: each group's (k tile, n tile) grid in
+bands of `KernelConfig.wgrad_raster` k tiles (`_raster`; None: 4), n tiles outer, so
+the tiles in flight share dout panels; which CTA runs a tile, and when, changes no bit.
 
 Padding (the cost is a copy of the padded operand, measured in NOTES):
   contraction dims are padded to a multiple of block_k, output column dims to

@@ -354,7 +354,8 @@ def _knob_operands():
 
 @functools.lru_cache(maxsize=None)
 def _knob_reference():
-  """`_layer_mode_ffn` with CONFIG (one epilogue slot, row-major) on `_knob_operands`:
+  """`_layer_mode_ffn` with CONFIG (one epilogue slot, row-major row tiles, wgrad tiles in
+  the auto bands) on `_knob_operands`:
   the knob test compares with it."""
   return _layer_mode_ffn(CONFIG, *_knob_operands())
 

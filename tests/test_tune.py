@@ -144,7 +144,7 @@ class FakeRunner:
     self.measured.append(label)
     if label in self.fail:
       raise RuntimeError("Mosaic GPU compile failed (fake)")
-    # the bits depend on the tiling, not on the tile order (raster_rows)
+    # the bits depend on the tiling, not on the tile order (raster_rows, wgrad_raster)
     same = T.kernel_label(T.reference_kernel(cand.kernel))
     checksum = ("WRONG",) if label in self.bad else ("ref-" + same,)
     return T.Measurement(median_ms=self.times(cand), compile_s=0.5, checksum=checksum)
@@ -179,7 +179,7 @@ def test_staged_search_picks_fastest_verified():
   assert js["counts"]["valid"] == 8
   # one reference per KernelConfig, shared by its transfer variants
   # (walked row-major: the reference of every tile order)
-  assert sorted(runner.referenced) == ["m128_n128_k64_s3_r1", "m64_n128_k64_s3_r1"]
+  assert sorted(runner.referenced) == ["m128_n128_k64_s3_r1_w1", "m64_n128_k64_s3_r1_w1"]
 
 
 class PrefetchingRunner(FakeRunner):
@@ -218,7 +218,7 @@ def test_search_prefetches_the_next_candidates_and_missing_references():
   # the first prefetch asks for both stage-1 tilings and both references; later ones
   # never ask again for a reference already computed
   assert prefetches[0][1] == measured[:2] and sorted(prefetches[0][2]) == sorted(
-      ["m128_n128_k64_s3_r1", "m64_n128_k64_s3_r1"])
+      ["m128_n128_k64_s3_r1_w1", "m64_n128_k64_s3_r1_w1"])
   assert all(p[2] == [] for p in prefetches[2:])
   # after each stage, what was compiled ahead and not measured is dropped (none here)
   assert [e for e in runner.events if e[0] == "discard"] == [("discard", [])] * 2
@@ -285,7 +285,7 @@ def test_budget_failures_and_skips_are_counted():
   assert res.best.candidate == T.DEFAULT_CANDIDATE
   # reference failures: the candidate is not timed and never picked
   clock2 = FakeClock()
-  runner2 = FakeRunner(clock2, _time_table, bad_reference={"m64_n128_k64_s3_r1"})
+  runner2 = FakeRunner(clock2, _time_table, bad_reference={"m64_n128_k64_s3_r1_w1"})
   res2 = T.tune(DEEPSEEK_BWD, runner2, device=HOPPER, space=SPACE, budget_s=1e9,
                 progress=False, clock=clock2)
   assert res2.counts()["reference_failed"] == 1
@@ -303,7 +303,7 @@ def test_resume_reuses_timed_trials():
   second = T.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=SPACE, budget_s=1e9,
                   progress=False, clock=clock2, resume=report)
   assert T.DEFAULT_CANDIDATE.label() not in runner.measured
-  assert "m128_n128_k64_s3_r1" not in runner.referenced
+  assert "m128_n128_k64_s3_r1_w1" not in runner.referenced
   assert second.counts()["ok"] == len(second.trials) == 5
   with pytest.raises(ValueError, match="resume report key"):
     T.tune(dataclasses_replace(DEEPSEEK_BWD, direction="fwd"), runner, device=HOPPER,
@@ -602,7 +602,7 @@ def test_raster_variants_are_checked_against_the_row_major_reference():
                clock=clock)
   assert [t.candidate.label() for t in res.trials if t.stage == "kernel"] == [
       "m128_n128_k64_s3|c128_x64_t256", "m128_n128_k64_s3_r16|c128_x64_t256"]
-  assert runner.referenced == ["m128_n128_k64_s3_r1"]
+  assert runner.referenced == ["m128_n128_k64_s3_r1_w1"]
   assert res.best.candidate.kernel == KernelConfig(raster_rows=16)
   assert T.candidate_from_knobs(res.best.candidate.knobs()) == res.best.candidate
   clock = FakeClock()
@@ -633,6 +633,24 @@ def test_reports_from_before_raster_rows_are_not_resumed(tmp_path, monkeypatch, 
             "--resume", str(tmp_path), "--out", str(tmp_path / "out")])
   assert seen["resume"] is None
   assert "made before KernelConfig.raster_rows" in capsys.readouterr().out
+  # a report with raster_rows but not wgrad_raster timed row-major wgrads: not resumed
+  old["trials"][0]["knobs"]["raster_rows"] = None
+  (tmp_path / f"{stem}.json").write_text(json.dumps(old))
+  seen.clear()
+  with pytest.raises(SystemExit):
+    T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
+            "--resume", str(tmp_path), "--out", str(tmp_path / "out")])
+  assert seen["resume"] is None
+  assert "made before KernelConfig.wgrad_raster" in capsys.readouterr().out
+  # one with both knobs is resumed
+  old["trials"][0]["knobs"]["wgrad_raster"] = None
+  old["meta"] = dict(xla_flags=os.environ.get("XLA_FLAGS", ""))
+  (tmp_path / f"{stem}.json").write_text(json.dumps(old))
+  seen.clear()
+  with pytest.raises(SystemExit):
+    T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
+            "--resume", str(tmp_path), "--out", str(tmp_path / "out")])
+  assert seen["resume"] is not None
 
 
 def test_parse_fused_points():

@@ -8,6 +8,8 @@ bench/determinism_sweep.py and bench/moe_layer.py). The plumbing around it in
 uniep_jax/fused.py: tests/test_moe.py (contract-simulated, bitwise against v1).
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -25,15 +27,19 @@ from pallas_testlib import INTERPRET, INTERPRET_RACES, assert_no_races, fresh_in
 
 def test_wgrad_body_on_cta_subset_is_bitwise_equal():
   """The wgrad role (tiles on CTAs [offset, offset + count) only, CTA 0 idle as a
-  transfer CTA) gives the standalone wgrad's bits: ragged, empty and unaligned groups."""
-  m, kdim, n = 384, 256, 128
+  transfer CTA) gives the standalone wgrad's bits: ragged, empty and unaligned groups.
+  The role walks each group's 3 k tiles x 2 n tiles in bands of 2 k tiles (a short last
+  band), the standalone reference row-major."""
+  m, kdim, n = 384, 768, 256
   ks = jax.random.split(jax.random.key(5), 2)
   gs = jnp.array([100, 0, 170, 60], jnp.int32)          # empty group, unaligned ends
   lhs = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
   dout = jax.random.normal(ks[1], (m, n)).astype(jnp.bfloat16)
-  cfg = KernelConfig(num_sms=3, max_concurrent_steps=2)
-  ref = gg.gmm_wgrad(lhs, dout, gs, config=cfg, interpret=INTERPRET)
+  cfg = KernelConfig(num_sms=3, max_concurrent_steps=2, wgrad_raster=2)
+  ref = gg.gmm_wgrad(lhs, dout, gs, config=dataclasses.replace(cfg, wgrad_raster=1),
+                     interpret=INTERPRET)
   params = gg.wgrad_params(m, gs.shape[0], jnp.bfloat16, jnp.bfloat16, cfg)
+  assert params["raster_k"] == 2
   offset, count = 1, 2
 
   def body(bounds_gmem, lhs_gmem, dout_gmem, out_gmem):

@@ -45,8 +45,8 @@ Pruning, before anything is compiled (`check_candidate`, raises
 Verification. Every timed candidate's output ("fwd": y; "bwd": the loss and all
 gradients) is reduced to a position-sensitive bit checksum on the device and
 compared with the checksum of backend "pallas" (XLA collectives, the sequential
-path) with the SAME KernelConfig but for raster_rows (the reference walks its tiles
-row-major: the tile order must change no bit): a different block_k changes the
+path) with the SAME KernelConfig but for raster_rows and wgrad_raster (the reference
+walks its row tiles and its wgrad tiles row-major: the tile order must change no bit): a different block_k changes the
 accumulation order, so each tiling has its own reference. Transfer knobs only move rows, so
 all candidates sharing a KernelConfig must also agree with each other
 (`transfer_consistency` in the report). A mismatch is a bug: it is printed to
@@ -81,7 +81,9 @@ Entries recorded before KernelConfig.raster_rows existed (their kernel has no
 raster_rows) were timed with the tiles walked row-major; they load as raster_rows
 None (auto), which bands the tiles of launches with weights >= 16 MiB (measured
 faster on the expert FFN: pallas_kernels/NOTES_grouped_gemm.md), so their
-median_ms is that of the row-major order.
+median_ms is that of the row-major order. Likewise entries recorded before
+KernelConfig.wgrad_raster (2026-11-28) timed row-major wgrads and load as wgrad_raster
+None (bands of 4 k tiles): the same bits, their median_ms that of the old order.
 
 Filling the shipped cache. The device machines take commands of at most 10
 minutes and return only what is written under $OUT, so one call tunes one shape
@@ -243,6 +245,7 @@ class Candidate:
     label = (f"m{k.block_m}_n{k.block_n}_k{k.block_k}_s{k.max_concurrent_steps}"
              + (f"_e{k.epilogue_slots}" if k.epilogue_slots != 1 else "")
              + (f"_r{k.raster_rows}" if k.raster_rows is not None else "")
+             + (f"_w{k.wgrad_raster}" if k.wgrad_raster is not None else "")
              + f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
     if self.fused is not None:
       f = self.fused
@@ -261,6 +264,7 @@ class Candidate:
                  max_concurrent_steps=self.kernel.max_concurrent_steps,
                  epilogue_slots=self.kernel.epilogue_slots,
                  raster_rows=self.kernel.raster_rows,
+                 wgrad_raster=self.kernel.wgrad_raster,
                  chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
                  col_tile=self.transfer.col_tile)
     if self.fused is not None:
@@ -271,7 +275,7 @@ class Candidate:
 
 
 KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilogue_slots",
-                "raster_rows")
+                "raster_rows", "wgrad_raster")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
 FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward",
                "wgrad_return_ctas", "down_return_ctas", "dispatch_in_kernel")
@@ -326,6 +330,7 @@ class SearchSpace:
   max_concurrent_steps: Sequence[int] = (2, 3, 4, 5, 6)
   epilogue_slots: Sequence[int] = (1, 2)
   raster_rows: Sequence[Optional[int]] = (None, 16)   # None: the per-launch auto rule
+  wgrad_raster: Sequence[Optional[int]] = (None,)     # None: bands of 4 k tiles
   chunk_rows: Sequence[int] = (32, 64, 128, 256)
   # At most 96 of 132 SMs: the transfer's cross-rank wait needs all its CTAs
   # resident while other streams' kernels (NCCL) run (ep_transfer.py).
@@ -1341,9 +1346,11 @@ class _ReplayRunner:
 
 def _with_row_major_references(report: dict) -> dict:
   """A report made before KernelConfig.raster_rows keyed its references by the tiling
-  alone; they ran row-major, which is today's reference order: rename the keys to
-  `reference_kernel`'s labels so that they are found."""
-  if all("raster_rows" in t.get("knobs", {}) for t in report.get("trials", [])):
+  alone, one made before KernelConfig.wgrad_raster by the tiling and "_r1"; they ran
+  row-major, which is today's reference order: rename the keys to `reference_kernel`'s
+  labels so that they are found."""
+  if all("raster_rows" in t.get("knobs", {}) and "wgrad_raster" in t.get("knobs", {})
+         for t in report.get("trials", [])):
     return report
   refs = {kernel_label(reference_kernel(candidate_from_knobs(
       dict(DEFAULT_CANDIDATE.knobs(), **_kernel_knobs_of(label))).kernel)): v
@@ -1354,7 +1361,7 @@ def _with_row_major_references(report: dict) -> dict:
 def _kernel_knobs_of(label: str) -> dict:
   """'m128_n128_k64_s3_e2' -> the KernelConfig knobs it names."""
   names = dict(m="block_m", n="block_n", k="block_k", s="max_concurrent_steps",
-               e="epilogue_slots", r="raster_rows")
+               e="epilogue_slots", r="raster_rows", w="wgrad_raster")
   return {names[part[0]]: int(part[1:]) for part in label.split("|")[0].split("_")}
 
 
@@ -1402,9 +1409,10 @@ def plot(result: TuneResult, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   knobs = KERNEL_KNOBS + TRANSFER_KNOBS
-  fig, grid = plt.subplots(3, 3, figsize=(11, 8.4), sharey=True)
+  rows = -(-len(knobs) // 3)
+  fig, grid = plt.subplots(rows, 3, figsize=(11, 2.8 * rows), sharey=True)
   axes = list(grid.flat)
-  auto_x = 0.5   # where a knob's None ("auto", raster_rows) is drawn on the log axis
+  auto_x = 0.5   # where a knob's None ("auto": raster_rows, wgrad_raster) is drawn on the log axis
 
   def at(t, knob):
     v = t.candidate.knobs()[knob]
@@ -1426,7 +1434,8 @@ def plot(result: TuneResult, path: str) -> None:
       ax.scatter([at(best, knob)], [best.median_ms], marker="*", s=120,
                  color="gold", edgecolors="black", label="best")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(knob + (f" ({auto_x} = auto)" if knob == "raster_rows" else ""))
+    ax.set_xlabel(knob + (f" ({auto_x} = auto)" if knob in ("raster_rows", "wgrad_raster")
+                          else ""))
   axes[0].set_ylabel("median ms per call")
   axes[0].legend(fontsize=7)
   p = result.problem
@@ -1599,6 +1608,11 @@ def main(argv=None) -> int:
           # KernelConfig.raster_rows=None (auto), which may band the tiles
           print(f"NOT resuming from {prev}: made before KernelConfig.raster_rows (its "
                 f"times are of the row-major tile order)", flush=True)
+          resume = None
+        elif any("wgrad_raster" not in t.get("knobs", {}) for t in resume.get("trials", [])):
+          # the same for the wgrads' tile order (KernelConfig.wgrad_raster=None: bands)
+          print(f"NOT resuming from {prev}: made before KernelConfig.wgrad_raster (its "
+                f"times are of row-major wgrads)", flush=True)
           resume = None
         elif resume.get("meta", {}).get("xla_flags", "") != flags:
           # other XLA flags: other glue kernels, other times (and maybe other bits)
