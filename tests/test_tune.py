@@ -613,12 +613,12 @@ def test_raster_variants_are_checked_against_the_row_major_reference():
 
 
 def test_reports_from_before_raster_rows_are_not_resumed(tmp_path, monkeypatch, capsys):
-  """A report whose trials lack raster_rows timed the row-major order; today the same
-  labels mean the auto order: the CLI does not resume from it."""
+  """A report whose trials lack raster_rows (or wgrad_raster) timed the row-major order
+  (of the row tiles, or of the wgrad tiles); today the same labels mean the auto order:
+  the CLI does not resume from it. One with both knobs is resumed."""
   stem = T.report_stem(HOPPER.kind, "64x64x128x4x2", 1, "fwd")
   old = dict(key="x", trials=[dict(label="m128_n128_k64_s3|c128_x64_t256",
                                    knobs=dict(block_m=128))], meta={})
-  (tmp_path / f"{stem}.json").write_text(json.dumps(old))
   seen = {}
 
   def fake_tune(problem, runner, **kw):
@@ -628,29 +628,23 @@ def test_reports_from_before_raster_rows_are_not_resumed(tmp_path, monkeypatch, 
   monkeypatch.setattr(T, "tune", fake_tune)
   monkeypatch.setattr(T.DeviceFacts, "from_device", classmethod(lambda cls, **_: HOPPER))
   monkeypatch.setattr(T, "LayerRunner", lambda *a, **k: type("R", (), {"close": lambda *_, **__: None})())
-  with pytest.raises(SystemExit):
-    T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
-            "--resume", str(tmp_path), "--out", str(tmp_path / "out")])
-  assert seen["resume"] is None
+
+  def resumed_from(report):
+    (tmp_path / f"{stem}.json").write_text(json.dumps(report))
+    seen.clear()
+    with pytest.raises(SystemExit):
+      T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
+              "--resume", str(tmp_path), "--out", str(tmp_path / "out")])
+    return seen["resume"]
+
+  assert resumed_from(old) is None
   assert "made before KernelConfig.raster_rows" in capsys.readouterr().out
-  # a report with raster_rows but not wgrad_raster timed row-major wgrads: not resumed
   old["trials"][0]["knobs"]["raster_rows"] = None
-  (tmp_path / f"{stem}.json").write_text(json.dumps(old))
-  seen.clear()
-  with pytest.raises(SystemExit):
-    T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
-            "--resume", str(tmp_path), "--out", str(tmp_path / "out")])
-  assert seen["resume"] is None
+  assert resumed_from(old) is None
   assert "made before KernelConfig.wgrad_raster" in capsys.readouterr().out
-  # one with both knobs is resumed
   old["trials"][0]["knobs"]["wgrad_raster"] = None
   old["meta"] = dict(xla_flags=os.environ.get("XLA_FLAGS", ""))
-  (tmp_path / f"{stem}.json").write_text(json.dumps(old))
-  seen.clear()
-  with pytest.raises(SystemExit):
-    T.main(["--shape", "64,64,128,4,2", "--ep", "1", "--direction", "fwd",
-            "--resume", str(tmp_path), "--out", str(tmp_path / "out")])
-  assert seen["resume"] is not None
+  assert resumed_from(old) is not None
 
 
 def test_parse_fused_points():
