@@ -38,6 +38,9 @@ experimental ping-pong kernel, removed since: NOTES_grouped_gemm.md.)
   python -m bench.epilogue_probe [--shapes qwen3-like,mixtral-like] [--out DIR]
 
 Writes epilogue_probe_<device>.json (median ms per launch and variant) under --out.
+Each launch's variants are timed one after another (median_ms, as in runs 1-8), then
+in interleaved rounds, one batch of each in turn (interleaved_median_ms, since run 9):
+a drift of the GPU reaches the later variants of the first, not of the second.
 """
 
 from __future__ import annotations
@@ -170,11 +173,12 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
             a, dy, s, out_dtype=bf, config=c, interpret=False), (a, x, gs), 2 * live * f * h),
     }
 
-  ms, tflops, bits_equal = {}, {}, {}
+  ms, tflops, bits_equal, inter_ms = {}, {}, {}, {}
   for lname in launches(cfg):
     if only_launches is not None and lname not in only_launches:
       continue
     as_is_out = None
+    compiled_of = {}   # key -> executable, for the interleaved rounds after the loop
     variants = ["as_is", "slots2", "full_tile_tma", "defer_stores", "no_tma_store",
                 "no_epilogue"]
     if lname == "da_dswiglu":
@@ -200,6 +204,7 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
           compiled = jax.jit(lambda *xs, fn=fn: fn(*xs)).lower(*args).compile()
         ms[key] = 1e3 * time_fn(compiled, *args, reps=reps, trials=trials)
         tflops[key] = flops / (ms[key] * 1e-3) / 1e12
+        compiled_of[key] = compiled
         if v == "as_is" or v in _SAME_BITS_CONFIGS:   # same bits by contract: check them
           out_v = compiled(*args)
           if not lname.endswith("_wgrad"):   # only live rows are defined (dead ones are skipped)
@@ -218,9 +223,20 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
         print(f"  {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
       print(f"  {key:32s} {ms[key] and round(ms[key], 3)} ms "
             f"{tflops.get(key) and round(tflops[key])} TFLOP/s", flush=True)
+    if len(compiled_of) > 1:
+      # the variants above ran one after another, so a drift of the GPU (clocks,
+      # temperature) reached the later ones (run 8: one program 5.27 then 5.71 ms);
+      # these rounds give every variant one batch in turn: compare THESE medians
+      args = launches(cfg)[lname][1]
+      rounds = common.time_interleaved_ms(
+          {k: (c, reps) for k, c in compiled_of.items()}, *args, trials=max(trials, 5))
+      for k, r in rounds.items():
+        inter_ms[k] = r["median_ms"]
+        print(f"  {k:32s} interleaved {round(r['median_ms'], 3)} ms "
+              f"(min {round(r['min_ms'], 3)}, max {round(r['max_ms'], 3)})", flush=True)
   return dict(shape=shape.name, rows_live=live, rows_total=m, local_experts=g, hidden=h, ffn=f,
               group_sizes=[int(v) for v in jax.device_get(gs)], median_ms=ms, tflops=tflops,
-              bits_equal_to_as_is=bits_equal)
+              bits_equal_to_as_is=bits_equal, interleaved_median_ms=inter_ms)
 
 
 def main(argv=None):

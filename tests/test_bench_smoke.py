@@ -446,3 +446,36 @@ def test_epilogue_probe_full_tile_tma_keeps_the_bits():
       out[v] = jax.jit(lambda *xs: launches(*xs)).lower(a, w, gs, hh, uu).compile()(
           a, w, gs, hh, uu)
   chex.assert_trees_all_equal(out["full_tile_tma"], out["as_is"])
+
+
+def test_epilogue_probe_loop_checks_bits_and_interleaves(monkeypatch):
+  """bench/epilogue_probe.py's loop on the CPU, with the two kernel entry points swapped
+  for XLA stand-ins (the real ones compile only for a GPU): every requested variant is
+  timed, one after another and then in interleaved rounds; a same-bits variant is
+  compared with as_is on the live rows only (a stand-in that writes garbage into the
+  dead rows still passes) and a variant whose live rows differ is reported unequal."""
+  import jax.numpy as jnp
+  from bench import epilogue_probe as ep
+  from bench.grouped_gemm import MoeShape
+  from pallas_kernels import grouped_gemm as gg
+
+  def row_tiled(a_list, b_list, gs, *, mode, config, **kw):
+    a, b = a_list[0], b_list[0]
+    w = b[0].T if kw.get("transpose_b") else b[0]
+    out = (a @ w[:a.shape[1]]).astype(a.dtype)
+    dead = jnp.arange(out.shape[0])[:, None] >= gs.sum()
+    out = jnp.where(dead, jnp.asarray(config.raster_rows or -1, out.dtype), out)   # garbage
+    if config.raster_rows == 16:
+      out = out.at[0, 0].add(1)                                  # a live bit differs
+    return (out,)
+
+  monkeypatch.setattr(gg, "_row_tiled_call", row_tiled)
+  monkeypatch.setattr(gg, "_wgrad_call", lambda x, d, s, **kw: (x.T @ d)[None])
+  shape = MoeShape("tiny", 64, 128, 128, 8, 2)
+  row = ep.run_shape(shape, reps=1, trials=1, only={"as_is", "rows4", "rows16"},
+                     only_launches={"down_plain", "dw_down_wgrad"})
+  assert set(row["median_ms"]) == {"down_plain/as_is", "down_plain/rows4",
+                                   "down_plain/rows16", "dw_down_wgrad/as_is"}
+  assert row["bits_equal_to_as_is"] == {"down_plain/rows4": True, "down_plain/rows16": False}
+  assert set(row["interleaved_median_ms"]) == {"down_plain/as_is", "down_plain/rows4",
+                                               "down_plain/rows16"}   # one variant: no rounds
