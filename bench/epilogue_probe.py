@@ -14,8 +14,6 @@ it is lowered (restored right after):
   slots2       KernelConfig.epilogue_slots=2 (not "dswiglu"): a chunk is staged while
                the previous chunk's store still reads the other slot (are the waits
                between a tile's chunks part of the cost?)
-  defer_stores ("plain" launches) a candidate fix: KernelConfig.defer_stores, a tile's
-               stores issued during the next tile's first k-step, not in its epilogue
   full_tile_tma  a candidate fix (bits unchanged): a full tile's chunk stored by one TMA
                behind one branch, the ladder (8 branches per chunk) only for partial tiles
   no_tma_store gg.ladder_store (and the wgrad's plgpu.copy_smem_to_gmem) no-ops: values
@@ -127,7 +125,7 @@ def _variant(name: str):
       return wrapped
     gg._store_epilogue = never(saved["_store_epilogue"])
     gg._dswiglu_epilogue = never(saved["_dswiglu_epilogue"])
-  elif name not in ("as_is", "slots2", "defer_stores") and name not in _SAME_BITS_CONFIGS:
+  elif name not in ("as_is", "slots2") and name not in _SAME_BITS_CONFIGS:
     # the others are KernelConfig changes, no patch
     raise ValueError(name)
   try:
@@ -179,23 +177,19 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
       continue
     as_is_out = None
     compiled_of = {}   # key -> executable, for the interleaved rounds after the loop
-    variants = ["as_is", "slots2", "full_tile_tma", "defer_stores", "no_tma_store",
-                "no_epilogue"]
+    variants = ["as_is", "slots2", "full_tile_tma", "no_tma_store", "no_epilogue"]
     if lname == "da_dswiglu":
       variants.insert(4, "no_hu_loads")
       variants.remove("slots2")   # its h, u buffers are its only staging
     if lname.endswith("_wgrad"):
       variants.remove("full_tile_tma")   # its tiles are always full: one TMA already
       variants[1:1] = ["wgrad_r1", "wgrad_r4", "wgrad_r16"]
-    if not lname.endswith("_plain") and not lname.endswith("_plain_t"):
-      variants.remove("defer_stores")    # KernelConfig.defer_stores: plain launches only
     variants += [v for v in _OPT_IN if only is not None and v in only
                  and not (v.startswith("rows") and lname.endswith("_wgrad"))]   # no row tiles
     variants = [v for v in variants if only is None or v in only]
     for v in variants:
       key = f"{lname}/{v}"
       c = {"slots2": dataclasses.replace(cfg, epilogue_slots=2),
-           "defer_stores": dataclasses.replace(cfg, defer_stores=True),
            **{n: dataclasses.replace(cfg, **kw) for n, kw in _SAME_BITS_CONFIGS.items()}
            }.get(v, cfg)
       fn, args, flops = launches(c)[lname]

@@ -148,8 +148,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   its checksums differ from slot order's); `@chunk<N>` the transfer's chunk_rows;
   `@ga` row tiles cut from each expert's first row (`KernelConfig.group_aligned_tiles`,
   the default since 2026-11-28), `@bt` block-aligned row tiles (the tiles before);
-  `@ds` the plain launches' stores deferred into the next tile's mainloop
-  (`KernelConfig.defer_stores`, EXPERIMENTAL); `@wr<N>` the wgrads' tiles walked in
+  `@wr<N>` the wgrads' tiles walked in
   bands of N k tiles (`KernelConfig.wgrad_raster`; @wr1: row-major, the order before
   2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
   (`KernelConfig.raster_rows`; default auto: 4 where a group's weight is >= 96 MiB, 8
@@ -167,8 +166,6 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
     elif suffix in ("ga", "bt"):
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(
           cfg.kernel, group_aligned_tiles=suffix == "ga"))
-    elif suffix == "ds":
-      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, defer_stores=True))
     elif (m := re.fullmatch(r"rr(\d+)", suffix)) is not None:
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel,
                                                                raster_rows=int(m.group(1))))
@@ -189,7 +186,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @ds, @wr<N>, @rr<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>)")
   return cfg
 
 

@@ -223,15 +223,7 @@ def _launch_of(config: KernelConfig, mode: str, in_dtype, out_dtype) -> "_Launch
   return _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
                  jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize,
                  epi_buffers=2 if mode == "dswiglu" else 1,
-                 epi_slots=(1 if mode == "dswiglu"
-                            else wg_n // _EPI_N if _defers_stores(config, mode)
-                            else config.epilogue_slots))
-
-
-def _defers_stores(config: KernelConfig, mode: str) -> bool:
-  """KernelConfig.defer_stores applies to the "plain" launches (one output: a tile's
-  chunks all fit in the staging slots)."""
-  return config.defer_stores and mode == "plain"
+                 epi_slots=1 if mode == "dswiglu" else config.epilogue_slots)
 
 
 def _swizzle_transforms(dtype, minor: int):
@@ -367,22 +359,6 @@ def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, row
       i += 1
 
 
-def _stage_epilogue(vals, epi_smem):
-  """KernelConfig.defer_stores: a compute warpgroup's [rows, wg_n] values staged in its
-  slots (epi_smem [warpgroups, chunks, rows, _EPI_N], one slot per chunk), once the
-  previous tile's stores (issued during this tile's mainloop) have read them. The
-  caller issues the stores later (`issue_stores_of` in `_row_tiled_kernel`)."""
-  wg = lax.axis_index("wg")
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  i = 0
-  for val in vals:
-    for c in range(val.shape[1] // _EPI_N):
-      slot = epi_smem.at[wg, i]
-      slot[...] = val[:, c * _EPI_N:(c + 1) * _EPI_N].astype(slot.dtype)
-      i += 1
-  plgpu.commit_smem()
-
-
 def _silu_mul(h, u):
   return h * jax.nn.sigmoid(h) * u
 
@@ -456,7 +432,6 @@ def _raster(s, num_tiles: int, n_tiles: int, rows: int):
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
                       b_col_offsets: tuple = (), epi_slots: int = 1, raster_rows: int = 1,
-                      defer_stores: bool = False,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, load_align: int,
                       block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
@@ -489,10 +464,6 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         `remote_ref`), gmem_row the first output row of the tile's rows
         [lo, hi) (default lo). Used by `fused_gemm_return.py`.
   """
-  # KernelConfig.defer_stores: only on the standalone walk (the fused kernels' hooks and
-  # CTA subsets expect each tile's stores issued in its own epilogue)
-  defer_stores = (defer_stores and walk is None and num_ctas is None and before_tile is None
-                  and after_tile is None)
   if after_tile is not None and mode == "dswiglu":
     raise ValueError("after_tile: mode 'dswiglu' stores through its own epilogue, which "
                      "does not call the hook (a caller counting its signals would wait "
@@ -512,7 +483,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   a_transforms = _swizzle_transforms(in_dtype, block_k)
   b_transforms = _swizzle_transforms(in_dtype, block_k if transpose_b else cta_n)
 
-  def mma_step(idxs, *args, first_step_hook=None):
+  def mma_step(_, *args):
     *smems, accs = args
     a_smems, b_smems = smems[:num_a], smems[num_a:]
     wg_cols = pl.ds(lax.axis_index("wg") * wg_n, wg_n)
@@ -522,19 +493,17 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       else:
         b = b_smems[bi].at[:, wg_cols]
       plgpu.wgmma(accs[ci], a_smems[ai], b)
-    if first_step_hook is not None:   # while the first step's MMAs run
-      pl.when(idxs[0] == 0)(first_step_hook)
     plgpu.wgmma_wait(0)  # the stage is released (consumed) after this step
     return accs
 
-  def make_pipeline(compute_context, k_steps, first_step_hook=None):
+  def make_pipeline(compute_context, k_steps):
     a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms)
     if transpose_b:
       b_spec = plgpu.BlockSpec((cta_n, block_k), lambda ki: (0, ki), transforms=b_transforms)
     else:
       b_spec = plgpu.BlockSpec((block_k, cta_n), lambda ki: (ki, 0), transforms=b_transforms)
     return plgpu.emit_pipeline_warp_specialized(
-        functools.partial(mma_step, first_step_hook=first_step_hook),
+        mma_step,
         grid=(k_steps,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[a_spec] * num_a + [b_spec] * num_b,
@@ -575,38 +544,14 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       **scoped,
   )
   def _scope(pipeline_allocs, epi_smem, hu_barrier=None):
-    def tile_of(lin):
-      """(nt, group, load_row, lo, hi, kind) of linear tile index lin."""
+    def tile(lin, out_gmems_=None, gmem_row=None):
       t = lin // n_tiles
-      return (lin % n_tiles, plan_gmem[t],
-              pl.multiple_of(plan_gmem[num_tiles + t], load_align),
-              plan_gmem[2 * num_tiles + t], plan_gmem[3 * num_tiles + t],
-              plan_gmem[4 * num_tiles + t])
-
-    def issue_stores_of(s):
-      """KernelConfig.defer_stores: the TMA stores of schedule step s's tile (this
-      CTA's), staged in this warpgroup's slots by that tile's epilogue."""
-      nt, _, load_row, lo, hi, kind = tile_of(_raster(s, num_tiles, n_tiles, raster_rows))
-      wg = lax.axis_index("wg")
-      col0 = nt * cta_n + wg * wg_n
-
-      @pl.when(kind != _NONE)
-      def _issue():
-        for c in range(wg_n // _EPI_N):
-          ladder_store(epi_smem.at[wg, c], out_gmems[0].at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)],
-                       lo - load_row, lo, hi - lo, block_m)
-
-    def issue_previous(s):
-      """The previous step's stores (deferred), if this CTA had one."""
-      grid = lax.axis_size("sm")
-      pl.when(s >= grid)(lambda: issue_stores_of(s - grid))
-
-    def tile(lin, out_gmems_=None, gmem_row=None, s=None):
-      nt, group, load_row, lo, hi, kind = tile_of(lin)
-      if defer_stores:   # a padding tile has no epilogue: issue the previous one's here
-        @pl.when((kind == _NONE) & (lax.axis_index("wg") < _NUM_COMPUTE_WGS))
-        def _flush_before_padding():
-          issue_previous(s)
+      nt = lin % n_tiles
+      group = plan_gmem[t]
+      load_row = pl.multiple_of(plan_gmem[num_tiles + t], load_align)
+      lo = plan_gmem[2 * num_tiles + t]
+      hi = plan_gmem[3 * num_tiles + t]
+      kind = plan_gmem[4 * num_tiles + t]
 
       @pl.when(kind != _NONE)
       def _live_tile():
@@ -616,12 +561,9 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
             before_tile(load_row)
 
         k_steps = jnp.where(kind == _COMPUTE, k_iters, 0)
-        hook = (lambda: issue_previous(s)) if defer_stores else None
 
         def compute_context(eval_pipeline):
           def acc_scope(*accs):
-            if hook is not None:   # a zero tile has no first k-step
-              pl.when(k_steps == 0)(hook)
             eval_pipeline(tuple(accs))
             vals = [acc[...] for acc in accs]
             if mode == "swiglu":
@@ -637,9 +579,6 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                                 load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
                                 count=hi - lo, rows=block_m, col0=col0)
               return
-            if defer_stores:   # staged only; stored during the next tile's first k-step
-              _stage_epilogue(outs, epi_smem)
-              return
             _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
                             smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
                             count=hi - lo, rows=block_m, col0=col0, ragged=True)
@@ -648,8 +587,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
           pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
 
         a_views, b_views = operand_views(group, load_row, nt)
-        make_pipeline(compute_context, k_steps, hook)(*a_views, *b_views,
-                                                      allocations=pipeline_allocs)
+        make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
 
     if walk is not None:
       walk(lambda lin, out_gmems=None, gmem_row=None: tile(lin, out_gmems, gmem_row))
@@ -657,14 +595,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
       def _tile_loop(loop_info):
         (s,) = loop_info.index
-        tile(_raster(s, num_tiles, n_tiles, raster_rows), s=s)
-
-      if defer_stores:   # the CTA's last tile's stores
-        total, sm, grid = num_tiles * n_tiles, lax.axis_index("sm"), lax.axis_size("sm")
-
-        @pl.when((sm < total) & (lax.axis_index("wg") < _NUM_COMPUTE_WGS))
-        def _flush_last():
-          issue_stores_of(sm + (total - 1 - sm) // grid * grid)
+        tile(_raster(s, num_tiles, n_tiles, raster_rows))
     else:   # the same banded walk on the subset (v2.2; was row-major)
       _cta_subset_loop(num_tiles * n_tiles, cta_offset, num_ctas,
                        lambda s: tile(_raster(s, num_tiles, n_tiles, raster_rows)))
@@ -727,8 +658,7 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raster = (RASTER_AUTO_ROWS_LARGE if weight_bytes >= RASTER_AUTO_LARGE_BYTES
               else RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
-              epi_slots=launch.epi_slots, raster_rows=raster,
-              defer_stores=_defers_stores(config, mode), m=m, k=k, n=n,
+              epi_slots=launch.epi_slots, raster_rows=raster, m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m, group_aligned), block_m=block_m,
               load_align=GROUP_TILE_ALIGN if group_aligned else block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)

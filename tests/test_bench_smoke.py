@@ -26,7 +26,6 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   assert moe_layer.backend_config("uniep_dd@tel").transfer.expand_last_on_all is True
   assert moe_layer.backend_config("uniep_dc_rbw_dd@bt").kernel.group_aligned_tiles is False
   assert moe_layer.backend_config("uniep_dc_rbw_dd@bt@ga").kernel.group_aligned_tiles is True
-  assert moe_layer.backend_config("uniep_dd@ds").kernel.defer_stores is True
   assert moe_layer.backend_config("uniep_dd@wr1").kernel.wgrad_raster == 1
   assert moe_layer.backend_config("uniep_dd@rr4@wr8").kernel.raster_rows == 4
   assert moe_layer.backend_config("uniep_dd@rr4@wr8").kernel.wgrad_raster == 8

@@ -166,45 +166,6 @@ def test_fused_modes_no_races(mode, group_sizes):
                          save_hu=False, config=CONFIG, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("transpose_b,raster,zero_window,num_sms", [
-    (False, 1, None, 2), (True, 3, None, 2), (False, 3, 64, 2), (False, 1, None, 7)])
-def test_defer_stores_changes_no_bit(transpose_b, raster, zero_window, num_sms):
-  """KernelConfig.defer_stores: a plain launch's tile is staged in SMEM by its epilogue
-  and stored during the CTA's next tile's first k-step (before the pipeline of a zero
-  tile, before a padding tile, after the loop for the last one). Same bits as storing
-  in the epilogue, over 2 SMs walking ~10 tiles each: compute, zero (dead rows) and
-  padding tiles, full and partial ones, row-major and in bands of 3 (padding tiles
-  inside the last band); on 7 SMs some CTA's last tile is a real one (the flush after
-  the loop); race detector on."""
-  import dataclasses
-  m, k, n = 768, 128, 512
-  ks = jax.random.split(jax.random.key(13), 2)
-  gs = jnp.asarray(GROUP_SIZES_FULL_TILES)
-  g = len(GROUP_SIZES_FULL_TILES)
-  a = rand(ks[0], (m, k))
-  b = rand(ks[1], (g, n, k) if transpose_b else (g, k, n), k**-0.5)
-  # on 7 SMs with block-aligned tiles CTA 3's last tile is a compute tile, CTAs 4 and 5's
-  # zero tiles (with group-aligned ones every CTA ends on padding)
-  base = dataclasses.replace(CONFIG, raster_rows=raster, num_sms=num_sms,
-                             group_aligned_tiles=num_sms == 2)
-
-  def launch(cfg, interpret):
-    return gg._row_tiled_call([a], [b], gs, mode="plain", transpose_b=transpose_b,
-                              out_dtype=BF16, save_hu=False, config=cfg, interpret=interpret,
-                              zero_window=zero_window)[0]
-
-  reference = jax.jit(lambda: launch(base, INTERPRET))()
-  deferred = jax.jit(lambda: launch(dataclasses.replace(base, defer_stores=True),
-                                    INTERPRET_RACES))()
-  assert_no_races()
-  live = int(GROUP_SIZES_FULL_TILES.sum())
-  end = m if zero_window is None else -(-live // zero_window) * zero_window
-  chex.assert_trees_all_equal(deferred[:end], reference[:end])
-  # one slot per chunk: 2 x 16 KiB more SMEM per CTA at the default tile
-  assert (gg.smem_bytes(KernelConfig(defer_stores=True)) - gg.smem_bytes(KernelConfig())
-          == 2 * 128 * 64 * 2)
-
-
 def test_grouped_matmul_gradients():
   m, k, n = 256, 96, 128
   ks = jax.random.split(jax.random.key(4), 3)

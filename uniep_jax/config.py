@@ -82,10 +82,11 @@ class KernelConfig:
   num_sms: persistent grid size; None reads the device's SM count.
   epilogue_slots: SMEM staging slots per compute warpgroup for the output stores
     (1 or 2; not "dswiglu", which has its own). 1 (default, measured): each 64-column
-    chunk waits until the previous chunk's TMA store has read the slot. 2
-    (EXPERIMENTAL, not yet run on a GPU): chunk i is written while chunk i - 1 is
-    still being stored, for 16 KiB more SMEM per warpgroup (bf16, block_m 128).
-    The bits do not depend on it.
+    chunk waits until the previous chunk's TMA store has read the slot. 2: chunk i is
+    written while chunk i - 1 is still being stored, for 16 KiB more SMEM per
+    warpgroup (bf16, block_m 128); measured level or slower (1x H200, 2026-11-28:
+    bench/results/epilogue_probe_NVIDIA_H200_run5_candidates.json). The bits do not
+    depend on it.
   raster_rows: the order in which the persistent CTAs walk a row-tiled launch's
     (row tile, column tile) grid: in bands of `raster_rows` row tiles, column tiles
     outer and the band's row tiles inner, so the CTAs running at one time share a
@@ -125,13 +126,6 @@ class KernelConfig:
     profile: span 9.37 -> 9.16 ms per call); at EP 4 (4x H200) qwen3-like 9.89 -> 9.90
     (level). The bits do not depend on it (a row's result does not depend on its
     position in the tile; the same checksums in every run).
-  defer_stores: EXPERIMENTAL, not yet run on a GPU. The "plain" row-tiled launches
-    (down, dx, the forward and dgrad) stage each tile's output in SMEM (one slot per
-    64-column chunk) and issue its TMA stores during the NEXT tile's first k-step,
-    while that step's MMAs run, instead of in the epilogue (the epilogue's TMA stores
-    and waits are ~half its cost, bench/epilogue_probe.py). Not in the fused kernels'
-    launches (their hooks expect each tile stored in its own epilogue). The bits do
-    not depend on it.
   wgrad_raster: the order in which the persistent CTAs walk a wgrad launch's (k tile,
     n tile) grid of each group's output dW[g] [K, N]: in bands of `wgrad_raster` k
     tiles (2 block_m rows of dW each), n tiles outer and the band's k tiles inner
@@ -151,7 +145,6 @@ class KernelConfig:
   epilogue_slots: int = 1
   raster_rows: Optional[int] = None
   group_aligned_tiles: bool = True
-  defer_stores: bool = False
   wgrad_raster: Optional[int] = None
 
   def __post_init__(self):
