@@ -173,6 +173,7 @@ def main(argv=None):
                        + ("/e2" if kc.epilogue_slots == 2 else "")
                        + (f"/r{kc.raster_rows}" if kc.raster_rows is not None else "")
                        + (f"/w{kc.wgrad_raster}" if kc.wgrad_raster is not None else "")
+                       + ("/f1" if kc.mma_in_flight else "")
                        + ("" if kc.group_aligned_tiles else "/bt"))
 
   def write(partial=False):
@@ -196,7 +197,8 @@ def main(argv=None):
   pool = concurrent.futures.ThreadPoolExecutor(args.compile_workers)
   compile_ = lambda cfg: pool.submit(_compile, mesh, shape, cfg, x, p)  # noqa: E731
   # each tiling's reference walks its tiles row-major (`reference_kernel`): the tile
-  # order (raster_rows, wgrad_raster) must not change a bit either
+  # order (raster_rows, wgrad_raster) and the MMA waits (mma_in_flight) must not change a
+  # bit either
   ref_jobs = {tag_of(kc): compile_(uniep_jax.UniEPConfig(backend="pallas",
                                                          kernel=reference_kernel(kc)))
               for kc in tilings}

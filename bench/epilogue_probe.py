@@ -25,7 +25,9 @@ it is lowered (restored right after):
                Same bits, so not timing-only: how much the tile order saves
   stages2 / stages4 / rows1 / rows4 / rows16  (only when named in --variants) KernelConfig
                max_concurrent_steps 2 or 4 (a launch takes what fits in SMEM), raster_rows
-               1, 4 or 16 (the row-tiled launches' bands; auto: 4, 8 or 1); same bits, checked
+               1, 4 or 16 (the row-tiled launches' bands; auto: 4, 8 or 1); inflight1 (and
+               _s4: with 4 stages where they fit) KernelConfig.mma_in_flight=1, one wgmma
+               group kept in flight; same bits, checked
   no_epilogue  gg._store_epilogue / gg._dswiglu_epilogue behind a run-time condition that
                never holds: the mainloop (MMAs) and the per-tile pipeline restart only
 
@@ -85,8 +87,9 @@ _SAME_BITS_CONFIGS = {
     "wgrad_r16": dict(wgrad_raster=16),
     "stages2": dict(max_concurrent_steps=2), "stages4": dict(max_concurrent_steps=4),
     "rows1": dict(raster_rows=1), "rows4": dict(raster_rows=4), "rows16": dict(raster_rows=16),
+    "inflight1": dict(mma_in_flight=1), "inflight1_s4": dict(mma_in_flight=1, max_concurrent_steps=4),
 }
-_OPT_IN = ("stages2", "stages4", "rows1", "rows4", "rows16")
+_OPT_IN = ("stages2", "stages4", "rows1", "rows4", "rows16", "inflight1", "inflight1_s4")
 
 
 @contextlib.contextmanager

@@ -152,7 +152,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   bands of N k tiles (`KernelConfig.wgrad_raster`; @wr1: row-major, the order before
   2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
   (`KernelConfig.raster_rows`; default auto: 4 where a group's weight is >= 96 MiB, 8
-  from 16 MiB, else row-major)."""
+  from 16 MiB, else row-major); `@inflight` one wgmma group kept in flight per compute
+  warpgroup (`KernelConfig.mma_in_flight=1`, EXPERIMENTAL)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -166,6 +167,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
     elif suffix in ("ga", "bt"):
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(
           cfg.kernel, group_aligned_tiles=suffix == "ga"))
+    elif suffix == "inflight":
+      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, mma_in_flight=1))
     elif (m := re.fullmatch(r"rr(\d+)", suffix)) is not None:
       cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel,
                                                                raster_rows=int(m.group(1))))
@@ -186,7 +189,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
                                                                  chunk_rows=int(m.group(1))))
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight)")
   return cfg
 
 

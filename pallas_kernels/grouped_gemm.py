@@ -79,6 +79,16 @@ Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
                end of each pipeline it waits the outstanding consumed barriers,
                so every tile starts with all stages free and barrier phases
                aligned (this is what makes back-to-back tiles race-free).
+               KernelConfig.mma_in_flight = 1 (EXPERIMENTAL): `wgmma_wait(1)`
+               and delay_release=1, so the arrival for step s comes at step s + 1
+               and the pipeline never arrives for its last step; the compute
+               warpgroups then `wgmma_wait(0)` and arrive on that stage's
+               consumed barrier themselves (`_release_last_stage`), and the
+               memory warpgroup waits for it after the pipeline
+               (`_await_last_stage`), so the next tile still starts with every
+               stage free. The interpret mode runs a wgmma synchronously at its
+               issue, so it checks the arrivals' balance (a missing one hangs),
+               not the asynchronous read a late release protects.
   epilogue     each compute warpgroup owns its own epilogue slot(s); before
                writing one, `wait_smem_to_gmem(0, wait_read_only=True)` waits
                until its previous TMA stores have read it (with 2 slots: each
@@ -400,6 +410,42 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load
 # ----------------------------------------------------------------------------
 
 
+def _last_stage_consumed(pipeline_allocs, steps, stages: int):
+  """The consumed barrier of the stage a pipeline of `steps` (traced, >= 1) steps used
+  last (the pipeline's slot of step s is s % stages)."""
+  consumed = pipeline_allocs["flat_consumed_barrier_refs"][0]
+  return consumed.at[lax.rem(steps - 1, stages)]
+
+
+def _release_last_stage(pipeline_allocs, steps, stages: int, mma_in_flight: int):
+  """KernelConfig.mma_in_flight, compute warpgroups, after the pipeline: with one wgmma
+  group kept in flight (BlockSpec delay_release=1), the pipeline releases a step's stage
+  one step late, so it never releases its last step's stage; this waits for the MMAs
+  and releases it (the memory warpgroup waits for it in `_await_last_stage`, before the
+  next tile's pipeline refills the stages)."""
+  if not mma_in_flight:
+    return
+  plgpu.wgmma_wait(0)
+  pl.when(steps > 0)(
+      lambda: plgpu.barrier_arrive(_last_stage_consumed(pipeline_allocs, steps, stages)))
+
+
+def _await_last_stage(pipeline_allocs, steps, stages: int, mma_in_flight: int):
+  """KernelConfig.mma_in_flight, all warpgroups after the pipeline call: the memory
+  warpgroup waits for `_release_last_stage` (the pipeline's own end waits only for the
+  stages it released)."""
+  if not mma_in_flight:
+    return
+  pl.when((steps > 0) & (lax.axis_index("wg") == _NUM_COMPUTE_WGS))(
+      lambda: plgpu.barrier_wait(_last_stage_consumed(pipeline_allocs, steps, stages)))
+
+
+def _mma_in_flight(config: KernelConfig, stages: int) -> int:
+  """The wgmma groups a launch keeps in flight: KernelConfig.mma_in_flight where the
+  pipeline has a stage to spare (delay_release must be < its stages), else 0."""
+  return min(config.mma_in_flight, stages - 1)
+
+
 # KernelConfig.raster_rows=None: bands of RASTER_AUTO_ROWS row tiles for a launch whose
 # weight per group (K x N x rhs operands) is at least RASTER_AUTO_MIN_BYTES, bands of
 # RASTER_AUTO_ROWS_LARGE from RASTER_AUTO_LARGE_BYTES, else row-major. Measured on 1x H100
@@ -432,6 +478,7 @@ def _raster(s, num_tiles: int, n_tiles: int, rows: int):
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
                       b_col_offsets: tuple = (), epi_slots: int = 1, raster_rows: int = 1,
+                      mma_in_flight: int = 0,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, load_align: int,
                       block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
@@ -493,15 +540,20 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       else:
         b = b_smems[bi].at[:, wg_cols]
       plgpu.wgmma(accs[ci], a_smems[ai], b)
-    plgpu.wgmma_wait(0)  # the stage is released (consumed) after this step
+    # the previous step's stage is released (consumed) after this step: with
+    # mma_in_flight 1 this step's MMAs still run (the pipeline releases a step late)
+    plgpu.wgmma_wait(mma_in_flight)
     return accs
 
   def make_pipeline(compute_context, k_steps):
-    a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms)
+    a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms,
+                             delay_release=mma_in_flight)
     if transpose_b:
-      b_spec = plgpu.BlockSpec((cta_n, block_k), lambda ki: (0, ki), transforms=b_transforms)
+      b_spec = plgpu.BlockSpec((cta_n, block_k), lambda ki: (0, ki), transforms=b_transforms,
+                               delay_release=mma_in_flight)
     else:
-      b_spec = plgpu.BlockSpec((block_k, cta_n), lambda ki: (ki, 0), transforms=b_transforms)
+      b_spec = plgpu.BlockSpec((block_k, cta_n), lambda ki: (ki, 0), transforms=b_transforms,
+                               delay_release=mma_in_flight)
     return plgpu.emit_pipeline_warp_specialized(
         mma_step,
         grid=(k_steps,),
@@ -565,6 +617,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         def compute_context(eval_pipeline):
           def acc_scope(*accs):
             eval_pipeline(tuple(accs))
+            _release_last_stage(pipeline_allocs, k_steps, stages, mma_in_flight)
             vals = [acc[...] for acc in accs]
             if mode == "swiglu":
               outs = [_silu_mul(vals[0], vals[1])] + (vals if save_hu else [])
@@ -588,6 +641,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
 
         a_views, b_views = operand_views(group, load_row, nt)
         make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
+        _await_last_stage(pipeline_allocs, k_steps, stages, mma_in_flight)
 
     if walk is not None:
       walk(lambda lin, out_gmems=None, gmem_row=None: tile(lin, out_gmems, gmem_row))
@@ -658,7 +712,8 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raster = (RASTER_AUTO_ROWS_LARGE if weight_bytes >= RASTER_AUTO_LARGE_BYTES
               else RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
-              epi_slots=launch.epi_slots, raster_rows=raster, m=m, k=k, n=n,
+              epi_slots=launch.epi_slots, raster_rows=raster,
+              mma_in_flight=_mma_in_flight(config, stages), m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m, group_aligned), block_m=block_m,
               load_align=GROUP_TILE_ALIGN if group_aligned else block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)
@@ -722,8 +777,8 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
 
 def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int,
                   block_m: int, block_n: int, block_k: int, stages: int, in_dtype,
-                  epi_slots: int = 1, raster_k: int = 1, cta_offset: int = 0,
-                  num_ctas: Optional[int] = None):
+                  epi_slots: int = 1, raster_k: int = 1, mma_in_flight: int = 0,
+                  cta_offset: int = 0, num_ctas: Optional[int] = None):
   """The wgrad body. raster_k: each group's (k-tile, n-tile) grid walked in bands of
   raster_k k-tiles (`_raster`; 1: row-major). cta_offset, num_ctas (default off: the
   standalone kernel's program): walk the output tiles on CTAs [cta_offset, cta_offset +
@@ -753,7 +808,7 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
         plgpu.commit_smem()
 
       plgpu.wgmma(acc, a_wg.T, b_smem)
-      plgpu.wgmma_wait(0)
+      plgpu.wgmma_wait(mma_in_flight)   # as the row-tiled kernel's mma_step
       return acc
 
     return plgpu.emit_pipeline_warp_specialized(
@@ -762,9 +817,9 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
             plgpu.BlockSpec((block_k, cta_k), lambda r: (first_block + r, 0),
-                            transforms=a_transforms),
+                            transforms=a_transforms, delay_release=mma_in_flight),
             plgpu.BlockSpec((block_k, block_n), lambda r: (first_block + r, 0),
-                            transforms=b_transforms),
+                            transforms=b_transforms, delay_release=mma_in_flight),
         ],
         wg_axis="wg",
         num_compute_wgs=_NUM_COMPUTE_WGS,
@@ -796,6 +851,7 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
       def compute_context(eval_pipeline):
         def acc_scope(acc):
           eval_pipeline(acc)
+          _release_last_stage(pipeline_allocs, num_blocks, stages, mma_in_flight)
           wg = lax.axis_index("wg")
           _store_epilogue([acc[...]], [out_gmem.at[g]], epi_smem, smem_row=0,
                           gmem_row=kt * cta_k + wg * block_m, count=block_m, rows=block_m,
@@ -806,6 +862,7 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
           lhs_gmem.at[:, pl.ds(kt * cta_k, cta_k)],
           dout_gmem.at[:, pl.ds(nt * block_n, block_n)],
           allocations=pipeline_allocs)
+      _await_last_stage(pipeline_allocs, num_blocks, stages, mma_in_flight)
 
     total = num_groups * k_tiles * n_tiles
     if num_ctas is None:
@@ -848,7 +905,8 @@ def wgrad_params(m: int, num_groups: int, in_dtype, out_dtype, config: KernelCon
   raster_k = WGRAD_RASTER_AUTO if config.wgrad_raster is None else config.wgrad_raster
   return dict(num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
               block_k=config.block_k, stages=stages, in_dtype=in_dtype,
-              epi_slots=launch.epi_slots, raster_k=raster_k)
+              epi_slots=launch.epi_slots, raster_k=raster_k,
+              mma_in_flight=_mma_in_flight(config, stages))
 
 
 def wgrad_bounds(group_sizes, m: int):

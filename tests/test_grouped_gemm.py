@@ -107,6 +107,42 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
     np.testing.assert_array_equal(f32(out[g]), 0.0)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_mma_in_flight_changes_no_bit(stages):
+  """KernelConfig.mma_in_flight=1 (one wgmma group kept in flight, stages released one
+  step late, the last one by the compute warpgroups after the pipeline) gives the bits
+  of 0, with no race, on CTAs that walk several tiles back to back: compute tiles of 2
+  k-steps (= the stages at 2, fewer at 3) and of 5, zero tiles (no step), and wgrad
+  groups of 0, 1 and 2 row blocks. A launch with one stage keeps 0. (The interpret mode
+  runs a wgmma at its issue, so what it checks is the release protocol's balance: an
+  arrival missing or doubled hangs or races; the late release itself needs a GPU,
+  bench/epilogue_probe.py's `inflight1` variant.)"""
+  import dataclasses
+  base = KernelConfig(num_sms=2, max_concurrent_steps=stages)
+  flight = dataclasses.replace(base, mma_in_flight=1)
+  gs = jnp.asarray(GROUP_SIZES)
+  ks = jax.random.split(jax.random.key(7), 4)
+  m = 256
+  for k in (128, 320):
+    x = rand(ks[0], (m, k))
+    w = rand(ks[1], (len(GROUP_SIZES), k, 200), k**-0.5)
+    got = gg.gmm(x, w, gs, config=flight, interpret=INTERPRET_RACES)
+    assert_no_races()
+    chex.assert_trees_all_equal(got, gg.gmm(x, w, gs, config=base, interpret=INTERPRET))
+  dout = rand(ks[2], (m, 200))
+  got = gg.gmm_wgrad(x, dout, gs, config=flight, interpret=INTERPRET_RACES)
+  assert_no_races()
+  chex.assert_trees_all_equal(got, gg.gmm_wgrad(x, dout, gs, config=base, interpret=INTERPRET))
+  params = lambda k, cfg: gg.row_tiled_params(  # noqa: E731
+      m, k, 256, len(GROUP_SIZES), mode="plain", transpose_b=False, out_dtype=BF16,
+      in_dtype=BF16, save_hu=False, config=cfg)
+  assert params(128, flight)["mma_in_flight"] == 1 and params(128, base)["mma_in_flight"] == 0
+  assert params(64, flight)["stages"] == 1 and params(64, flight)["mma_in_flight"] == 0
+  assert gg.wgrad_params(m, 2, BF16, BF16, flight)["mma_in_flight"] == 1
+  with pytest.raises(ValueError, match="mma_in_flight=2 must be 0 or 1"):
+    KernelConfig(mma_in_flight=2)
+
+
 # Groups holding whole 128-row tiles beside partial ones (group-aligned tiles: the
 # expert at row 337 starts its tiles at row 336, so its first tile is partial too); 104
 # dead rows. Full tiles take the swizzled epilogue path, partial ones the ladder.
@@ -367,6 +403,8 @@ def test_epilogue_slots_and_raster_order_change_no_bit():
     bench/ffn_ab.py checks the bits on the GPU.
   - raster_rows=3: tiles walked in bands of 3 row tiles (a short last band) instead of
     row-major.
+  - mma_in_flight=1: one wgmma group kept in flight, stages released a step late
+    (here in every mode: gate/up, down, da, dx and both wgrads).
   - wgrad_raster=1: the wgrads' tiles walked row-major (one k tile's n tiles after
     another) instead of CONFIG's auto bands of 4 k tiles (here: every k tile of a group
     in one band, n tiles outer; dw_gate_up has 2 k tiles x 4 n tiles).
@@ -378,7 +416,8 @@ def test_epilogue_slots_and_raster_order_change_no_bit():
   plain = lambda cfg: gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET_RACES)  # noqa: E731
 
   reference = _knob_reference() + (plain(CONFIG),)
-  variant_config = dataclasses.replace(CONFIG, epilogue_slots=2, raster_rows=3, wgrad_raster=1)
+  variant_config = dataclasses.replace(CONFIG, epilogue_slots=2, raster_rows=3, wgrad_raster=1,
+                                       mma_in_flight=1)
   variant = _layer_mode_ffn(variant_config, *operands) + (plain(variant_config),)
   assert_no_races()
   chex.assert_trees_all_equal(variant, reference)

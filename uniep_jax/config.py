@@ -133,8 +133,20 @@ class KernelConfig:
     after another: the CTAs running at one time then each read their own dout panel
     (all of the group's rows x block_n columns), so a group whose dout leaves L2 is
     read from HBM once per k tile. None (default): bands of 4
-    (grouped_gemm.WGRAD_RASTER_AUTO; measured there). The bits do not depend on it (each tile's sum
-    runs whole on one CTA, in the same order).
+    (grouped_gemm.WGRAD_RASTER_AUTO; measured there). The bits do not depend on it
+    (each tile's sum runs whole on one CTA, in the same order).
+  mma_in_flight: EXPERIMENTAL (built 2026-11-28, not yet run on a GPU). The wgmma
+    groups each compute warpgroup keeps in flight across the k-steps of a tile (the
+    grouped GEMM's row-tiled and wgrad launches, and the kernels that embed them).
+    0 (default): every step waits for its own MMAs (`wgmma_wait(0)`) before the
+    pipeline releases its stage, so the tensor cores drain at every step while both
+    warpgroups wait, arrive and issue again. 1: a step waits only for the previous
+    step's MMAs (`wgmma_wait(1)`, BlockSpec delay_release=1: a stage is released one
+    step late, so one stage fewer is free for prefetch), and after the pipeline the
+    compute warpgroups release the last step's stage themselves, which the memory
+    warpgroup waits for before the next tile refills the stages. A launch with a
+    single stage keeps 0. The bits do not depend on it (the same MMAs in the same
+    order).
   """
 
   block_m: int = 128
@@ -146,6 +158,7 @@ class KernelConfig:
   raster_rows: Optional[int] = None
   group_aligned_tiles: bool = True
   wgrad_raster: Optional[int] = None
+  mma_in_flight: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -162,6 +175,8 @@ class KernelConfig:
       raise ValueError(f"raster_rows={self.raster_rows} must be >= 1 (or None: auto)")
     if self.wgrad_raster is not None and self.wgrad_raster < 1:
       raise ValueError(f"wgrad_raster={self.wgrad_raster} must be >= 1 (or None: auto)")
+    if self.mma_in_flight not in (0, 1):
+      raise ValueError(f"mma_in_flight={self.mma_in_flight} must be 0 or 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -246,6 +246,7 @@ class Candidate:
              + (f"_e{k.epilogue_slots}" if k.epilogue_slots != 1 else "")
              + (f"_r{k.raster_rows}" if k.raster_rows is not None else "")
              + (f"_w{k.wgrad_raster}" if k.wgrad_raster is not None else "")
+             + (f"_f{k.mma_in_flight}" if k.mma_in_flight else "")
              + f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
     if self.fused is not None:
       f = self.fused
@@ -265,6 +266,7 @@ class Candidate:
                  epilogue_slots=self.kernel.epilogue_slots,
                  raster_rows=self.kernel.raster_rows,
                  wgrad_raster=self.kernel.wgrad_raster,
+                 mma_in_flight=self.kernel.mma_in_flight,
                  chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
                  col_tile=self.transfer.col_tile)
     if self.fused is not None:
@@ -275,7 +277,7 @@ class Candidate:
 
 
 KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilogue_slots",
-                "raster_rows", "wgrad_raster")
+                "raster_rows", "wgrad_raster", "mma_in_flight")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
 FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward",
                "wgrad_return_ctas", "down_return_ctas", "dispatch_in_kernel")
@@ -284,9 +286,10 @@ DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
 
 def reference_kernel(kernel: KernelConfig) -> KernelConfig:
   """The KernelConfig of a candidate's "pallas" reference: the same but for the tile
-  order (raster_rows 1, wgrad_raster 1), which by contract changes no bit; so a raster
-  variant is checked against the row-major order's bits, not only against itself."""
-  return dataclasses.replace(kernel, raster_rows=1, wgrad_raster=1)
+  order (raster_rows 1, wgrad_raster 1) and the MMA waits (mma_in_flight 0), which by
+  contract change no bit; so a raster or in-flight variant is checked against the
+  row-major, wait-every-step kernel's bits, not only against itself."""
+  return dataclasses.replace(kernel, raster_rows=1, wgrad_raster=1, mma_in_flight=0)
 
 
 def kernel_label(kernel: KernelConfig) -> str:
@@ -331,6 +334,7 @@ class SearchSpace:
   epilogue_slots: Sequence[int] = (1, 2)
   raster_rows: Sequence[Optional[int]] = (None, 16)   # None: the per-launch auto rule
   wgrad_raster: Sequence[Optional[int]] = (None,)     # None: bands of 4 k tiles
+  mma_in_flight: Sequence[int] = (0,)                 # 1: EXPERIMENTAL, not yet on a GPU
   chunk_rows: Sequence[int] = (32, 64, 128, 256)
   # At most 96 of 132 SMs: the transfer's cross-rank wait needs all its CTAs
   # resident while other streams' kernels (NCCL) run (ep_transfer.py).
@@ -533,7 +537,7 @@ def check_candidate(cand: Candidate, problem: TuneProblem, device: DeviceFacts,
   stages = kernel_launch_stages(cand.kernel, problem, device.smem_bytes)
   k = cand.kernel
   sig = (k.block_m, k.block_n, k.block_k, stages, k.epilogue_slots, k.raster_rows,
-         k.wgrad_raster)
+         k.wgrad_raster, k.mma_in_flight)
   if uses_transfer:
     from uniep_jax.dispatch import ZERO_WINDOW_ROWS
     if k.block_k > ZERO_WINDOW_ROWS:
@@ -1361,7 +1365,7 @@ def _with_row_major_references(report: dict) -> dict:
 def _kernel_knobs_of(label: str) -> dict:
   """'m128_n128_k64_s3_e2' -> the KernelConfig knobs it names."""
   names = dict(m="block_m", n="block_n", k="block_k", s="max_concurrent_steps",
-               e="epilogue_slots", r="raster_rows", w="wgrad_raster")
+               e="epilogue_slots", r="raster_rows", w="wgrad_raster", f="mma_in_flight")
   return {names[part[0]]: int(part[1:]) for part in label.split("|")[0].split("_")}
 
 
@@ -1433,9 +1437,12 @@ def plot(result: TuneResult, path: str) -> None:
     if best is not None:
       ax.scatter([at(best, knob)], [best.median_ms], marker="*", s=120,
                  color="gold", edgecolors="black", label="best")
-    ax.set_xscale("log", base=2)
+    if knob != "mma_in_flight":   # its values are 0 and 1: a linear axis
+      ax.set_xscale("log", base=2)
     ax.set_xlabel(knob + (f" ({auto_x} = auto)" if knob in ("raster_rows", "wgrad_raster")
                           else ""))
+  for ax in axes[len(knobs):]:
+    ax.set_visible(False)
   axes[0].set_ylabel("median ms per call")
   axes[0].legend(fontsize=7)
   p = result.problem
