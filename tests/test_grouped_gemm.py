@@ -143,6 +143,27 @@ def test_mma_in_flight_changes_no_bit(stages):
     KernelConfig(mma_in_flight=2)
 
 
+def test_mma_in_flight_lowers_for_cuda():
+  """The Mosaic GPU programs with mma_in_flight=1 lower for CUDA (the GPU's compile
+  path, not the interpret mode's), and carry more than 0's (the late releases)."""
+  s = jax.ShapeDtypeStruct
+  m, h, f, g = 1024, 512, 512, 2
+
+  def lowered(cfg):
+    plain = lambda a, w, gs: gg._row_tiled_call(  # noqa: E731
+        [a], [w], gs, mode="plain", transpose_b=False, out_dtype=BF16, save_hu=False,
+        config=cfg, interpret=False, zero_window=64)
+    wgrad = lambda x, d, gs: gg._wgrad_call(x, d, gs, out_dtype=BF16, config=cfg,  # noqa: E731
+                                            interpret=False)
+    return [jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            for fn, args in ((plain, (s((m, h), BF16), s((g, h, f), BF16), s((g,), jnp.int32))),
+                             (wgrad, (s((m, h), BF16), s((m, f), BF16), s((g,), jnp.int32))))]
+
+  # the serialized program varies by a few bytes between lowerings: compare sizes
+  for off, on in zip(lowered(KernelConfig()), lowered(KernelConfig(mma_in_flight=1))):
+    assert len(on) - len(off) > 1000, (len(on), len(off))
+
+
 # Groups holding whole 128-row tiles beside partial ones (group-aligned tiles: the
 # expert at row 337 starts its tiles at row 336, so its first tile is partial too); 104
 # dead rows. Full tiles take the swizzled epilogue path, partial ones the ladder.
