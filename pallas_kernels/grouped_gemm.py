@@ -413,8 +413,13 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load
 def _last_stage_consumed(pipeline_allocs, steps, stages: int):
   """The consumed barrier of the stage a pipeline of `steps` (traced, >= 1) steps used
   last (the pipeline's slot of step s is s % stages)."""
-  consumed = pipeline_allocs["flat_consumed_barrier_refs"][0]
-  return consumed.at[lax.rem(steps - 1, stages)]
+  # relies on the pipeline's automatic consumed barriers (one for all inputs) and on its
+  # slot numbering for a traced step count (step % max_concurrent_steps, never shrunk)
+  barriers = pipeline_allocs["flat_consumed_barrier_refs"]
+  if len(barriers) != 1 or isinstance(steps, int):
+    raise NotImplementedError("mma_in_flight needs the pipeline's one automatic consumed "
+                              "barrier and a traced step count")
+  return barriers[0].at[lax.rem(steps - 1, stages)]
 
 
 def _release_last_stage(pipeline_allocs, steps, stages: int, mma_in_flight: int):
@@ -541,8 +546,9 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         b = b_smems[bi].at[:, wg_cols]
       plgpu.wgmma(accs[ci], a_smems[ai], b)
     # the previous step's stage is released (consumed) after this step: with
-    # mma_in_flight 1 this step's MMAs still run (the pipeline releases a step late)
-    plgpu.wgmma_wait(mma_in_flight)
+    # mma_in_flight 1 this step's MMAs still run (the pipeline releases a step late);
+    # each wgmma is a group of its own, so "swiglu" keeps its step's 2 groups in flight
+    plgpu.wgmma_wait(mma_in_flight * len(pairs))
     return accs
 
   def make_pipeline(compute_context, k_steps):

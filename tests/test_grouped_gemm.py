@@ -107,13 +107,14 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
     np.testing.assert_array_equal(f32(out[g]), 0.0)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, 4])
 def test_mma_in_flight_changes_no_bit(stages):
-  """KernelConfig.mma_in_flight=1 (one wgmma group kept in flight, stages released one
+  """KernelConfig.mma_in_flight=1 (a step's MMAs kept in flight, stages released one
   step late, the last one by the compute warpgroups after the pipeline) gives the bits
   of 0, with no race, on CTAs that walk several tiles back to back: compute tiles of 2
-  k-steps (= the stages at 2, fewer at 3) and of 5, zero tiles (no step), and wgrad
-  groups of 0, 1 and 2 row blocks. A launch with one stage keeps 0. (The interpret mode
+  k-steps (a launch's stages are clamped to its k-steps: 2 stages) and of 5 (more steps
+  than stages), zero tiles (no step), and wgrad groups of 0, 1 and 2 row blocks (fewer
+  than the stages) and of 4 and 0 blocks (more). A launch with one stage keeps 0. (The interpret mode
   runs a wgmma at its issue, so what it checks is the release protocol's balance: an
   arrival missing or doubled hangs or races; the late release itself needs a GPU,
   bench/epilogue_probe.py's `inflight1` variant.)"""
@@ -130,9 +131,11 @@ def test_mma_in_flight_changes_no_bit(stages):
     assert_no_races()
     chex.assert_trees_all_equal(got, gg.gmm(x, w, gs, config=base, interpret=INTERPRET))
   dout = rand(ks[2], (m, 200))
-  got = gg.gmm_wgrad(x, dout, gs, config=flight, interpret=INTERPRET_RACES)
-  assert_no_races()
-  chex.assert_trees_all_equal(got, gg.gmm_wgrad(x, dout, gs, config=base, interpret=INTERPRET))
+  for groups in (gs, jnp.array([200, 0, 56], jnp.int32)):
+    got = gg.gmm_wgrad(x, dout, groups, config=flight, interpret=INTERPRET_RACES)
+    assert_no_races()
+    chex.assert_trees_all_equal(got, gg.gmm_wgrad(x, dout, groups, config=base,
+                                                  interpret=INTERPRET))
   params = lambda k, cfg: gg.row_tiled_params(  # noqa: E731
       m, k, 256, len(GROUP_SIZES), mode="plain", transpose_b=False, out_dtype=BF16,
       in_dtype=BF16, save_hu=False, config=cfg)

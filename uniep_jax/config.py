@@ -135,13 +135,14 @@ class KernelConfig:
     read from HBM once per k tile. None (default): bands of 4
     (grouped_gemm.WGRAD_RASTER_AUTO; measured there). The bits do not depend on it
     (each tile's sum runs whole on one CTA, in the same order).
-  mma_in_flight: EXPERIMENTAL (built 2026-11-28, not yet run on a GPU). The wgmma
-    groups each compute warpgroup keeps in flight across the k-steps of a tile (the
+  mma_in_flight: EXPERIMENTAL (built 2026-11-28, not yet run on a GPU). The k-steps
+    of MMAs each compute warpgroup keeps in flight across the k-steps of a tile (the
     grouped GEMM's row-tiled and wgrad launches, and the kernels that embed them).
     0 (default): every step waits for its own MMAs (`wgmma_wait(0)`) before the
     pipeline releases its stage, so the tensor cores drain at every step while both
     warpgroups wait, arrive and issue again. 1: a step waits only for the previous
-    step's MMAs (`wgmma_wait(1)`, BlockSpec delay_release=1: a stage is released one
+    step's MMAs (`wgmma_wait(1)`, 2 in the gate/up launch, whose step issues two
+    wgmma groups; BlockSpec delay_release=1: a stage is released one
     step late, so one stage fewer is free for prefetch), and after the pipeline the
     compute warpgroups release the last step's stage themselves, which the memory
     warpgroup waits for before the next tile refills the stages. A launch with a
