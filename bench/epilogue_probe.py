@@ -223,8 +223,8 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
     if len(compiled_of) > 1:
       # the variants above ran one after another, so a drift of the GPU (clocks,
       # temperature) reached the later ones (run 8: one program 5.27 then 5.71 ms);
-      # these rounds give every variant one batch in turn: compare THESE medians
-      args = launches(cfg)[lname][1]
+      # these rounds give every variant one batch in turn: compare THESE medians (args:
+      # the launch's operands, the same arrays for every variant)
       rounds = common.time_interleaved_ms(
           {k: (c, reps) for k, c in compiled_of.items()}, *args, trials=max(trials, 5))
       for k, r in rounds.items():

@@ -134,6 +134,16 @@ BACKEND_CONFIGS = {name: (dataclasses.replace(c, dedup_tokens=False)
                    for name, c in BACKEND_CONFIGS.items()}
 
 
+# backend-name suffixes "<name><N>": (the UniEPConfig part, its field) set to N
+_NUMBERED_SUFFIXES = {"sm": ("kernel", "num_sms"), "rr": ("kernel", "raster_rows"),
+                      "wr": ("kernel", "wgrad_raster"), "chunk": ("transfer", "chunk_rows")}
+
+
+def _replace_in(cfg: uniep_jax.UniEPConfig, part: str, **fields) -> uniep_jax.UniEPConfig:
+  """cfg with fields of its sub-config `part` (kernel, transfer, routing) replaced."""
+  return dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **fields)})
+
+
 def backend_config(name: str) -> uniep_jax.UniEPConfig:
   """`BACKEND_CONFIGS[base]` for a name "base[@suffix...]"; suffixes:
   `@sm<N>` every persistent kernel on N SMs (`KernelConfig.num_sms`), e.g.
@@ -159,34 +169,23 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
   cfg = BACKEND_CONFIGS[base]
   for suffix in suffixes:
-    m = re.fullmatch(r"sm(\d+)", suffix)
-    if m is not None:
-      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, num_sms=int(m.group(1))))
+    m = re.fullmatch(r"([a-z]+)(\d+)", suffix)
+    if m is not None and m.group(1) in _NUMBERED_SUFFIXES:
+      part, field = _NUMBERED_SUFFIXES[m.group(1)]
+      cfg = _replace_in(cfg, part, **{field: int(m.group(2))})
     elif suffix == "f32router":
-      cfg = dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, logits_matmul="float32"))
+      cfg = _replace_in(cfg, "routing", logits_matmul="float32")
     elif suffix in ("ga", "bt"):
-      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(
-          cfg.kernel, group_aligned_tiles=suffix == "ga"))
+      cfg = _replace_in(cfg, "kernel", group_aligned_tiles=suffix == "ga")
     elif suffix == "inflight":
-      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel, mma_in_flight=1))
-    elif (m := re.fullmatch(r"rr(\d+)", suffix)) is not None:
-      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel,
-                                                               raster_rows=int(m.group(1))))
-    elif (m := re.fullmatch(r"wr(\d+)", suffix)) is not None:
-      cfg = dataclasses.replace(cfg, kernel=dataclasses.replace(cfg.kernel,
-                                                               wgrad_raster=int(m.group(1))))
+      cfg = _replace_in(cfg, "kernel", mma_in_flight=1)
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
     elif suffix in ("te", "tel"):
-      cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(
-          cfg.transfer, gather_rows=True, expand_in_transfer=True,
-          expand_last_on_all=suffix == "tel"))
+      cfg = _replace_in(cfg, "transfer", gather_rows=True, expand_in_transfer=True,
+                        expand_last_on_all=suffix == "tel")
     elif suffix in ("gx", "sb"):
-      cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer,
-                                                                 gather_rows=suffix == "gx"))
-    elif (m := re.fullmatch(r"chunk(\d+)", suffix)) is not None:
-      cfg = dataclasses.replace(cfg, transfer=dataclasses.replace(cfg.transfer,
-                                                                 chunk_rows=int(m.group(1))))
+      cfg = _replace_in(cfg, "transfer", gather_rows=suffix == "gx")
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
                        f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight)")

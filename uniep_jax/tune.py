@@ -260,15 +260,8 @@ class Candidate:
     return label
 
   def knobs(self) -> dict:
-    knobs = dict(block_m=self.kernel.block_m, block_n=self.kernel.block_n,
-                 block_k=self.kernel.block_k,
-                 max_concurrent_steps=self.kernel.max_concurrent_steps,
-                 epilogue_slots=self.kernel.epilogue_slots,
-                 raster_rows=self.kernel.raster_rows,
-                 wgrad_raster=self.kernel.wgrad_raster,
-                 mma_in_flight=self.kernel.mma_in_flight,
-                 chunk_rows=self.transfer.chunk_rows, num_ctas=self.transfer.num_ctas,
-                 col_tile=self.transfer.col_tile)
+    knobs = {**{n: getattr(self.kernel, n) for n in KERNEL_KNOBS},
+             **{n: getattr(self.transfer, n) for n in TRANSFER_KNOBS}}
     if self.fused is not None:
       knobs.update(dataclasses.asdict(self.fused))   # FUSED_KNOBS
     if self.dedup_tokens:
@@ -279,6 +272,9 @@ class Candidate:
 KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "epilogue_slots",
                 "raster_rows", "wgrad_raster", "mma_in_flight")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
+# Knobs added after reports were first written; a report whose trials lack one timed
+# the order before it (row-major), which the same labels no longer mean.
+TILE_ORDER_KNOBS = ("raster_rows", "wgrad_raster")
 FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward",
                "wgrad_return_ctas", "down_return_ctas", "dispatch_in_kernel")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
@@ -1353,13 +1349,20 @@ def _with_row_major_references(report: dict) -> dict:
   alone, one made before KernelConfig.wgrad_raster by the tiling and "_r1"; they ran
   row-major, which is today's reference order: rename the keys to `reference_kernel`'s
   labels so that they are found."""
-  if all("raster_rows" in t.get("knobs", {}) and "wgrad_raster" in t.get("knobs", {})
-         for t in report.get("trials", [])):
+  if _tile_order_knob_missing(report) is None:
     return report
   refs = {kernel_label(reference_kernel(candidate_from_knobs(
       dict(DEFAULT_CANDIDATE.knobs(), **_kernel_knobs_of(label))).kernel)): v
       for label, v in report.get("references", {}).items()}
   return dict(report, references=refs)
+
+
+def _tile_order_knob_missing(report: dict) -> Optional[str]:
+  """The first of TILE_ORDER_KNOBS that some trial of `report` lacks, else None."""
+  for knob in TILE_ORDER_KNOBS:
+    if any(knob not in t.get("knobs", {}) for t in report.get("trials", [])):
+      return knob
+  return None
 
 
 def _kernel_knobs_of(label: str) -> dict:
@@ -1610,16 +1613,11 @@ def main(argv=None) -> int:
         with open(prev) as fh:
           resume = json.load(fh)
         flags = os.environ.get("XLA_FLAGS", "")
-        if any("raster_rows" not in t.get("knobs", {}) for t in resume.get("trials", [])):
-          # its candidates ran in the row-major tile order; the same labels now mean
-          # KernelConfig.raster_rows=None (auto), which may band the tiles
-          print(f"NOT resuming from {prev}: made before KernelConfig.raster_rows (its "
+        if (missing := _tile_order_knob_missing(resume)) is not None:
+          # its candidates ran in the row-major tile order; the same labels now mean the
+          # knob's None (auto), which may band the tiles
+          print(f"NOT resuming from {prev}: made before KernelConfig.{missing} (its "
                 f"times are of the row-major tile order)", flush=True)
-          resume = None
-        elif any("wgrad_raster" not in t.get("knobs", {}) for t in resume.get("trials", [])):
-          # the same for the wgrads' tile order (KernelConfig.wgrad_raster=None: bands)
-          print(f"NOT resuming from {prev}: made before KernelConfig.wgrad_raster (its "
-                f"times are of row-major wgrads)", flush=True)
           resume = None
         elif resume.get("meta", {}).get("xla_flags", "") != flags:
           # other XLA flags: other glue kernels, other times (and maybe other bits)
