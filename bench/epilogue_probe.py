@@ -25,9 +25,10 @@ it is lowered (restored right after):
                Same bits, so not timing-only: how much the tile order saves
   stages2 / stages4 / rows1 / rows4 / rows16  (only when named in --variants) KernelConfig
                max_concurrent_steps 2 or 4 (a launch takes what fits in SMEM), raster_rows
-               1, 4 or 16 (the row-tiled launches' bands; auto: 4, 8 or 1); inflight1 (and
-               _s4: with 4 stages where they fit) KernelConfig.mma_in_flight=1, one wgmma
-               group kept in flight; same bits, checked
+               1, 4 or 16 (the row-tiled launches' bands; auto: 4, 8 or 1); inflight0 /
+               inflight1 KernelConfig.mma_in_flight 0 or 1 (one wgmma group kept in
+               flight, on one stage more where it fits; run 9's `inflight1_s4` was
+               today's inflight1 on 3 -> 4 stages); same bits, checked
   no_epilogue  gg._store_epilogue / gg._dswiglu_epilogue behind a run-time condition that
                never holds: the mainloop (MMAs) and the per-tile pipeline restart only
 
@@ -87,9 +88,9 @@ _SAME_BITS_CONFIGS = {
     "wgrad_r16": dict(wgrad_raster=16),
     "stages2": dict(max_concurrent_steps=2), "stages4": dict(max_concurrent_steps=4),
     "rows1": dict(raster_rows=1), "rows4": dict(raster_rows=4), "rows16": dict(raster_rows=16),
-    "inflight1": dict(mma_in_flight=1), "inflight1_s4": dict(mma_in_flight=1, max_concurrent_steps=4),
+    "inflight0": dict(mma_in_flight=0), "inflight1": dict(mma_in_flight=1),
 }
-_OPT_IN = ("stages2", "stages4", "rows1", "rows4", "rows16", "inflight1", "inflight1_s4")
+_OPT_IN = ("stages2", "stages4", "rows1", "rows4", "rows16", "inflight0", "inflight1")
 
 
 @contextlib.contextmanager

@@ -136,7 +136,8 @@ BACKEND_CONFIGS = {name: (dataclasses.replace(c, dedup_tokens=False)
 
 # backend-name suffixes "<name><N>": (the UniEPConfig part, its field) set to N
 _NUMBERED_SUFFIXES = {"sm": ("kernel", "num_sms"), "rr": ("kernel", "raster_rows"),
-                      "wr": ("kernel", "wgrad_raster"), "chunk": ("transfer", "chunk_rows")}
+                      "wr": ("kernel", "wgrad_raster"), "chunk": ("transfer", "chunk_rows"),
+                      "inflight": ("kernel", "mma_in_flight")}
 
 
 def _replace_in(cfg: uniep_jax.UniEPConfig, part: str, **fields) -> uniep_jax.UniEPConfig:
@@ -162,8 +163,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   bands of N k tiles (`KernelConfig.wgrad_raster`; @wr1: row-major, the order before
   2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
   (`KernelConfig.raster_rows`; default auto: 4 where a group's weight is >= 96 MiB, 8
-  from 16 MiB, else row-major); `@inflight` one wgmma group kept in flight per compute
-  warpgroup (`KernelConfig.mma_in_flight=1`, EXPERIMENTAL)."""
+  from 16 MiB, else row-major); `@inflight<N>` N wgmma groups kept in flight per
+  compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -177,8 +178,6 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = _replace_in(cfg, "routing", logits_matmul="float32")
     elif suffix in ("ga", "bt"):
       cfg = _replace_in(cfg, "kernel", group_aligned_tiles=suffix == "ga")
-    elif suffix == "inflight":
-      cfg = _replace_in(cfg, "kernel", mma_in_flight=1)
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
     elif suffix in ("te", "tel"):
@@ -188,7 +187,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = _replace_in(cfg, "transfer", gather_rows=suffix == "gx")
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>)")
   return cfg
 
 

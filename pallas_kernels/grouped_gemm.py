@@ -65,7 +65,8 @@ SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 3 stages; up to 4 fi
              a row range can start anywhere (16 KiB per warpgroup and slot in
              bf16; slots = KernelConfig.epilogue_slots, 1 by default; "dswiglu"
              has its own [2 warpgroups, 2 (h, u), block_m, 64]).
-  `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB).
+  `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB); with
+  KernelConfig.mma_in_flight one more where that fits (else in flight is off).
 
 Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
   produced[s]  (one barrier per stage, arrivals = number of operands): producer
@@ -445,10 +446,20 @@ def _await_last_stage(pipeline_allocs, steps, stages: int, mma_in_flight: int):
       lambda: plgpu.barrier_wait(_last_stage_consumed(pipeline_allocs, steps, stages)))
 
 
-def _mma_in_flight(config: KernelConfig, stages: int) -> int:
-  """The wgmma groups a launch keeps in flight: KernelConfig.mma_in_flight where the
-  pipeline has a stage to spare (delay_release must be < its stages), else 0."""
-  return min(config.mma_in_flight, stages - 1)
+def _stages_and_in_flight(launch: "_Launch", config: KernelConfig, k_iters: int,
+                          epi_rows: int, smem: int) -> tuple[int, int]:
+  """(pipeline stages, wgmma groups kept in flight) of a launch. The MMAs in flight
+  hold one stage (delay_release), so KernelConfig.mma_in_flight asks for one stage
+  more than max_concurrent_steps; where the k-steps or the SMEM do not give that
+  stage, the launch keeps 0 in flight and its max_concurrent_steps stages. (In flight
+  at the cost of a prefetch stage was measured slower on every launch: 1x H200, run 9
+  of bench/epilogue_probe.py, NOTES_grouped_gemm.md.)"""
+  if config.mma_in_flight:
+    stages = launch.stages(config.max_concurrent_steps + config.mma_in_flight, k_iters,
+                           epi_rows, smem)
+    if stages > config.max_concurrent_steps:
+      return stages, config.mma_in_flight
+  return launch.stages(config.max_concurrent_steps, k_iters, epi_rows, smem), 0
 
 
 # KernelConfig.raster_rows=None: bands of RASTER_AUTO_ROWS row tiles for a launch whose
@@ -711,7 +722,7 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raise ValueError(f"{n=} must be divisible by the CTA tile width {cta_n}")
   if m % block_m:
     raise ValueError(f"{m=} must be divisible by {block_m=}")
-  stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
+  stages, in_flight = _stages_and_in_flight(launch, config, k // block_k, block_m, smem)
   raster = config.raster_rows
   if raster is None:   # auto: bands only where a group's weight leaves L2
     weight_bytes = k * n * launch.num_b * jnp.dtype(in_dtype).itemsize
@@ -719,7 +730,7 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
               else RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
               epi_slots=launch.epi_slots, raster_rows=raster,
-              mma_in_flight=_mma_in_flight(config, stages), m=m, k=k, n=n,
+              mma_in_flight=in_flight, m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m, group_aligned), block_m=block_m,
               load_align=GROUP_TILE_ALIGN if group_aligned else block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)
@@ -907,12 +918,13 @@ def wgrad_params(m: int, num_groups: int, in_dtype, out_dtype, config: KernelCon
   """The static keyword arguments of `_wgrad_kernel` for m padded rows (one source of
   truth for the standalone launch and for kernels that embed the body)."""
   launch = wgrad_launch(config, in_dtype, out_dtype)
-  stages = launch.stages(config.max_concurrent_steps, m // config.block_k, config.block_m, smem)
+  stages, in_flight = _stages_and_in_flight(launch, config, m // config.block_k,
+                                            config.block_m, smem)
   raster_k = WGRAD_RASTER_AUTO if config.wgrad_raster is None else config.wgrad_raster
   return dict(num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
               block_k=config.block_k, stages=stages, in_dtype=in_dtype,
               epi_slots=launch.epi_slots, raster_k=raster_k,
-              mma_in_flight=_mma_in_flight(config, stages))
+              mma_in_flight=in_flight)
 
 
 def wgrad_bounds(group_sizes, m: int):

@@ -29,7 +29,8 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   assert moe_layer.backend_config("uniep_dd@wr1").kernel.wgrad_raster == 1
   assert moe_layer.backend_config("uniep_dd@rr4@wr8").kernel.raster_rows == 4
   assert moe_layer.backend_config("uniep_dd@rr4@wr8").kernel.wgrad_raster == 8
-  assert moe_layer.backend_config("uniep_dd@inflight").kernel.mma_in_flight == 1
+  assert moe_layer.backend_config("uniep_dd@inflight1").kernel.mma_in_flight == 1
+  assert moe_layer.backend_config("uniep_dd@inflight1@inflight0").kernel.mma_in_flight == 0
 
 
 def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):

@@ -107,41 +107,51 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
     np.testing.assert_array_equal(f32(out[g]), 0.0)
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("stages", [1, 2, 3])
 def test_mma_in_flight_changes_no_bit(stages):
   """KernelConfig.mma_in_flight=1 (a step's MMAs kept in flight, stages released one
-  step late, the last one by the compute warpgroups after the pipeline) gives the bits
-  of 0, with no race, on CTAs that walk several tiles back to back: compute tiles of 2
-  k-steps (a launch's stages are clamped to its k-steps: 2 stages) and of 5 (more steps
-  than stages), zero tiles (no step), and wgrad groups of 0, 1 and 2 row blocks (fewer
-  than the stages) and of 4 and 0 blocks (more). A launch with one stage keeps 0. (The interpret mode
-  runs a wgmma at its issue, so what it checks is the release protocol's balance: an
-  arrival missing or doubled hangs or races; the late release itself needs a GPU,
-  bench/epilogue_probe.py's `inflight1` variant.)"""
+  step late, the last one by the compute warpgroups after the pipeline; one stage more
+  than max_concurrent_steps, so 2, 3 and 4 here) gives the bits of 0, with no race, on
+  CTAs that walk several tiles back to back: compute tiles of 5 k-steps (more steps
+  than stages) and of 2 (max_concurrent_steps 1: 2 stages, as many as steps), zero
+  tiles (no step), and wgrad groups of 0, 1 and 2 row blocks (fewer than the stages)
+  and of 4 and 0 blocks. A launch whose k-steps or SMEM give no extra stage keeps 0.
+  (The interpret mode runs a wgmma at its issue, so what it checks is the release
+  protocol's balance: an arrival missing or doubled hangs or races; the late release
+  itself needs a GPU, bench/epilogue_probe.py's `inflight1` variant.)"""
   import dataclasses
   base = KernelConfig(num_sms=2, max_concurrent_steps=stages)
   flight = dataclasses.replace(base, mma_in_flight=1)
   gs = jnp.asarray(GROUP_SIZES)
   ks = jax.random.split(jax.random.key(7), 4)
   m = 256
+  params = lambda k, cfg, mode="plain": gg.row_tiled_params(  # noqa: E731
+      m, k, 256, len(GROUP_SIZES), mode=mode, transpose_b=False, out_dtype=BF16,
+      in_dtype=BF16, save_hu=False, config=cfg)
   for k in (128, 320):
     x = rand(ks[0], (m, k))
     w = rand(ks[1], (len(GROUP_SIZES), k, 200), k**-0.5)
     got = gg.gmm(x, w, gs, config=flight, interpret=INTERPRET_RACES)
     assert_no_races()
     chex.assert_trees_all_equal(got, gg.gmm(x, w, gs, config=base, interpret=INTERPRET))
+  assert params(320, flight)["mma_in_flight"] == 1 and params(320, flight)["stages"] == stages + 1
+  assert params(320, base)["mma_in_flight"] == 0 and params(320, base)["stages"] == stages
+  assert params(128, flight)["mma_in_flight"] == (stages == 1)   # 2 k-steps: 2 stages at most
+  assert gg.wgrad_params(m, 2, BF16, BF16, flight)["stages"] == stages + 1
+  assert gg.wgrad_params(m, 2, BF16, BF16, flight)["mma_in_flight"] == 1
   dout = rand(ks[2], (m, 200))
   for groups in (gs, jnp.array([200, 0, 56], jnp.int32)):
     got = gg.gmm_wgrad(x, dout, groups, config=flight, interpret=INTERPRET_RACES)
     assert_no_races()
     chex.assert_trees_all_equal(got, gg.gmm_wgrad(x, dout, groups, config=base,
                                                   interpret=INTERPRET))
-  params = lambda k, cfg: gg.row_tiled_params(  # noqa: E731
-      m, k, 256, len(GROUP_SIZES), mode="plain", transpose_b=False, out_dtype=BF16,
-      in_dtype=BF16, save_hu=False, config=cfg)
-  assert params(128, flight)["mma_in_flight"] == 1 and params(128, base)["mma_in_flight"] == 0
   assert params(64, flight)["stages"] == 1 and params(64, flight)["mma_in_flight"] == 0
-  assert gg.wgrad_params(m, 2, BF16, BF16, flight)["mma_in_flight"] == 1
+  # SMEM: the plain launch's 4th stage fits beside its epilogue, dswiglu's (two epilogue
+  # buffers, h and u) does not: it keeps 3 stages and 0 in flight
+  three = KernelConfig(max_concurrent_steps=3, mma_in_flight=1)
+  assert (params(4096, three)["stages"], params(4096, three)["mma_in_flight"]) == (4, 1)
+  assert (params(4096, three, "dswiglu")["stages"],
+          params(4096, three, "dswiglu")["mma_in_flight"]) == (3, 0)
   with pytest.raises(ValueError, match="mma_in_flight=2 must be 0 or 1"):
     KernelConfig(mma_in_flight=2)
 
