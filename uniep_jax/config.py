@@ -285,6 +285,11 @@ class FusedConfig:
     wgrad's launch, beside its tiles (pallas_kernels/wgrad_return.py): in v1 the two
     run one after the other although neither needs the other. 0: v1's return after
     the wgrads.
+  return_beside_dw_down: EXPERIMENTAL (with wgrad_return_ctas > 0): the dw_down
+    wgrad's tiles too in the return's launch, after dw_gate_up's on the same CTAs
+    (`wgrad_return.gmm_wgrads_with_return`), so the dX return (NVLink-bound: ~1.6 ms
+    on qwen3-like at EP 4 against ~1.3 of dw_gate_up) runs beside both wgrads. False:
+    dw_down is its own launch.
   down_return_ctas: EXPERIMENTAL (v2.2, "Kernel C"): > 0 (with return_in_kernel=False)
     runs the forward's down GEMM and return in one launch
     (pallas_kernels/down_gemm_return.py): this many CTAs push each recv_chunk_rows
@@ -306,6 +311,7 @@ class FusedConfig:
   wgrad_return_ctas: int = 0
   down_return_ctas: int = 0
   dispatch_in_kernel: bool = True
+  return_beside_dw_down: bool = False
 
   def __post_init__(self):
     if self.down_return_ctas < 0:
@@ -320,6 +326,9 @@ class FusedConfig:
       raise ValueError(f"wgrad_return_ctas={self.wgrad_return_ctas} must be >= 0 (0: off)")
     if self.recv_chunk_rows < 1:
       raise ValueError(f"recv_chunk_rows={self.recv_chunk_rows} must be >= 1")
+    if self.return_beside_dw_down and not self.wgrad_return_ctas:
+      raise ValueError("return_beside_dw_down=True puts dw_down beside the dX return "
+                       "in the dw_gate_up wgrad's launch: set wgrad_return_ctas > 0")
     if not isinstance(self.dispatch_in_kernel, bool):
       raise ValueError(f"dispatch_in_kernel must be True or False, got {self.dispatch_in_kernel!r}")
     if not self.dispatch_in_kernel and self.backward:
