@@ -87,10 +87,6 @@ FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
                                wgrad_return_ctas=16),
          uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
                                down_return_ctas=8, wgrad_return_ctas=8),
-         # ... with dw_down's tiles in the return's launch too
-         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
-                               down_return_ctas=8, wgrad_return_ctas=8,
-                               return_beside_dw_down=True),
          # no Kernel A: the forward's dispatch de-duplicated (the point needs dedup_tokens)
          uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
                                down_return_ctas=8, wgrad_return_ctas=8,

@@ -164,9 +164,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
   (`KernelConfig.raster_rows`; default auto: 4 where a group's weight is >= 96 MiB, 8
   from 16 MiB, else row-major); `@inflight<N>` N wgmma groups kept in flight per
-  compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1); `@bd` (fused points with
-  the dX return beside the wgrad) dw_down's tiles in that launch too
-  (`FusedConfig.return_beside_dw_down`)."""
+  compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -180,11 +178,6 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = _replace_in(cfg, "routing", logits_matmul="float32")
     elif suffix in ("ga", "bt"):
       cfg = _replace_in(cfg, "kernel", group_aligned_tiles=suffix == "ga")
-    elif suffix == "bd":
-      if cfg.fused is None or not cfg.fused.wgrad_return_ctas:
-        raise ValueError(f"backend {name!r}: @bd needs a fused point with the dX return "
-                         f"beside the wgrad (wgrad_return_ctas > 0)")
-      cfg = _replace_in(cfg, "fused", return_beside_dw_down=True)
     elif suffix == "op":
       cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
     elif suffix in ("te", "tel"):
@@ -194,7 +187,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = _replace_in(cfg, "transfer", gather_rows=suffix == "gx")
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @bd)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>)")
   return cfg
 
 

@@ -80,7 +80,7 @@ Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
                end of each pipeline it waits the outstanding consumed barriers,
                so every tile starts with all stages free and barrier phases
                aligned (this is what makes back-to-back tiles race-free).
-               KernelConfig.mma_in_flight = 1 (EXPERIMENTAL): `wgmma_wait(1)`
+               KernelConfig.mma_in_flight = 1 (off by default): `wgmma_wait(1)`
                and delay_release=1, so the arrival for step s comes at step s + 1
                and the pipeline never arrives for its last step; the compute
                warpgroups then `wgmma_wait(0)` and arrive on that stage's
@@ -802,26 +802,11 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
   num_ctas) of the "sm" axis only (local CTA i takes tiles i, i + num_ctas, ...), for
   kernels that give the other CTAs other work (`wgrad_return.py`). A tile's sum runs
   whole on one CTA in a fixed order, so which CTA runs it, and when, changes no bit."""
-  _wgrads_kernel([(bounds_gmem, lhs_gmem, dout_gmem, out_gmem)], num_groups=num_groups,
-                 block_m=block_m, block_n=block_n, block_k=block_k, stages=stages,
-                 in_dtype=in_dtype, epi_slots=epi_slots, raster_k=raster_k,
-                 mma_in_flight=mma_in_flight, cta_offset=cta_offset, num_ctas=num_ctas)
-
-
-def _wgrads_kernel(problems, *, num_groups: int, block_m: int, block_n: int, block_k: int,
-                   stages: int, in_dtype, epi_slots: int = 1, raster_k: int = 1,
-                   mma_in_flight: int = 0, cta_offset: int = 0, num_ctas: Optional[int] = None):
-  """`_wgrad_kernel`'s body for one or more wgrads in one launch: problems is a list of
-  (bounds_gmem, lhs_gmem, dout_gmem, out_gmem), each with num_groups groups, operands
-  padded to the tile grid and one output dtype (their K and N may differ). Their output
-  tiles are dealt to the CTAs as one list (the first problem's, then the next's), so a
-  CTA done with its share of one goes on with the next without a barrier; the pipeline
-  stages and epilogue buffers are shared (every problem's blocks have the same shape).
-  Each tile is the standalone launch's (the same sum in the same order): same bits."""
+  _, k_out = lhs_gmem.shape
+  _, n_out = dout_gmem.shape
   cta_k = _NUM_COMPUTE_WGS * block_m
-  out_dtypes = {out_gmem.dtype for *_, out_gmem in problems}
-  if len(out_dtypes) != 1:
-    raise ValueError(f"wgrads in one launch must share one output dtype, got {out_dtypes}")
+  k_tiles = k_out // cta_k
+  n_tiles = n_out // block_n
   a_transforms = _swizzle_transforms(in_dtype, cta_k)
   b_transforms = _swizzle_transforms(in_dtype, block_n)
 
@@ -861,19 +846,16 @@ def _wgrads_kernel(problems, *, num_groups: int, block_m: int, block_n: int, blo
 
   ignore = lambda *_, **__: None
   alloc_pipeline = make_pipeline(ignore, jnp.int32(1), 0, 0, 0)
-  _, first_lhs, first_dout, first_out = problems[0]
 
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=alloc_pipeline.get_allocations(
-          first_lhs.at[:, pl.ds(0, cta_k)], first_dout.at[:, pl.ds(0, block_n)]),
-      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N), first_out.dtype),
+          lhs_gmem.at[:, pl.ds(0, cta_k)], dout_gmem.at[:, pl.ds(0, block_n)]),
+      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N), out_gmem.dtype),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epi_smem):
-    def problem_tile(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, lin):
-      k_tiles = lhs_gmem.shape[1] // cta_k
-      n_tiles = dout_gmem.shape[1] // block_n
+    def tile(lin):
       g = lin // (k_tiles * n_tiles)
       within = _raster(lin % (k_tiles * n_tiles), k_tiles, n_tiles, raster_k)
       kt = within // n_tiles
@@ -899,20 +881,7 @@ def _wgrads_kernel(problems, *, num_groups: int, block_m: int, block_n: int, blo
           allocations=pipeline_allocs)
       _await_last_stage(pipeline_allocs, num_blocks, stages, mma_in_flight)
 
-    firsts, total = [], 0   # each problem's first tile in the one list
-    for _, lhs_gmem, dout_gmem, _ in problems:
-      firsts.append(total)
-      total += num_groups * (lhs_gmem.shape[1] // cta_k) * (dout_gmem.shape[1] // block_n)
-
-    def tile(lin):
-      if len(problems) == 1:
-        problem_tile(*problems[0], lin)
-        return
-      for i, problem in enumerate(problems):
-        last = firsts[i + 1] if i + 1 < len(problems) else total
-        pl.when((lin >= firsts[i]) & (lin < last))(
-            functools.partial(problem_tile, *problem, lin - firsts[i]))
-
+    total = num_groups * k_tiles * n_tiles
     if num_ctas is None:
       @plgpu.nd_loop((total,), collective_axes="sm")
       def _tile_loop(loop_info):

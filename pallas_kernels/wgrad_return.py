@@ -15,26 +15,20 @@ Roles (by CTA index c on "sm", grid = num_sms, 3 warpgroups each)
                 return: every (peer, local expert) segment of `rows` pushed into
                 the source rank's sorted rows, remote peers first) on CTAs
                 [0, n_comm); the other two warpgroups idle.
-  c >= n_comm   wgrad CTAs: `grouped_gemm._wgrads_kernel`'s body on CTAs
+  c >= n_comm   wgrad CTAs: `grouped_gemm._wgrad_kernel`'s body on CTAs
                 [n_comm, num_sms) (local CTA i takes output tiles i, i + (num_sms -
-                n_comm), ... of one list: the first wgrad's tiles, then the next's;
-                `gmm_wgrads_with_return` takes dw_gate_up's and dw_down's operands,
-                FusedConfig.return_beside_dw_down). Each output tile is summed whole
-                by one CTA in its fixed block_k order, so each dw has the standalone
-                wgrad's bits.
+                n_comm), ...). Each output tile is summed whole by one CTA in its
+                fixed block_k order, so dw has the standalone wgrad's bits.
 
 Buffers
 -------
-  bounds [2G], lhs [M_p, K_p], dout [M_p, N_p]   per wgrad: its operands (padded as
-                                    `gmm_wgrad` pads; one M_p and dtype, K_p and N_p
-                                    per wgrad)
+  lhs [M_p, K_p], dout [M_p, N_p]   the wgrad's operands (padded as `gmm_wgrad` pads)
   rows [Nr, H]                      what the transfer sends (d_recv, the receive layout)
-  dw [G, K_p, N_p]                  output, per wgrad
+  dw [G, K_p, N_p]                  output
   back [out_rows, H]                output; PEERS write into it (remote TMA stores).
                                     Rows no segment covers are undefined (as v1's).
   SMEM: the transfer role's 2 stages [chunk_rows, col_tile] and the wgrad's pipeline
-  and epilogue are `run_scoped` in sibling branches: each must fit alone. The
-  wgrads share one pipeline and epilogue buffer (their blocks have one shape).
+  and epilogue are `run_scoped` in sibling branches: each must fit alone.
 
 Synchronisation contract
 ------------------------
@@ -63,10 +57,9 @@ from pallas_kernels import grouped_gemm as gg
 from uniep_jax.config import KernelConfig, TransferConfig
 
 
-def _kernel(work_gmem, rows_gmem, *refs, wgrad_kw: dict, transfer_kw: dict, n_comm: int,
-            num_sms: int, item_rows: int, col_tile: int, num_wgrads: int):
-  # refs: (bounds, lhs, dout) per wgrad, then the outputs: dw per wgrad, back
-  operands, dws, back_gmem = refs[:3 * num_wgrads], refs[3 * num_wgrads:-1], refs[-1]
+def _kernel(bounds_gmem, work_gmem, lhs_gmem, dout_gmem, rows_gmem, dw_gmem, back_gmem, *,
+            wgrad_kw: dict, transfer_kw: dict, n_comm: int, num_sms: int, item_rows: int,
+            col_tile: int):
   c = lax.axis_index("sm")
   sems = ep_transfer.transfer_semaphores(n_comm)
 
@@ -85,8 +78,8 @@ def _kernel(work_gmem, rows_gmem, *refs, wgrad_kw: dict, transfer_kw: dict, n_co
 
   @pl.when(c >= n_comm)
   def _wgrad():
-    problems = [(*operands[3 * i:3 * i + 3], dws[i]) for i in range(num_wgrads)]
-    gg._wgrads_kernel(problems, cta_offset=n_comm, num_ctas=num_sms - n_comm, **wgrad_kw)
+    gg._wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, dw_gmem, cta_offset=n_comm,
+                     num_ctas=num_sms - n_comm, **wgrad_kw)
 
 
 def gmm_wgrad_with_return(lhs, dout, group_sizes, rows, seg_src, seg_dst, seg_len, *,
@@ -97,52 +90,24 @@ def gmm_wgrad_with_return(lhs, dout, group_sizes, rows, seg_src, seg_dst, seg_le
   back = `ep_transfer.transfer_segments(rows, seg_src, seg_dst, seg_len, out_rows=...,
   axis_name=...)` (same rows), in one launch. Inside `shard_map` over `axis_name`;
   GPU only (remote refs and semaphores)."""
-  (dw,), back = gmm_wgrads_with_return(
-      [(lhs, dout)], group_sizes, rows, seg_src, seg_dst, seg_len, out_rows=out_rows,
-      axis_name=axis_name, out_dtype=out_dtype, config=config, transfer=transfer,
-      n_comm=n_comm)
-  return dw, back
-
-
-def gmm_wgrads_with_return(wgrads, group_sizes, rows, seg_src, seg_dst, seg_len, *,
-                           out_rows: int, axis_name: str, out_dtype=None,
-                           config: KernelConfig = KernelConfig(),
-                           transfer: TransferConfig = TransferConfig(), n_comm: int = 16):
-  """([dw, ...], back): for each (lhs, dout) of `wgrads`, dw =
-  `grouped_gemm.gmm_wgrad(lhs, dout, group_sizes)` (same bits; the wgrad CTAs walk the
-  first's tiles, then the next's, as one list), and back = `ep_transfer.transfer_segments(
-  rows, seg_src, seg_dst, seg_len, out_rows=..., axis_name=...)` (same rows), in one
-  launch. Every wgrad's operands share the row count M and one dtype (K, N may
-  differ). Inside `shard_map` over `axis_name`; GPU only (remote refs and semaphores)."""
-  if not wgrads:
-    raise ValueError("wgrads must hold at least one (lhs, dout) pair")
-  m = wgrads[0][0].shape[0]
-  for i, (lhs, dout) in enumerate(wgrads):
-    if lhs.shape[0] != m or dout.shape[0] != m:
-      raise ValueError(f"wgrads[{i}]: lhs.shape={lhs.shape} and dout.shape={dout.shape} "
-                       f"must have the first wgrad's M={m} rows")
-    if dout.dtype != lhs.dtype or lhs.dtype != wgrads[0][0].dtype:
-      raise ValueError(f"wgrads[{i}]: lhs and dout must share the first wgrad's dtype "
-                       f"{wgrads[0][0].dtype}, got {lhs.dtype} and {dout.dtype}")
-  in_dtype = wgrads[0][0].dtype
-  out_dtype = out_dtype or in_dtype
+  m, k = lhs.shape
+  if dout.shape[0] != m:
+    raise ValueError(f"lhs.shape={lhs.shape} and dout.shape={dout.shape}: M differs")
+  if dout.dtype != lhs.dtype:
+    raise ValueError(f"lhs and dout must share one dtype, got {lhs.dtype} and {dout.dtype}")
+  out_dtype = out_dtype or lhs.dtype
   num_sms = device_lib.num_sms(config.num_sms)
   if not 1 <= n_comm < num_sms:
     raise ValueError(f"n_comm={n_comm} must be in [1, num_sms={num_sms}) (at least one "
                      f"wgrad CTA)")
+  n = dout.shape[1]
   g = group_sizes.shape[0]
+  k_p = gg._round_up(k, gg._NUM_COMPUTE_WGS * config.block_m)
+  n_p = gg._round_up(n, config.block_n)
   m_p = gg._padded_rows(m, config, wgrad=True)
-  bounds = gg.wgrad_bounds(group_sizes, m_p)
-  operands, out_types, shapes = [], [], []
-  for lhs, dout in wgrads:
-    (_, k), n = lhs.shape, dout.shape[1]
-    k_p = gg._round_up(k, gg._NUM_COMPUTE_WGS * config.block_m)
-    n_p = gg._round_up(n, config.block_n)
-    operands += [bounds, gg._pad_axis(gg._pad_axis(lhs, 1, k_p), 0, m_p),
-                 gg._pad_axis(gg._pad_axis(dout, 1, n_p), 0, m_p)]
-    out_types.append(jax.ShapeDtypeStruct((g, k_p, n_p), out_dtype))
-    shapes.append((k, n, k_p, n_p))
-  wgrad_kw = gg.wgrad_params(m_p, g, in_dtype, out_dtype, config)
+  lhs_p = gg._pad_axis(gg._pad_axis(lhs, 1, k_p), 0, m_p)
+  dout_p = gg._pad_axis(gg._pad_axis(dout, 1, n_p), 0, m_p)
+  wgrad_kw = gg.wgrad_params(m_p, g, lhs.dtype, out_dtype, config)
 
   ns, hidden = rows.shape
   smem = device_lib.smem_capacity()
@@ -156,19 +121,18 @@ def gmm_wgrads_with_return(wgrads, group_sizes, rows, seg_src, seg_dst, seg_len,
   w = (work.shape[1] - 1) // 3
   body = functools.partial(
       _kernel, wgrad_kw=wgrad_kw, n_comm=n_comm, num_sms=num_sms, item_rows=item_rows,
-      col_tile=col_tile, num_wgrads=len(wgrads),
+      col_tile=col_tile,
       transfer_kw=dict(w=w, axis_name=axis_name, num_peers=seg_len.shape[0]))
   kernel_fn = plgpu.kernel(
       body,
       kernel_name="wgrad_with_return",
-      out_type=(*out_types, jax.ShapeDtypeStruct((out_rows, hidden), rows.dtype)),
+      out_type=(jax.ShapeDtypeStruct((g, k_p, n_p), out_dtype),
+                jax.ShapeDtypeStruct((out_rows, hidden), rows.dtype)),
       grid=(num_sms,),
       grid_names=("sm",),
       num_threads=gg._NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  *dws, back = kernel_fn(work.reshape(-1), rows, *operands)
-  dws = [dw[:, :k, :n] if (k_p, n_p) != (k, n) else dw
-         for dw, (k, n, k_p, n_p) in zip(dws, shapes)]
-  return dws, back
+  dw, back = kernel_fn(gg.wgrad_bounds(group_sizes, m_p), work.reshape(-1), lhs_p, dout_p, rows)
+  return (dw[:, :k, :n] if (k_p, n_p) != (k, n) else dw), back

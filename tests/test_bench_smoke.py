@@ -31,9 +31,6 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   assert moe_layer.backend_config("uniep_dd@rr4@wr8").kernel.wgrad_raster == 8
   assert moe_layer.backend_config("uniep_dd@inflight1").kernel.mma_in_flight == 1
   assert moe_layer.backend_config("uniep_dd@inflight1@inflight0").kernel.mma_in_flight == 0
-  assert moe_layer.backend_config("uniep_dc_rbw_dd@bd").fused.return_beside_dw_down is True
-  with pytest.raises(ValueError, match="@bd needs a fused point"):
-    moe_layer.backend_config("uniep_dd@bd")
 
 
 def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):

@@ -360,12 +360,6 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  down_return_ctas=16, wgrad_return_ctas=16,
                                  dispatch_in_kernel=False), None, True, True),
-    # and with dw_down's tiles in the return's launch too (return_beside_dw_down: one
-    # launch fewer in the backward)
-    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
-                                 down_return_ctas=16, wgrad_return_ctas=16,
-                                 dispatch_in_kernel=False, return_beside_dw_down=True),
-     None, True, True),
     # its forward with block-aligned row tiles (the case above has the default,
     # group-aligned ones: Kernel C's tiles signal the one or two chunks their rows touch)
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
@@ -398,7 +392,6 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
     forward = ((1 if fused.dispatch_in_kernel else 3 + send_buffer)
                + (1 if fused.return_in_kernel or fused.down_return_ctas else 2))
     backward = ((5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0)
-                - (1 if fused.return_beside_dw_down else 0)
                 + (1 + send_buffer if dedup else 0))
     expected = forward + (backward if grad else 0)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
@@ -477,14 +470,13 @@ def _simulated_fused_gemm_return(a, w_down, seg_src, seg_dst, seg_len, *, out_ro
                              out_rows=out_rows, config=None, axis_name=axis_name)
 
 
-def _simulated_wgrads_with_return(wgrads, group_sizes, rows, seg_src, seg_dst, seg_len, *,
-                                  out_rows, axis_name, out_dtype=None, config, transfer, n_comm):
-  """The wgrads + return launch's contract: the standalone wgrads and v1's return."""
+def _simulated_wgrad_with_return(lhs, dout, group_sizes, rows, seg_src, seg_dst, seg_len, *,
+                                 out_rows, axis_name, out_dtype=None, config, transfer, n_comm):
+  """The wgrad + return launch's contract: the standalone wgrad and v1's return."""
   from pallas_kernels import grouped_gemm as gg
-  dws = [gg.gmm_wgrad(lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
-         for lhs, dout in wgrads]
-  return dws, _simulated_transfer(rows, seg_src, seg_dst, seg_len, out_rows=out_rows,
-                                  config=transfer, axis_name=axis_name, garbage=jnp.nan)
+  dw = gg.gmm_wgrad(lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
+  return dw, _simulated_transfer(rows, seg_src, seg_dst, seg_len, out_rows=out_rows,
+                                 config=transfer, axis_name=axis_name, garbage=jnp.nan)
 
 
 def _simulated_down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *,
@@ -515,7 +507,7 @@ _FUSED_PLUMBING_V1 = {}   # v1's outputs and gradients on the plumbing test's in
 @pytest.mark.parametrize("variant", [
     {}, dict(return_in_kernel=False, backward=True),
     dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1, dedup_tokens=True,
-         dispatch_in_kernel=False, return_beside_dw_down=True)])
+         dispatch_in_kernel=False)])
 def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
   contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:
@@ -535,7 +527,7 @@ def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   monkeypatch.setattr(fdg, "fused_dispatch_gate_up", _simulated_fused_dispatch_gate_up)
   monkeypatch.setattr(fgr, "fused_gemm_return", _simulated_fused_gemm_return)
   monkeypatch.setattr(fdg, "fused_dispatch_dswiglu", _simulated_fused_dispatch_dswiglu)
-  monkeypatch.setattr(wgr, "gmm_wgrads_with_return", _simulated_wgrads_with_return)
+  monkeypatch.setattr(wgr, "gmm_wgrad_with_return", _simulated_wgrad_with_return)
   monkeypatch.setattr(dgr, "down_gemm_return", _simulated_down_gemm_return)
   mesh = make_mesh(1, 1)
   axes = ("data", "expert")

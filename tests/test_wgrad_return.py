@@ -59,57 +59,14 @@ def test_wgrad_body_on_cta_subset_is_bitwise_equal():
   chex.assert_trees_all_equal(got, ref)
 
 
-def test_two_wgrads_on_cta_subset_are_bitwise_equal():
-  """Two wgrads of other K and N in one launch's wgrad role (`_wgrads_kernel`, the dX
-  return's launch with return_beside_dw_down: dw_gate_up's tiles, then dw_down's, dealt
-  as one list to CTAs [1, 3)) give each standalone wgrad's bits: ragged and empty
-  groups, with one wgmma group in flight (the tiles of both share the pipeline)."""
-  m = 384
-  ks = jax.random.split(jax.random.key(6), 4)
-  gs = jnp.array([100, 0, 170, 60], jnp.int32)
-  lhs1 = jax.random.normal(ks[0], (m, 512)).astype(jnp.bfloat16)
-  dout1 = jax.random.normal(ks[1], (m, 256)).astype(jnp.bfloat16)
-  lhs2 = jax.random.normal(ks[2], (m, 256)).astype(jnp.bfloat16)
-  dout2 = jax.random.normal(ks[3], (m, 384)).astype(jnp.bfloat16)
-  cfg = KernelConfig(num_sms=3, max_concurrent_steps=2, wgrad_raster=2, mma_in_flight=1)
-  refs = [gg.gmm_wgrad(a, d, gs, config=cfg, interpret=INTERPRET)
-          for a, d in ((lhs1, dout1), (lhs2, dout2))]
-  params = gg.wgrad_params(m, gs.shape[0], jnp.bfloat16, jnp.bfloat16, cfg)
-  assert params["mma_in_flight"] == 1
-  offset, count = 1, 2
-
-  def body(bounds_gmem, l1, d1, l2, d2, o1, o2):
-    @pl.when(jax.lax.axis_index("sm") >= offset)
-    def _():
-      gg._wgrads_kernel([(bounds_gmem, l1, d1, o1), (bounds_gmem, l2, d2, o2)],
-                        cta_offset=offset, num_ctas=count, **params)
-
-  kernel = plgpu.kernel(
-      body, out_type=(jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16),
-                      jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16)),
-      grid=(offset + count,), grid_names=("sm",), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=gg.resolve_interpret(INTERPRET_RACES))
-  got = kernel(gg.wgrad_bounds(gs, m), lhs1, dout1, lhs2, dout2)
-  assert_no_races()
-  for r in refs:
-    assert float(jnp.max(jnp.abs(r.astype(jnp.float32)))) > 0
-  chex.assert_trees_all_equal(list(got), refs)
-
-
-def _lower(mesh, r, *, n_comm, num_sms=8, m=512, h=256, n=256, el=2, ns=256, two=False):
+def _lower(mesh, r, *, n_comm, num_sms=8, m=512, h=256, n=128, el=2, ns=256):
   cfg = KernelConfig(num_sms=num_sms, max_concurrent_steps=2)
 
   def body(lhs, dout, rows, seg_src, seg_dst, seg_len):
-    gs = jnp.full((el,), m // (2 * el), jnp.int32)
-    kw = dict(out_rows=ns, axis_name="expert", config=cfg,
-              transfer=TransferConfig(chunk_rows=64), n_comm=n_comm)
-    if two:   # dw_down's shape: lhs [m, n], dout [m, h]
-      (dw, _), back = wgr.gmm_wgrads_with_return(
-          [(lhs, dout), (dout, lhs)], gs, rows, seg_src[0], seg_dst[0], seg_len[0], **kw)
-    else:
-      dw, back = wgr.gmm_wgrad_with_return(lhs, dout, gs, rows, seg_src[0], seg_dst[0],
-                                           seg_len[0], **kw)
+    dw, back = wgr.gmm_wgrad_with_return(
+        lhs, dout, jnp.full((el,), m // (2 * el), jnp.int32), rows, seg_src[0], seg_dst[0],
+        seg_len[0], out_rows=ns, axis_name="expert", config=cfg,
+        transfer=TransferConfig(chunk_rows=64), n_comm=n_comm)
     return dw[None], back
 
   spec = P("expert")
@@ -125,14 +82,10 @@ def _lower(mesh, r, *, n_comm, num_sms=8, m=512, h=256, n=256, el=2, ns=256, two
 
 def test_wgrad_with_return_lowers_for_cuda(mesh_factory):
   """Both roles (the transfer's remote stores and semaphores, the wgrad on a CTA
-  subset) lower to one Mosaic GPU custom call for CUDA on this CPU-only machine, with
-  one wgrad and with two (`gmm_wgrads_with_return`)."""
+  subset) lower to one Mosaic GPU custom call for CUDA on this CPU-only machine."""
   r = 4
   text = _lower(mesh_factory(1, r), r, n_comm=3).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-  two = _lower(mesh_factory(1, r), r, n_comm=3, two=True).as_text()
-  assert two.count("stablehlo.custom_call @mosaic_gpu") == 1
-  assert len(two) > len(text) + 1000   # the second wgrad's tiles (its own pipeline code)
 
 
 def test_wgrad_with_return_checks_n_comm(mesh_factory):

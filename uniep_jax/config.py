@@ -135,18 +135,21 @@ class KernelConfig:
     read from HBM once per k tile. None (default): bands of 4
     (grouped_gemm.WGRAD_RASTER_AUTO; measured there). The bits do not depend on it
     (each tile's sum runs whole on one CTA, in the same order).
-  mma_in_flight: EXPERIMENTAL (built 2026-11-28, not yet run on a GPU). The k-steps
-    of MMAs each compute warpgroup keeps in flight across the k-steps of a tile (the
-    grouped GEMM's row-tiled and wgrad launches, and the kernels that embed them).
-    0 (default): every step waits for its own MMAs (`wgmma_wait(0)`) before the
-    pipeline releases its stage, so the tensor cores drain at every step while both
-    warpgroups wait, arrive and issue again. 1: a step waits only for the previous
-    step's MMAs (`wgmma_wait(1)`, 2 in the gate/up launch, whose step issues two
-    wgmma groups; BlockSpec delay_release=1: a stage is released one
-    step late, so one stage fewer is free for prefetch), and after the pipeline the
-    compute warpgroups release the last step's stage themselves, which the memory
-    warpgroup waits for before the next tile refills the stages. A launch with a
-    single stage keeps 0. The bits do not depend on it (the same MMAs in the same
+  mma_in_flight: the k-steps of MMAs each compute warpgroup keeps in flight across the
+    k-steps of a tile (the grouped GEMM's row-tiled and wgrad launches, and the kernels
+    that embed them). 0 (default): every step waits for its own MMAs (`wgmma_wait(0)`)
+    before the pipeline releases its stage, so the tensor cores drain at every step
+    while both warpgroups wait, arrive and issue again. 1: a step waits only for the
+    previous step's MMAs (`wgmma_wait(1)`, 2 in the gate/up launch, whose step issues
+    two wgmma groups; BlockSpec delay_release=1: a stage is released one step late), on
+    one stage more than max_concurrent_steps so the prefetch keeps its stages; after
+    the pipeline the compute warpgroups release the last step's stage themselves, which
+    the memory warpgroup waits for before the next tile refills the stages. A launch
+    whose SMEM or k-steps do not give the extra stage (the da launch, "dswiglu") keeps
+    0. Measured (2026-11-28, NOTES_grouped_gemm.md): one H200 alone 1-6% faster per
+    launch on mixtral-/deepseek-like (at the cost of a prefetch stage instead: 1-14%
+    slower), the layer at EP 4 on 4x H200 level within its trials' spread on all three
+    shapes: off by default. The bits do not depend on it (the same MMAs in the same
     order).
   """
 
@@ -285,11 +288,6 @@ class FusedConfig:
     wgrad's launch, beside its tiles (pallas_kernels/wgrad_return.py): in v1 the two
     run one after the other although neither needs the other. 0: v1's return after
     the wgrads.
-  return_beside_dw_down: EXPERIMENTAL (with wgrad_return_ctas > 0): the dw_down
-    wgrad's tiles too in the return's launch, after dw_gate_up's on the same CTAs
-    (`wgrad_return.gmm_wgrads_with_return`), so the dX return (NVLink-bound: ~1.6 ms
-    on qwen3-like at EP 4 against ~1.3 of dw_gate_up) runs beside both wgrads. False:
-    dw_down is its own launch.
   down_return_ctas: EXPERIMENTAL (v2.2, "Kernel C"): > 0 (with return_in_kernel=False)
     runs the forward's down GEMM and return in one launch
     (pallas_kernels/down_gemm_return.py): this many CTAs push each recv_chunk_rows
@@ -311,7 +309,6 @@ class FusedConfig:
   wgrad_return_ctas: int = 0
   down_return_ctas: int = 0
   dispatch_in_kernel: bool = True
-  return_beside_dw_down: bool = False
 
   def __post_init__(self):
     if self.down_return_ctas < 0:
@@ -326,9 +323,6 @@ class FusedConfig:
       raise ValueError(f"wgrad_return_ctas={self.wgrad_return_ctas} must be >= 0 (0: off)")
     if self.recv_chunk_rows < 1:
       raise ValueError(f"recv_chunk_rows={self.recv_chunk_rows} must be >= 1")
-    if self.return_beside_dw_down and not self.wgrad_return_ctas:
-      raise ValueError("return_beside_dw_down=True puts dw_down beside the dX return "
-                       "in the dw_gate_up wgrad's launch: set wgrad_return_ctas > 0")
     if not isinstance(self.dispatch_in_kernel, bool):
       raise ValueError(f"dispatch_in_kernel must be True or False, got {self.dispatch_in_kernel!r}")
     if not self.dispatch_in_kernel and self.backward:

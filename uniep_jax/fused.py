@@ -28,8 +28,7 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
             (uniep_jax/dedup.py), then v1's launches.
             With FusedConfig.wgrad_return_ctas > 0 (v2.2): dx, dw_down, then ONE launch
             for dw_gate_up with the return of d_recv on that many of its CTAs
-            (pallas_kernels/wgrad_return.py): the two ran one after the other in v1;
-            with return_beside_dw_down, dw_down's tiles in that launch too.
+            (pallas_kernels/wgrad_return.py): the two ran one after the other in v1.
 
 Bits. Kernel A runs the grouped GEMM's own body on v1's tile plan, so a, h, u
 equal v1's; Kernel B runs v1's down-GEMM tiles and stores each row where v1's
@@ -185,25 +184,19 @@ def _tail_with_return(recv, w_gate_up, w_down, a, dy_recv, dhu, plan, axis_name,
   (`FusedConfig.wgrad_return_ctas`): the same launches' bits as
   `swiglu_backward_from_dhu` + `_return_nvlink`, in one launch fewer."""
   from pallas_kernels import grouped_gemm as gg
-  from pallas_kernels import wgrad_return
+  from pallas_kernels.wgrad_return import gmm_wgrad_with_return
   group_sizes = plan.recv_group_sizes
   d_recv = gg.swiglu_dx_from_dhu(recv, w_gate_up, group_sizes, dhu, config=kernel,
                                  zero_window=kernel.block_k)
-  wgrads = [(gg._pad_axis(recv, 0, a.shape[0]), dhu)]
-  both = fused.return_beside_dw_down and w_down.dtype == w_gate_up.dtype
-  if both:   # dw_down = a^T dy in the same launch, after dw_gate_up's tiles
-    wgrads.append((a, gg._pad_axis(dy_recv.astype(a.dtype), 0, a.shape[0])))
-  else:
-    dw_down = gg.swiglu_dw_down(a, dy_recv, w_down, group_sizes, config=kernel)
+  dw_down = gg.swiglu_dw_down(a, dy_recv, w_down, group_sizes, config=kernel)
   seg = return_segments(plan, jax.lax.axis_index(axis_name))
-  dws, back = wgrad_return.gmm_wgrads_with_return(
-      wgrads, group_sizes, d_recv, seg.src_start, seg.dst_start, seg.rows,
-      out_rows=plan.sort_order.shape[0], axis_name=axis_name, out_dtype=w_gate_up.dtype,
-      config=kernel, transfer=transfer, n_comm=fused.wgrad_return_ctas)
-  if both:
-    dw_down = dws[1][:, :w_down.shape[1], :]
+  dw_gate_up, back = gmm_wgrad_with_return(
+      gg._pad_axis(recv, 0, a.shape[0]), dhu, group_sizes, d_recv, seg.src_start,
+      seg.dst_start, seg.rows, out_rows=plan.sort_order.shape[0], axis_name=axis_name,
+      out_dtype=w_gate_up.dtype, config=kernel, transfer=transfer,
+      n_comm=fused.wgrad_return_ctas)
   d_rows = zero_dropped_rows(back, plan, el)
-  return d_rows, gg.unpad_dw_gate_up(dws[0], w_down.shape[1]), dw_down
+  return d_rows, gg.unpad_dw_gate_up(dw_gate_up, w_down.shape[1]), dw_down
 
 
 _fused_ffn.defvjp(_fused_ffn_fwd, _fused_ffn_bwd)
