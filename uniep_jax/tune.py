@@ -350,7 +350,12 @@ class SearchSpace:
                             (16, 2048, False, True), (8, 2048, False, True),
                             (32, 2048, True, True), (16, 2048, False, False, 16),
                             (16, 2048, False, True, 16), (16, 1024, False, False, 16),
-                            (16, 2048, False, False, 16, 16, False))
+                            (16, 2048, False, False, 16, 16, False),
+                            # ... with 4 return CTAs in each launch: the GEMMs keep 128 SMs
+                            # where the returns are short next to them (mixtral-like, EP 4:
+                            # 1.1 ms faster than uniep_dd on 4x H100, run 27; on 4x H200
+                            # the two swap places between runs 56 and 57, NOTES_fused.md)
+                            (16, 2048, False, False, 4, 4, False))
   # Stage 3 also times the best v1 candidate with token de-duplication, and each fused
   # point without a fused backward with its dy dispatch de-duplicated (the same bits,
   # fewer dispatched rows; 2x H200 fwd+bwd, qwen3-like: v1 11.88 -> 10.27 ms, fa_rbw
