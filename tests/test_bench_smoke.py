@@ -480,3 +480,15 @@ def test_epilogue_probe_loop_checks_bits_and_interleaves(monkeypatch):
   assert row["bits_equal_to_as_is"] == {"down_plain/rows4": True, "down_plain/rows16": False}
   assert set(row["interleaved_median_ms"]) == {"down_plain/as_is", "down_plain/rows4",
                                                "down_plain/rows16"}   # one variant: no rounds
+
+
+def test_chunk_readiness_is_a_monotone_prefix():
+  """bench/chunk_readiness.py: the unique rows a chunk needs grow with the chunk, the
+  last chunk needs all of them, the first only those whose smallest expert is the first
+  (about 1/El of the slots times the slots per unique row: ~7% at qwen3-like EP 4)."""
+  from bench import chunk_readiness
+  rows = chunk_readiness.readiness(tokens=4096, experts=128, top_k=8, ep=4, chunk_rows=512)
+  needed = [r[3] for r in rows]
+  assert needed == sorted(needed) and needed[-1] == 1.0
+  assert 0.03 < needed[0] < 0.12
+  assert [r[2] for r in rows] == sorted(r[2] for r in rows) and rows[-1][2] == 31
