@@ -176,6 +176,9 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
     }
 
   ms, tflops, bits_equal, inter_ms = {}, {}, {}, {}
+  # the variants that are KernelConfig changes (the others patch the kernel: cfg)
+  config_of = {"slots2": dataclasses.replace(cfg, epilogue_slots=2),
+               **{n: dataclasses.replace(cfg, **kw) for n, kw in _SAME_BITS_CONFIGS.items()}}
   for lname in launches(cfg):
     if only_launches is not None and lname not in only_launches:
       continue
@@ -193,10 +196,7 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
     variants = [v for v in variants if only is None or v in only]
     for v in variants:
       key = f"{lname}/{v}"
-      c = {"slots2": dataclasses.replace(cfg, epilogue_slots=2),
-           **{n: dataclasses.replace(cfg, **kw) for n, kw in _SAME_BITS_CONFIGS.items()}
-           }.get(v, cfg)
-      fn, args, flops = launches(c)[lname]
+      fn, args, flops = launches(config_of.get(v, cfg))[lname]
       try:
         with _variant(v):   # a new function object: jit's trace cache is keyed on it
           compiled = jax.jit(lambda *xs, fn=fn: fn(*xs)).lower(*args).compile()
