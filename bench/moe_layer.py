@@ -137,11 +137,15 @@ BACKEND_CONFIGS = {name: (dataclasses.replace(c, dedup_tokens=False)
 # backend-name suffixes "<name><N>": (the UniEPConfig part, its field) set to N
 _NUMBERED_SUFFIXES = {"sm": ("kernel", "num_sms"), "rr": ("kernel", "raster_rows"),
                       "wr": ("kernel", "wgrad_raster"), "chunk": ("transfer", "chunk_rows"),
-                      "inflight": ("kernel", "mma_in_flight")}
+                      "inflight": ("kernel", "mma_in_flight"),
+                      "ctas": ("transfer", "num_ctas"), "dr": ("fused", "down_return_ctas"),
+                      "wrc": ("fused", "wgrad_return_ctas")}
 
 
 def _replace_in(cfg: uniep_jax.UniEPConfig, part: str, **fields) -> uniep_jax.UniEPConfig:
-  """cfg with fields of its sub-config `part` (kernel, transfer, routing) replaced."""
+  """cfg with fields of its sub-config `part` (kernel, transfer, routing, fused) replaced."""
+  if getattr(cfg, part) is None:
+    raise ValueError(f"this backend has no {part} config to change {sorted(fields)} in")
   return dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **fields)})
 
 
@@ -164,7 +168,10 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
   (`KernelConfig.raster_rows`; default auto: 4 where a group's weight is >= 96 MiB, 8
   from 16 MiB, else row-major); `@inflight<N>` N wgmma groups kept in flight per
-  compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1)."""
+  compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1); `@ctas<N>` the v1 transfers'
+  CTAs (`TransferConfig.num_ctas`); `@dr<N>`, `@wrc<N>` (fused points) the return CTAs
+  beside the down GEMM (Kernel C, `FusedConfig.down_return_ctas`) and beside the
+  dw_gate_up wgrad (`FusedConfig.wgrad_return_ctas`)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -187,7 +194,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = _replace_in(cfg, "transfer", gather_rows=suffix == "gx")
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @ctas<N>, @dr<N>, @wrc<N>)")
   return cfg
 
 
