@@ -58,6 +58,37 @@ def test_default_tiling_stages_match_the_kernel_docstring():
   assert T.kernel_launch_stages(KernelConfig(), DEEPSEEK_BWD, HOPPER.smem_bytes) == (3,) * 6
 
 
+def test_launch_plan_counts_the_stage_the_mmas_in_flight_take():
+  """KernelConfig.mma_in_flight asks for one stage more (grouped_gemm._stages_and_in_flight):
+  where the SMEM gives it, the plan records it and the launch keeps its MMAs in flight;
+  where it does not, the launch runs as mma_in_flight=0 and the candidate is a duplicate."""
+  from pallas_kernels import grouped_gemm as gg
+  s3 = KernelConfig()                          # 3 stages: the 4th fits everywhere but the da
+  plan = T.kernel_launch_plan(dataclasses.replace(s3, mma_in_flight=1), DEEPSEEK_BWD,
+                              HOPPER.smem_bytes)
+  # swiglu, down, da (dswiglu), da (plain, f32 out), dx, wgrad
+  assert plan == ((4, 1), (4, 1), (3, 0), (3, 0), (4, 1), (4, 1))
+  assert T.kernel_launch_stages(dataclasses.replace(s3, mma_in_flight=1), DEEPSEEK_BWD,
+                                HOPPER.smem_bytes) == (4, 4, 3, 3, 4, 4)
+  # the kernel's own decision for the forward gate/up launch agrees
+  launch = gg._launch_of(dataclasses.replace(s3, mma_in_flight=1), "swiglu", jnp.bfloat16,
+                         jnp.bfloat16)
+  assert gg._stages_and_in_flight(launch, dataclasses.replace(s3, mma_in_flight=1),
+                                  DEEPSEEK_BWD.hidden // s3.block_k, s3.block_m,
+                                  HOPPER.smem_bytes) == plan[0]
+  # 4 stages asked, 5 do not fit anywhere: in flight is off in every launch, and the
+  # candidate compiles what mma_in_flight=0 compiles
+  s4 = KernelConfig(max_concurrent_steps=4)
+  space = T.SearchSpace(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(4,),
+                        epilogue_slots=(1,), raster_rows=(None,), wgrad_raster=(None,),
+                        mma_in_flight=(0, 1), chunk_rows=(128,), num_ctas=(64,),
+                        col_tile=(256,))
+  assert all(f == 0 for _, f in T.kernel_launch_plan(dataclasses.replace(s4, mma_in_flight=1),
+                                                      DEEPSEEK_BWD, HOPPER.smem_bytes))
+  enum = T.enumerate_candidates(space, DEEPSEEK_BWD, HOPPER)
+  assert [c.kernel.mma_in_flight for c in enum.candidates] == [0]
+  assert any("duplicate of" in r for r in _reasons(enum))
+
 def test_pruning_rejects_with_reasons():
   space = T.SearchSpace(block_m=(96, 128, 192, 256), block_n=(64, 128, 256), block_k=(64, 128),
                         max_concurrent_steps=(3, 4, 6), chunk_rows=(48, 128, 256),

@@ -392,8 +392,29 @@ def _fit_stages(bytes_at: Callable[[int], int], requested: int, k_iters: int, ca
   return int(min(fit, max(k_iters, 1)))
 
 
+def _fit_stages_in_flight(bytes_at: Callable[[int], int], kernel: KernelConfig, k_iters: int,
+                          capacity: int, what: str) -> tuple[int, int]:
+  """(stages, wgmma groups in flight) of one launch, as grouped_gemm._stages_and_in_flight
+  decides them: KernelConfig.mma_in_flight asks for that many stages more than
+  max_concurrent_steps and is kept only where they are given, else 0 in flight."""
+  mcs, extra = kernel.max_concurrent_steps, kernel.mma_in_flight
+  if extra:
+    stages = _fit_stages(bytes_at, mcs + extra, k_iters, capacity, what)
+    if stages > mcs:
+      return stages, extra
+  return _fit_stages(bytes_at, mcs, k_iters, capacity, what), 0
+
+
 def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capacity: int) -> tuple:
-  """Per launch of the layer's grouped GEMMs, the stage count the kernel will use.
+  """Per launch of the layer's grouped GEMMs, the stage count the kernel will use
+  (`kernel_launch_plan` without the MMAs in flight)."""
+  return tuple(stages for stages, _ in kernel_launch_plan(kernel, problem, smem_capacity))
+
+
+def kernel_launch_plan(kernel: KernelConfig, problem: TuneProblem, smem_capacity: int) -> tuple:
+  """Per launch of the layer's grouped GEMMs, (stages, wgmma groups kept in flight) as
+  the kernel will run it: two candidates with the same plan (and the same other knobs)
+  compile the same kernels.
 
   Mirrors grouped_gemm's padding (F to lcm(2 block_n, 2 block_m, block_k), H to
   block_k as a contraction, M to block_m, and to block_k for wgrad) and sizes
@@ -425,8 +446,8 @@ def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capaci
   for what, mode, out_dt, k_iters in launches:
     def bytes_at(s, mode=mode, out_dt=out_dt):
       return gg.smem_bytes(dataclasses.replace(kernel, max_concurrent_steps=s), dt, out_dt, mode)
-    stages.append(_fit_stages(bytes_at, kernel.max_concurrent_steps, k_iters, smem_capacity,
-                              f"{what} with block_m={bm} block_n={bn} block_k={bk}"))
+    stages.append(_fit_stages_in_flight(bytes_at, kernel, k_iters, smem_capacity,
+                                        f"{what} with block_m={bm} block_n={bn} block_k={bk}"))
   if p.direction == "bwd":
     # The wgrad kernel has no public smem function: the same _Launch it builds in _wgrad_call.
     launch = gg.wgrad_launch(kernel, dt, dt)
@@ -434,8 +455,8 @@ def kernel_launch_stages(kernel: KernelConfig, problem: TuneProblem, smem_capaci
 
     def wgrad_bytes(s):
       return s * launch.stage_bytes() + launch.epilogue_bytes(bm) + gg._SMEM_RESERVE
-    stages.append(_fit_stages(wgrad_bytes, kernel.max_concurrent_steps, m_w // bk, smem_capacity,
-                              f"bwd wgrad with block_m={bm} block_n={bn} block_k={bk}"))
+    stages.append(_fit_stages_in_flight(wgrad_bytes, kernel, m_w // bk, smem_capacity,
+                                        f"bwd wgrad with block_m={bm} block_n={bn} block_k={bk}"))
   return tuple(stages)
 
 
@@ -535,10 +556,10 @@ def check_candidate(cand: Candidate, problem: TuneProblem, device: DeviceFacts,
 
   Returns the candidate's signature: what the compiled kernels depend on (the
   per-launch stage counts rather than the requested max_concurrent_steps)."""
-  stages = kernel_launch_stages(cand.kernel, problem, device.smem_bytes)
+  plan = kernel_launch_plan(cand.kernel, problem, device.smem_bytes)   # (stages, in flight)
   k = cand.kernel
-  sig = (k.block_m, k.block_n, k.block_k, stages, k.epilogue_slots, k.raster_rows,
-         k.wgrad_raster, k.mma_in_flight)
+  sig = (k.block_m, k.block_n, k.block_k, plan, k.epilogue_slots, k.raster_rows,
+         k.wgrad_raster)
   if uses_transfer:
     from uniep_jax.dispatch import ZERO_WINDOW_ROWS
     if k.block_k > ZERO_WINDOW_ROWS:
@@ -581,8 +602,8 @@ def enumerate_candidates(space: SearchSpace, problem: TuneProblem, device: Devic
         raise InvalidCandidate("TransferConfig is unused by this backend: a duplicate")
       sig = check_candidate(cand, problem, device, uses_transfer)
       if sig in seen:
-        raise InvalidCandidate(f"duplicate of {seen[sig]}: the kernel clamps stages to "
-                               f"{sig[3]} per launch")
+        raise InvalidCandidate(f"duplicate of {seen[sig]}: the kernel clamps (stages, MMAs "
+                               f"in flight) to {sig[3]} per launch")
     except InvalidCandidate as e:
       rejected.append(dict(knobs=knobs, reason=str(e)))
       continue
