@@ -24,7 +24,7 @@ DEEPSEEK_BWD = T.TuneProblem(8192, 7168, 2048, 256, 8, 4, "bfloat16", "bwd")
 def _space(**kw):
   base = dict(block_m=(128,), block_n=(128,), block_k=(64,), max_concurrent_steps=(3,),
               epilogue_slots=(1,), raster_rows=(None,), chunk_rows=(128,), num_ctas=(64,),
-              col_tile=(256,), fused=(), dedup_tokens=())
+              col_tile=(256,), fused=(), dedup_tokens=(), expand_in_transfer=())
   base.update(kw)
   return T.SearchSpace(**base)
 
@@ -731,6 +731,43 @@ def test_stage3_point_without_kernel_a_is_timed_deduplicated_only():
     assert (not rejected) == ok, rejected
     assert ok or "n_comm=132 must be < num_sms=132" in str(rejected)
 
+
+def test_stage3_times_each_dedup_candidate_with_the_expansion_in_the_transfer(tmp_path):
+  """SearchSpace.expand_in_transfer: every de-duplicated stage-3 candidate (v1 + dedup,
+  fused + dedup) is also timed with TransferConfig.expand_in_transfer; label, knobs and
+  cache entry round-trip; it is no candidate without dedup or where its CTAs do not fit."""
+  point = (16, 2048, False, False, 16, 16, False)
+  valid, rejected = T.fused_candidates(
+      _space(fused=(point,), dedup_tokens=(True,), expand_in_transfer=(True,)),
+      T.DEFAULT_CANDIDATE, DEEPSEEK_BWD, HOPPER)
+  assert not rejected
+  assert [c.label() for c in valid] == [
+      "m128_n128_k64_s3|c128_x64_t256|f16_b2048_v1ret_dr16_rbw16_noA|dd",
+      "m128_n128_k64_s3|c128_x64_t256|dd",
+      "m128_n128_k64_s3|c128_x64_t256_te|f16_b2048_v1ret_dr16_rbw16_noA|dd",
+      "m128_n128_k64_s3|c128_x64_t256_te|dd"]
+  for cand in valid:
+    assert T.candidate_from_knobs(cand.knobs()) == cand
+  te = valid[2]
+  assert te.transfer.expand_in_transfer and te.transfer == dataclasses.replace(
+      TransferConfig(), expand_in_transfer=True)
+  # a cache entry keeps it
+  entry = dict(transfer=dataclasses.asdict(te.transfer), kernel=dataclasses.asdict(te.kernel),
+               fused=dataclasses.asdict(te.fused), dedup_tokens=True)
+  assert T._entry_candidate(entry) == te
+  # not without de-duplication
+  with pytest.raises(T.InvalidCandidate, match="expand_in_transfer .* needs dedup_tokens"):
+    T.candidate_from_knobs(dict(T.DEFAULT_CANDIDATE.knobs(), expand_in_transfer=True))
+  # not where the transfer's and the expansion's CTAs cannot all be resident
+  small = dataclasses.replace(HOPPER, num_sms=100)
+  valid, rejected = T.fused_candidates(_space(dedup_tokens=(True,), expand_in_transfer=(True,)),
+                                       T.DEFAULT_CANDIDATE, DEEPSEEK_BWD, small)
+  assert [c.label() for c in valid] == ["m128_n128_k64_s3|c128_x64_t256|dd"]
+  assert "copy_ctas=64 CTAs must all be resident on the 100 SMs" in rejected[0]["reason"]
+  # off: no such candidate
+  valid, _ = T.fused_candidates(_space(dedup_tokens=(True,)), T.DEFAULT_CANDIDATE,
+                                DEEPSEEK_BWD, HOPPER)
+  assert not any(c.transfer.expand_in_transfer for c in valid)
 
 def test_stage3_tries_token_dedup_on_the_v1_winner(tmp_path, no_shipped_cache):
   """SearchSpace.dedup_tokens: stage 3 times the best v1 candidate with token

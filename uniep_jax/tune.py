@@ -58,7 +58,9 @@ default TransferConfig; stage 2 times every valid TransferConfig with the best
 verified KernelConfig of stage 1; stage 3 times the best verified candidate so
 far with each `SearchSpace.fused` point (the v2 kernels; pruned by the kernels'
 own static checks, `check_fused`) and, if it runs v1, with token de-duplication
-(`SearchSpace.dedup_tokens`), verified like the rest. "grid": the whole
+(`SearchSpace.dedup_tokens`), and every de-duplicated candidate again with the
+expansion inside the transfer's launch (`SearchSpace.expand_in_transfer`), verified
+like the rest. "grid": the whole
 kernel x transfer product, no stage 3. Within a stage the
 default comes first, then candidates by the number of knobs that differ from
 the default (one-knob neighbours first). Compile failures are recorded and
@@ -247,7 +249,8 @@ class Candidate:
              + (f"_r{k.raster_rows}" if k.raster_rows is not None else "")
              + (f"_w{k.wgrad_raster}" if k.wgrad_raster is not None else "")
              + (f"_f{k.mma_in_flight}" if k.mma_in_flight else "")
-             + f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}")
+             + f"|c{t.chunk_rows}_x{t.num_ctas}_t{t.col_tile}"
+             + ("_te" if t.expand_in_transfer else ""))
     if self.fused is not None:
       f = self.fused
       label += (f"|f{f.n_comm}_b{f.recv_chunk_rows}" + ("" if f.return_in_kernel else "_v1ret")
@@ -266,6 +269,8 @@ class Candidate:
       knobs.update(dataclasses.asdict(self.fused))   # FUSED_KNOBS
     if self.dedup_tokens:
       knobs["dedup_tokens"] = True
+    if self.transfer.expand_in_transfer:
+      knobs["expand_in_transfer"] = True
     return knobs
 
 
@@ -300,7 +305,8 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
   except ValueError as e:
     raise InvalidCandidate(f"KernelConfig: {e}") from None
   try:
-    transfer = TransferConfig(**{k: knobs[k] for k in TRANSFER_KNOBS})
+    transfer = TransferConfig(**{k: knobs[k] for k in TRANSFER_KNOBS},
+                              expand_in_transfer=bool(knobs.get("expand_in_transfer", False)))
   except ValueError as e:
     raise InvalidCandidate(f"TransferConfig: {e}") from None
   fused = None
@@ -316,6 +322,9 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
   if fused is not None and not fused.dispatch_in_kernel and not dedup:
     raise InvalidCandidate("fused.dispatch_in_kernel=False sends the forward's rows "
                            "de-duplicated: it needs dedup_tokens")
+  if transfer.expand_in_transfer and not dedup:
+    raise InvalidCandidate("expand_in_transfer is the de-duplicated dispatches' expansion: it "
+                           "needs dedup_tokens")
   return Candidate(kernel, transfer, fused, dedup)
 
 
@@ -363,6 +372,12 @@ class SearchSpace:
   # A point with dispatch_in_kernel=False (7th field; no Kernel A: the forward's dispatch
   # de-duplicated too) is timed with de-duplication only.
   dedup_tokens: Sequence[bool] = (True,)
+  # ... and each de-duplicated candidate of stage 3 again with the owner's expansion of
+  # the unique rows inside the transfer's launch (TransferConfig.expand_in_transfer; the
+  # same bits). It depends on the shape and the EP degree (4x H200, fwd+bwd,
+  # uniep_dc_rbw_dd: qwen3-like EP 4 -0.14 / -0.28 ms, runs 58-59; deepseek-like EP 4
+  # +0.11, run 60; qwen3-like EP 2 +0.59, run 39). (): off.
+  expand_in_transfer: Sequence[bool] = (True,)
 
   def points(self) -> Iterable[dict]:
     names = KERNEL_KNOBS + TRANSFER_KNOBS
@@ -540,6 +555,20 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
       valid.append(dataclasses.replace(cand, dedup_tokens=True))
   if True in space.dedup_tokens and base.fused is None and not base.dedup_tokens:
     valid.append(dataclasses.replace(base, dedup_tokens=True))
+  if True in space.expand_in_transfer:
+    # + the expansion inside the transfer's launch, for every de-duplicated candidate
+    for cand in [c for c in valid if c.dedup_tokens and not c.transfer.expand_in_transfer]:
+      t = cand.transfer
+      if not t.gather_rows:
+        continue
+      if t.num_ctas + t.copy_ctas > device.num_sms:
+        rejected.append(dict(knobs=dict(cand.knobs(), expand_in_transfer=True),
+                             reason=f"expand_in_transfer: num_ctas={t.num_ctas} + copy_ctas="
+                                    f"{t.copy_ctas} CTAs must all be resident on the "
+                                    f"{device.num_sms} SMs"))
+        continue
+      valid.append(dataclasses.replace(cand, transfer=dataclasses.replace(
+          t, expand_in_transfer=True)))
   return valid, rejected
 
 
