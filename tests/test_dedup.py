@@ -30,15 +30,20 @@ def _routing(seed, tokens, top_k, experts=E, hot=None):
 
 
 _make_plan = jax.jit(make_plan)
-_local_unique_routing = jax.jit(local_unique_routing, static_argnums=(3, 4))
-_make_dedup_plan = jax.jit(make_dedup_plan, static_argnums=(4,))
+_local_unique_routing = jax.jit(local_unique_routing, static_argnums=(3, 4, 5))
+_make_dedup_plan = jax.jit(make_dedup_plan, static_argnums=(4, 5))
 
 
-@pytest.mark.parametrize("ranks,top_k,hot", [(4, 2, None), (4, 3, 5), (2, 4, None), (8, 2, 0)])
-def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot):
-  """The unique send rows are the (token, owner) pairs in (owner, token) order, each
-  receive row's expand position names the unique row of its own token, and its
-  weight is its own slot's routing weight at the source."""
+@pytest.mark.parametrize("ranks,top_k,hot,groups",
+                         [(4, 2, None, 1), (4, 3, 5, 2), (2, 4, None, 4), (8, 2, 0, 1),
+                          (2, 3, 1, 2)])
+def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot, groups):
+  """The unique send rows are the (token, owner) pairs in (owner, token) order, or with
+  `groups` > 1 in (owner, group of the token's smallest expert there, token) order; each
+  receive row's expand position names the unique row of its own token, its weight is
+  its own slot's routing weight at the source, and the group ends bound the rows each
+  group's receive rows read (exactly: the rows whose smallest expert is in it or an
+  earlier one)."""
   tokens, el = 24, E // ranks
   topks = [_routing(10 * s + top_k, tokens, top_k, hot=hot) for s in range(ranks)]
   weights = [jax.random.uniform(jax.random.key(100 + s), (tokens, top_k)) for s in range(ranks)]
@@ -47,18 +52,23 @@ def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot):
   # program per shape instead of an op-by-op dispatch compiling each primitive; the
   # plans are integers (and weight bits), exact either way; checked below in numpy
   plans = [_make_plan(t, counts, jnp.int32(s)) for s, t in enumerate(topks)]
-  local = [_local_unique_routing(t, p.sort_order, p.sorted_experts, ranks, el)
+  local = [_local_unique_routing(t, p.sort_order, p.sorted_experts, ranks, el, groups)
            for t, p in zip(topks, plans)]
   gathered = jnp.stack([jnp.concatenate([payload, sorted_weight_bits(w, p.sort_order)])
                         for (_, payload), w, p in zip(local, weights, plans)])
-  dplans = [_make_dedup_plan(present, gathered, p, jnp.int32(s), top_k)
+  dplans = [_make_dedup_plan(present, gathered, p, jnp.int32(s), top_k, groups)
             for s, ((present, _), p) in enumerate(zip(local, plans))]
   plans, dplans = jax.tree.map(np.asarray, (plans, dplans))
   owners = [np.asarray(t) // el for t in topks]
+
+  def group_on(s, t, d):   # the group of token t's smallest expert on rank d
+    return min(int(e) % el for e in np.asarray(topks[s][t]) if int(e) // el == d) // (el // groups)
+
   for s, dp in enumerate(dplans):
     assert dp.unique_tokens.shape == (unique_send_rows(tokens, top_k, ranks),)
     for d in range(ranks):
-      want = [t for t in range(tokens) if d in owners[s][t]]
+      want = sorted((t for t in range(tokens) if d in owners[s][t]),
+                    key=lambda t: (group_on(s, t, d), t))
       off, n = int(dp.unique_send_offsets[d]), int(dp.unique_send_counts[d])
       assert np.asarray(dp.unique_tokens[off:off + n]).tolist() == want
       assert int(dp.unique_counts[s, d]) == n
@@ -85,6 +95,17 @@ def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot):
       np.testing.assert_array_equal(np.asarray(dp.recv_weights)[:n_live][sel],
                                     np.asarray(weights[s]).reshape(-1)[sorted_rows[idx]])
     assert not np.asarray(dp.recv_weights)[n_live:].any()   # dead rows: weight 0
+    # group ends: source s's rows whose smallest expert on me is in groups 0..g
+    expert_of_row = np.searchsorted(np.cumsum(np.asarray(p.recv_group_sizes)),
+                                    np.arange(n_live), side="right")
+    assert dp.unique_group_ends.shape == (ranks, groups)
+    for s in range(ranks):
+      mine = [t for t in range(tokens) if me in owners[s][t]]
+      for g in range(groups):
+        want_end = sum(group_on(s, t, me) <= g for t in mine)
+        assert int(dp.unique_group_ends[s, g]) == want_end
+        read = pos[(src == s) & (expert_of_row // (el // groups) <= g)]
+        assert (read < want_end).all()
 
 
 def _moe_fns(mesh, cfg, top_k):
@@ -110,11 +131,18 @@ def test_dedup_equals_plain_dispatch_bitwise(backend, data, ep, top_k, bound, dt
   p = make_params(kp, experts=E, hidden=H, ffn=F, dtype=dtype, bias=bias)
   x = make_x(kx, 128, H, dtype)
   results = []
-  for dedup in (False, True):
-    cfg = UniEPConfig(backend=backend, receive_capacity_factor=bound, dedup_tokens=dedup)
+  # the plain dispatch, the de-duplicated one, and (where the 8 experts give each rank
+  # two) its unique rows in (expert group, token) order (UniEPConfig.dedup_send_groups)
+  variants = [dict(dedup_tokens=False), dict(dedup_tokens=True)]
+  if (E // ep) % 2 == 0:
+    variants.append(dict(dedup_tokens=True, dedup_send_groups=2))
+  for variant in variants:
+    cfg = UniEPConfig(backend=backend, receive_capacity_factor=bound, **variant)
     fwd, grad = _moe_fns(mesh, cfg, top_k)
     results.append((fwd(x, p), grad(x, p)))
   (y0, aux0), g0 = results[0]
+  for (y2, aux2), g2 in results[2:]:
+    chex.assert_trees_all_equal((y2, aux2, g2), (y0, aux0, g0))
   (y1, aux1), g1 = results[1]
   assert (int(aux0["dropped"]) > 0) == (bound is not None)
   chex.assert_trees_all_equal(y1, y0)
@@ -219,6 +247,10 @@ def test_nvlink_dedup_plumbing_equals_padded_bitwise(monkeypatch):
   y_e, g_e = run("nvlink", dedup_tokens=True,
                  transfer=uniep_jax.TransferConfig(expand_in_transfer=True))
   chex.assert_trees_all_equal((y_e, g_e), (y_p, g_p))
+  # the unique rows in (expert group, token) order (dedup_send_groups): the segments,
+  # the packed positions and the expansion follow the plan
+  y_o, g_o = run("nvlink", dedup_tokens=True, dedup_send_groups=2)
+  chex.assert_trees_all_equal((y_o, g_o), (y_p, g_p))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -235,6 +267,17 @@ def test_dedup_config_errors_name_the_field(bad, match):
   kw = dict(dedup_tokens=True) | bad
   with pytest.raises(ValueError, match=match):
     UniEPConfig(**kw)
+
+
+def test_dedup_send_groups_errors_name_the_field():
+  with pytest.raises(ValueError, match="dedup_send_groups=0 must be an int >= 1"):
+    UniEPConfig(dedup_send_groups=0)
+  mesh = make_mesh(1, 4)   # 8 experts over 4 ranks: 2 local experts, 3 groups cannot cut them
+  kx, kp = jax.random.split(jax.random.key(2))
+  p = make_params(kp, experts=E, hidden=H, ffn=F)
+  with pytest.raises(ValueError, match="dedup_send_groups=3 must divide the 2 local experts"):
+    uniep_jax.moe_ffn(make_x(kx, 64, H), p, mesh=mesh, top_k=2,
+                      config=UniEPConfig(dedup_tokens=True, dedup_send_groups=3))
 
 
 @pytest.mark.parametrize("live,rows_per_tile,hidden,budget,blocking,scaled", [

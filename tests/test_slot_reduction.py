@@ -150,12 +150,16 @@ def test_layer_backends_agree_bitwise_in_owner_mode():
       "dropless": UniEPConfig(backend="xla_dropless", slot_reduction="owner_partials"),
       "dedup": UniEPConfig(backend="xla_dropless", dedup_tokens=True,
                            slot_reduction="owner_partials"),
+      # the unique rows in (expert group, token) order: the partials' home positions too
+      "dedup_groups": UniEPConfig(backend="xla_dropless", dedup_tokens=True,
+                                  dedup_send_groups=2, slot_reduction="owner_partials"),
       "capacity": UniEPConfig(backend="xla_capacity", capacity_factor=float(e),
                               slot_reduction="owner_partials"),
       "slot_order": UniEPConfig(backend="xla_dropless")}.items():
     fwd, grad = _moe_fns(mesh, cfg, k)
     outs[name] = (fwd(x, p), grad(x, p))       # ((y, aux), gradients of x and params)
   chex.assert_trees_all_equal(outs["dedup"], outs["dropless"])
+  chex.assert_trees_all_equal(outs["dedup_groups"], outs["dropless"])
   chex.assert_trees_all_equal(outs["capacity"][0], outs["dropless"][0])
   chex.assert_trees_all_equal(outs["capacity"][1][0], outs["dropless"][1][0])
   (y, _), (gx, _) = outs["dropless"]

@@ -413,6 +413,15 @@ class UniEPConfig:
     (`use_dedup_tokens`). Measured on 4x H200, layer fwd+bwd (runs 18, 19): 43.87
     -> 42.04 ms deepseek-like, 13.26 -> 11.73 qwen3-like, mixtral-like level (30.67 vs
     30.69); 2x H200 (runs 15, 16) the same way. False: the v1 dispatch.
+  dedup_send_groups: with `dedup_tokens`, the order of the unique rows a rank sends to
+    one owner. 1 (default): token order. G > 1: the owner's local experts cut into G
+    contiguous groups, the rows in (group of the token's smallest expert there, token)
+    order, so the rows that the experts of groups 0..g read arrive first from every
+    source (`DedupPlan.unique_group_ends`): the order a dispatch overlapped with its
+    GEMM needs (chunk g can start while later groups are in flight; sized in
+    pallas_kernels/NOTES_fused.md, "What is left for qwen3-like's 2x"; that kernel is
+    not built). Must divide the local experts. The bits do not depend on it (the same
+    rows land in the same receive rows).
   slot_reduction: how a token's K slot rows become one row, in the forward combine
     (y = sum_k w_k y_k) and in the dispatch's backward (dx = sum_k dx_k).
     "slot_order" (default): one float32 fold over k = 0..K-1 at home, rounded once.
@@ -440,8 +449,11 @@ class UniEPConfig:
   swiglu_grad_in_kernel: Optional[bool] = None
   dedup_tokens: Optional[bool] = None
   slot_reduction: str = "slot_order"
+  dedup_send_groups: int = 1
 
   def __post_init__(self):
+    if not isinstance(self.dedup_send_groups, int) or self.dedup_send_groups < 1:
+      raise ValueError(f"dedup_send_groups={self.dedup_send_groups!r} must be an int >= 1")
     if self.slot_reduction not in SLOT_REDUCTIONS:
       raise ValueError(f"slot_reduction={self.slot_reduction!r} is unknown; expected one of "
                        f"{SLOT_REDUCTIONS}")

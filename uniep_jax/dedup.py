@@ -63,7 +63,7 @@ from uniep_jax.dispatch import (_RETURN, _take_rows, _zero_plan_cotangent, _zero
                                 varying_axes)
 from uniep_jax.layout import (DispatchPlan, _exclusive_cumsum, make_plan, return_segments,
                               sort_assignments)
-from uniep_jax.ragged import SEARCH_METHOD, enumerate_runs
+from uniep_jax.ragged import SEARCH_METHOD
 
 
 @flax.struct.dataclass
@@ -77,10 +77,13 @@ class DedupPlan:
   # --- destination side ---
   unique_recv_offsets: jax.Array  # [R] int32: packed start of source s's rows (sum_{s'<s} U[s', me])
   unique_output_offsets: jax.Array  # [R] int32: where my rows land in d's packed buffer
+  unique_group_ends: jax.Array    # [R(src), G] int32: end of the rows of expert groups
+                                  #   0..g inside source s's unique block for me (send_groups)
   expand_position: jax.Array      # [recv_rows] int32: receive row p -> index inside its
                                   #   source's unique block (0 for dead rows)
   recv_weights: jax.Array         # [recv_rows] f32: routing weight of receive row p's
                                   #   slot at its source (0 for dead rows)
+  send_groups: int = flax.struct.field(pytree_node=False, default=1)   # see token_destinations
 
 
 def unique_send_rows(num_tokens: int, top_k: int, num_ranks: int) -> int:
@@ -95,25 +98,47 @@ def unique_receive_bytes(tokens_per_shard: int, hidden: int, ep: int, itemsize: 
   return ep * tokens_per_shard * hidden * itemsize
 
 
-def token_destinations(topk_experts: jax.Array, num_ranks: int, num_local_experts: int):
+def token_destinations(topk_experts: jax.Array, num_ranks: int, num_local_experts: int,
+                       send_groups: int = 1):
   """(present [T, R] bool: token t has an expert on rank d; position [T, R] int32: t's
-  index among the tokens present for d, i.e. its row in d's unique block)."""
-  dest = topk_experts.astype(jnp.int32) // num_local_experts                  # [T, K]
-  present = jnp.any(dest[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32), axis=1)
-  position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present           # exclusive
-  return present, position
+  row in d's unique block). send_groups = 1: the block is in token order. G > 1: the
+  owner's local experts are cut into G contiguous groups and the block is in (group of
+  t's smallest expert on d, token) order, so that the rows every expert of the first g
+  groups needs come first (`UniEPConfig.dedup_send_groups`)."""
+  el = num_local_experts
+  if send_groups < 1 or el % send_groups:
+    raise ValueError(f"send_groups={send_groups} must divide the {el} local experts")
+  experts = topk_experts.astype(jnp.int32)
+  dest = experts // el                                                         # [T, K]
+  on_rank = dest[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32)          # [T, K, R]
+  present = jnp.any(on_rank, axis=1)
+  if send_groups == 1:
+    position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present          # exclusive
+    return present, position
+  smallest = jnp.min(jnp.where(on_rank, (experts % el)[:, :, None], el), axis=1)   # [T, R]
+  group = jnp.minimum(smallest // (el // send_groups), send_groups - 1)
+  member = present[:, :, None] & (group[:, :, None] == jnp.arange(send_groups))  # [T, R, G]
+  before = jnp.cumsum(member, axis=0, dtype=jnp.int32) - member                 # same group
+  totals = jnp.sum(member, axis=0, dtype=jnp.int32)                             # [R, G]
+  group_start = jnp.cumsum(totals, axis=1, dtype=jnp.int32) - totals            # [R, G]
+  position = (jnp.take_along_axis(before, group[:, :, None], axis=2)[:, :, 0]
+              + jnp.take_along_axis(group_start[None], group[:, :, None], axis=2)[:, :, 0])
+  return present, jnp.where(present, position, 0).astype(jnp.int32)
 
 
 def local_unique_routing(topk_experts: jax.Array, sort_order: jax.Array,
-                         sorted_experts: jax.Array, num_ranks: int, num_local_experts: int):
+                         sorted_experts: jax.Array, num_ranks: int, num_local_experts: int,
+                         send_groups: int = 1):
   """This rank's part of the de-duplication, before the all_gather.
 
   sort_order, sorted_experts: this rank's stable sort (`layout.sort_assignments`).
   Returns (present [T, R] bool: token t has an expert on rank d; payload [R + T*K]
   int32 for the all_gather: U[me, :] then, for every sorted row q, the position of
-  its (token, destination) pair inside the destination's unique block)."""
+  its (token, destination) pair inside the destination's unique block, in the order of
+  `token_destinations(..., send_groups)`)."""
   k = topk_experts.shape[1]
-  present, position = token_destinations(topk_experts, num_ranks, num_local_experts)
+  present, position = token_destinations(topk_experts, num_ranks, num_local_experts,
+                                         send_groups)
   counts = jnp.sum(present, axis=0, dtype=jnp.int32)                          # [R]
   token_of_sorted = sort_order // k
   dest_of_sorted = sorted_experts // num_local_experts
@@ -129,26 +154,27 @@ def sorted_weight_bits(topk_weights: jax.Array, sort_order: jax.Array) -> jax.Ar
 
 
 def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan, rank,
-                    top_k: int) -> DedupPlan:
+                    top_k: int, send_groups: int = 1) -> DedupPlan:
   """The `DedupPlan` of EP rank `rank` from `present` (`local_unique_routing`) and
   `gathered` [R, R + 2*T*K] (every rank's `local_unique_routing` payload followed by
-  its `sorted_weight_bits`, all-gathered over the expert axis)."""
+  its `sorted_weight_bits`, all-gathered over the expert axis); send_groups as given
+  to `local_unique_routing`."""
   t, r = present.shape
   n = plan.sort_order.shape[0]
+  el = plan.recv_group_sizes.shape[0]
   rank = jnp.asarray(rank, jnp.int32)
   u = gathered[:, :r]                                                         # [src, dst]
   unique_position = gathered[:, r:r + n]                                      # [src, T*K]
   weight_bits = gathered[:, r + n:]                                           # [src, T*K]
   counts = present.sum(axis=0, dtype=jnp.int32)
   send_offsets = _exclusive_cumsum(counts)
-  # unique_tokens: slot i of the (d, t) order holds the u-th present token of d
+  # unique_tokens: each sorted row q writes its token at its (token, destination) pair's
+  # slot (this rank's own gathered positions); the rows of one pair write the same token
   size = unique_send_rows(t, top_k, r)
-  d, within, valid = enumerate_runs(counts, size)
-  inclusive = jnp.cumsum(present, axis=0, dtype=jnp.int32)                    # [T, R]
-  nth = jax.vmap(lambda col: jnp.searchsorted(col, jnp.arange(t, dtype=jnp.int32),
-                                              side="right", method=SEARCH_METHOD),
-               in_axes=1)(inclusive)                                       # [R, T]
-  unique_tokens = jnp.where(valid, nth[d, jnp.minimum(within, t - 1)], 0).astype(jnp.int32)
+  own_position = jax.lax.dynamic_index_in_dim(unique_position, rank, axis=0, keepdims=False)
+  slot = send_offsets[plan.sorted_experts // el] + own_position
+  unique_tokens = jnp.zeros((size,), jnp.int32).at[slot].set(
+      (plan.sort_order // top_k).astype(jnp.int32), mode="drop")
   # owner side
   incoming = jax.lax.dynamic_index_in_dim(u, rank, axis=1, keepdims=False)    # [src]
   recv_offsets = _exclusive_cumsum(incoming)
@@ -164,12 +190,24 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
       plan.recv_valid,
       jax.lax.bitcast_convert_type(weight_bits[plan.recv_source, sorted_row], jnp.float32),
       jnp.float32(0))
+  # unique_group_ends[s, g]: every unique row from s that a receive row of a local expert
+  # in groups 0..g reads lies below it (the group order puts those rows first)
+  expert_ends = jnp.cumsum(plan.recv_group_sizes, dtype=jnp.int32)
+  recv_expert = jnp.searchsorted(expert_ends, jnp.arange(expand_position.shape[0],
+                                                         dtype=jnp.int32),
+                                 side="right", method=SEARCH_METHOD)
+  recv_group = jnp.minimum(recv_expert // (el // send_groups), send_groups - 1)
+  group_ends = jnp.zeros((r, send_groups), jnp.int32).at[plan.recv_source, recv_group].max(
+      jnp.where(plan.recv_valid, expand_position + 1, 0), mode="drop")
+  group_ends = jax.lax.cummax(group_ends, axis=1)
   return DedupPlan(unique_tokens=unique_tokens, unique_send_counts=counts,
                    unique_send_offsets=send_offsets.astype(jnp.int32),
                    unique_counts=u.astype(jnp.int32),
                    unique_recv_offsets=recv_offsets.astype(jnp.int32),
                    unique_output_offsets=before_me.astype(jnp.int32),
-                   expand_position=expand_position, recv_weights=recv_weights)
+                   unique_group_ends=group_ends,
+                   expand_position=expand_position, recv_weights=recv_weights,
+                   send_groups=send_groups)
 
 
 # ---------------------------------------------------------------------------
@@ -364,7 +402,8 @@ def home_fold(back, dplan: DedupPlan, owners, axis_name) -> jax.Array:
   tokens) folded in ascending owner order in float32, rounded to back's dtype: the
   outer fold of `combine.owner_partial_sum`."""
   r = jax.lax.axis_size(axis_name)
-  present, position = token_destinations(owners.experts, r, owners.experts_per_owner)
+  present, position = token_destinations(owners.experts, r, owners.experts_per_owner,
+                                         dplan.send_groups)
   acc = have = None
   for d in range(r):
     term = jnp.take(back, dplan.unique_send_offsets[d] + position[:, d], axis=0,
@@ -374,22 +413,24 @@ def home_fold(back, dplan: DedupPlan, owners, axis_name) -> jax.Array:
 
 
 def plan_with_dedup(topk_experts: jax.Array, topk_weights: jax.Array, *, num_experts: int,
-                    axis_name, top_k: int, recv_rows: int | None = None):
+                    axis_name, top_k: int, recv_rows: int | None = None, send_groups: int = 1):
   """(DispatchPlan, DedupPlan) inside a shard_map over `axis_name`, from ONE int32
   all_gather of [E + R + 2*T*K] per rank: the count matrix's row, then the
-  de-duplication payload (`local_unique_routing`, `sorted_weight_bits`)."""
+  de-duplication payload (`local_unique_routing`, `sorted_weight_bits`). send_groups:
+  `UniEPConfig.dedup_send_groups`."""
   r = jax.lax.axis_size(axis_name)
   rank = jax.lax.axis_index(axis_name)
   sort = sort_assignments(topk_experts, num_experts)
   sort_order, _, sorted_experts, group_sizes = sort
   present, payload = local_unique_routing(topk_experts, sort_order, sorted_experts, r,
-                                          num_experts // r)
+                                          num_experts // r, send_groups)
   gathered = jax.lax.all_gather(
       jnp.concatenate([group_sizes, payload, sorted_weight_bits(topk_weights, sort_order)]),
       axis_name)                                                             # [R, E + R + 2TK]
   plan = make_plan(topk_experts, gathered[:, :num_experts], rank, recv_rows=recv_rows,
                    sort=sort)
-  return plan, make_dedup_plan(present, gathered[:, num_experts:], plan, rank, top_k)
+  return plan, make_dedup_plan(present, gathered[:, num_experts:], plan, rank, top_k,
+                               send_groups)
 
 
 # ---------------------------------------------------------------------------

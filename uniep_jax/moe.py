@@ -118,6 +118,9 @@ def validate_inputs(x, params: MoEParams, *, top_k, config: UniEPConfig,
     if num_experts % ep:
       raise ValueError(f"num_experts={num_experts} is not divisible by the size of "
                        f"expert_axis {expert_axis!r} ({ep})")
+    if config.dedup_send_groups > 1 and (num_experts // ep) % config.dedup_send_groups:
+      raise ValueError(f"config.dedup_send_groups={config.dedup_send_groups} must divide the "
+                       f"{num_experts // ep} local experts per rank")
     shards = math.prod(mesh.shape.values())
     if x.shape[0] % shards:
       raise ValueError(f"x has {x.shape[0]} tokens, not divisible by the {shards} token shards "
@@ -199,7 +202,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
               transfer=config.transfer)
     if dedup:   # each (token, owner) pair sent once (uniep_jax/dedup.py)
       plan, dplan = plan_with_dedup(out.topk_experts, out.topk_weights, num_experts=num_experts,
-                                    axis_name=expert_axis, top_k=top_k, recv_rows=recv_rows)
+                                    axis_name=expert_axis, top_k=top_k, recv_rows=recv_rows,
+                                    send_groups=config.dedup_send_groups)
     else:
       count_matrix = jax.lax.all_gather(
           local_group_sizes(out.topk_experts, num_experts), expert_axis)   # [R, E]
