@@ -15,6 +15,7 @@ Writes check_moe_gpu_<device>.json; exits 1 if any check fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -119,7 +120,11 @@ def main(argv=None):
         # transfer's loads); "<backend>_dd_te": the owner's expansion inside the
         # transfer's launch (expand_in_transfer), "_tel" with its last source's on the
         # transfer CTAs too; "<name>_op": slot_reduction="owner_partials"
-        base, owner = (backend[:-3], True) if backend.endswith("_op") else (backend, False)
+        # "<backend>_ov": EXPERIMENTAL Kernel D both ways (the de-duplicated dispatch, its
+        # expansion and the gate/up / da GEMM in one launch each; with the fused point's
+        # Kernel C and the dX return beside the wgrad; 2 send groups)
+        base, overlap = (backend[:-3], True) if backend.endswith("_ov") else (backend, False)
+        base, owner = (base[:-3], True) if base.endswith("_op") else (base, False)
         base, gather = (base[:-3], False) if base.endswith("_sb") else (base, True)
         base, expand_all = (base[:-4], True) if base.endswith("_tel") else (base, False)
         base, expand = (base[:-3], True) if base.endswith("_te") else (base, expand_all)
@@ -135,6 +140,11 @@ def main(argv=None):
                                           gather_rows=gather, expand_in_transfer=expand,
                                           expand_last_on_all=expand_all),
                                       slot_reduction="owner_partials" if owner else "slot_order")
+          if overlap:
+            cfg = dataclasses.replace(cfg, dedup_send_groups=2, fused=uniep_jax.FusedConfig(
+                n_comm=16, recv_chunk_rows=256, return_in_kernel=False, down_return_ctas=16,
+                wgrad_return_ctas=16, dispatch_in_kernel=False, overlap_copy_ctas=16,
+                overlap_copy_ctas_bwd=32))
           tag = f"{backend}/{tr}/{jnp.dtype(dtype).name}/data={data},ep={ep}"
           try:
             f_fwd, f_grad = _fns(mesh, top_k, cfg)
@@ -160,7 +170,7 @@ def main(argv=None):
         if outs:
           by_backend[backend] = next(iter(outs.values()))
       for backend in list(by_backend):
-        for suffix in ("_te", "_tel"):
+        for suffix in ("_te", "_tel", "_ov"):
           plain = backend[:-len(suffix)]
           if backend.endswith(suffix) and plain in by_backend:
             # the transfer and the expansion in one launch move and weight the same rows

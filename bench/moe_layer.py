@@ -123,6 +123,17 @@ BACKEND_CONFIGS = {
                                     down_return_ctas=down, wgrad_return_ctas=wgrad,
                                     dispatch_in_kernel=False))
        for tag, down, wgrad in (("", 16, 16), ("_c4", 4, 4), ("_w8", 16, 8))},
+    # EXPERIMENTAL Kernel D (pallas_kernels/dedup_dispatch_gemm.py): uniep_dc_rbw_dd with
+    # each de-duplicated dispatch, its expansion and the gate/up (da) GEMM in one launch,
+    # 16 transfer CTAs, 16 (forward) / 32 (backward, the weighted copy) copy CTAs, the
+    # unique rows sent in 8 groups of local experts (@sg<N> other counts, @ov<N> / @ovb<N>
+    # other copy CTAs; @ovb0: the backward's three launches as before)
+    "uniep_dc_rbw_dd_ov": uniep_jax.UniEPConfig(
+        backend="uniep", dedup_tokens=True, dedup_send_groups=8,
+        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
+                                    down_return_ctas=16, wgrad_return_ctas=16,
+                                    dispatch_in_kernel=False, overlap_copy_ctas=16,
+                                    overlap_copy_ctas_bwd=32)),
     "pallas_dd": uniep_jax.UniEPConfig(backend="pallas", transport="padded", dedup_tokens=True),
     # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
     "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
@@ -139,11 +150,16 @@ _NUMBERED_SUFFIXES = {"sm": ("kernel", "num_sms"), "rr": ("kernel", "raster_rows
                       "wr": ("kernel", "wgrad_raster"), "chunk": ("transfer", "chunk_rows"),
                       "inflight": ("kernel", "mma_in_flight"),
                       "ctas": ("transfer", "num_ctas"), "dr": ("fused", "down_return_ctas"),
-                      "wrc": ("fused", "wgrad_return_ctas")}
+                      "wrc": ("fused", "wgrad_return_ctas"),
+                      "ov": ("fused", "overlap_copy_ctas"),
+                      "ovb": ("fused", "overlap_copy_ctas_bwd"),
+                      "sg": (None, "dedup_send_groups")}
 
 
 def _replace_in(cfg: uniep_jax.UniEPConfig, part: str, **fields) -> uniep_jax.UniEPConfig:
   """cfg with fields of its sub-config `part` (kernel, transfer, routing, fused) replaced."""
+  if part is None:   # a field of UniEPConfig itself
+    return dataclasses.replace(cfg, **fields)
   if getattr(cfg, part) is None:
     raise ValueError(f"this backend has no {part} config to change {sorted(fields)} in")
   return dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **fields)})
@@ -171,7 +187,9 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1); `@ctas<N>` the v1 transfers'
   CTAs (`TransferConfig.num_ctas`); `@dr<N>`, `@wrc<N>` (fused points) the return CTAs
   beside the down GEMM (Kernel C, `FusedConfig.down_return_ctas`) and beside the
-  dw_gate_up wgrad (`FusedConfig.wgrad_return_ctas`)."""
+  dw_gate_up wgrad (`FusedConfig.wgrad_return_ctas`); `@ov<N>`, `@ovb<N>` Kernel D's copy
+  CTAs forward / backward (`FusedConfig.overlap_copy_ctas[_bwd]`); `@sg<N>` the unique
+  rows' send groups (`UniEPConfig.dedup_send_groups`)."""
   base, *suffixes = name.split("@")
   if base not in BACKEND_CONFIGS:
     raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
@@ -194,7 +212,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = _replace_in(cfg, "transfer", gather_rows=suffix == "gx")
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @ctas<N>, @dr<N>, @wrc<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @ctas<N>, @dr<N>, @wrc<N>, @ov<N>, @ovb<N>, @sg<N>)")
   return cfg
 
 

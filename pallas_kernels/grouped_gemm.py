@@ -501,7 +501,8 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                       num_ctas: Optional[int] = None,
                       before_tile: Optional[Callable[[Any], None]] = None,
                       after_tile: Optional[Callable[[Any, Any], None]] = None,
-                      walk: Optional[Callable[[Callable[..., None]], None]] = None):
+                      walk: Optional[Callable[[Callable[..., None]], None]] = None,
+                      lhs_col_tile: Optional[int] = None):
   """The row-tiled body. Hooks for kernels that embed it (all default off, and
   then the traced program is exactly that of the standalone kernel):
     cta_offset, num_ctas  walk the tiles on CTAs [cta_offset, cta_offset +
@@ -526,7 +527,15 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         out_gmems replaces the outputs the epilogue stores into (e.g. a peer's
         `remote_ref`), gmem_row the first output row of the tile's rows
         [lo, hi) (default lo). Used by `fused_gemm_return.py`.
+    lhs_col_tile  the lhs operands come as 3-D views [m, k / ct, ct] of the row-major
+        [m, k] (ct = lhs_col_tile, a multiple of block_k): each k-step's block is the
+        squeezed [block_m, 1, block_k] box of the same elements, so the bits are the
+        2-D form's. For kernels whose other roles store whole rows into the lhs as
+        [rows, k / ct, ct] boxes (`dedup_dispatch_gemm.py`: a GMEM ref cannot be
+        reshaped inside a Mosaic GPU kernel).
   """
+  if lhs_col_tile is not None and lhs_col_tile % block_k:
+    raise ValueError(f"lhs_col_tile={lhs_col_tile} must be a multiple of {block_k=}")
   if after_tile is not None and mode == "dswiglu":
     raise ValueError("after_tile: mode 'dswiglu' stores through its own epilogue, which "
                      "does not call the hook (a caller counting its signals would wait "
@@ -563,8 +572,14 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
     return accs
 
   def make_pipeline(compute_context, k_steps):
-    a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms,
-                             delay_release=mma_in_flight)
+    if lhs_col_tile is None:
+      a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms,
+                               delay_release=mma_in_flight)
+    else:   # [block_m, (1), block_k] of the [rows, k / ct, ct] view
+      per_box = lhs_col_tile // block_k
+      a_spec = plgpu.BlockSpec((block_m, None, block_k),
+                               lambda ki: (0, ki // per_box, ki % per_box),
+                               transforms=a_transforms, delay_release=mma_in_flight)
     if transpose_b:
       b_spec = plgpu.BlockSpec((cta_n, block_k), lambda ki: (0, ki), transforms=b_transforms,
                                delay_release=mma_in_flight)
@@ -583,7 +598,8 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
     )
 
   def operand_views(group, load_row, nt):
-    a_views = [a.at[pl.ds(load_row, block_m), :] for a in a_gmems]
+    a_views = [a.at[pl.ds(load_row, block_m), :] if lhs_col_tile is None
+               else a.at[pl.ds(load_row, block_m), :, :] for a in a_gmems]
     offsets = b_col_offsets or (0,) * num_b
     if transpose_b:
       b_views = [b.at[group, pl.ds(off + nt * cta_n, cta_n), :]

@@ -106,6 +106,8 @@ def test_plan_sends_each_token_once_per_owner(ranks, top_k, hot, groups):
         assert int(dp.unique_group_ends[s, g]) == want_end
         read = pos[(src == s) & (expert_of_row // (el // groups) <= g)]
         assert (read < want_end).all()
+        # the sender's own view of the same bound (the overlapped dispatch's segments)
+        assert int(dplans[s].unique_send_group_ends[me, g]) == want_end
 
 
 def _moe_fns(mesh, cfg, top_k):

@@ -426,3 +426,36 @@ def test_max_received_rows_within_a_receive_bound():
   plans = skewed_plans(rng, 4, 3, 64, 2, 8.0, recv_rows=96)
   got = {int(layout.max_received_rows(p)) for p in plans}
   assert got == {max(int(p.num_received) for p in plans)} and got.pop() <= 96
+
+
+def test_gemm_body_reads_a_3d_lhs_view_bitwise():
+  """lhs_col_tile (Kernel D's receive layout as [rows, H / ct, ct] boxes): the squeezed
+  [block_m, 1, block_k] blocks of the 3-D view give the 2-D launch's bits."""
+  m, kdim, n, g, ct = 384, 256, 256, 3, 128
+  ks = jax.random.split(jax.random.key(5), 2)
+  gs = jnp.array([100, 0, 170], jnp.int32)
+  x = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
+  w_gate_up = (jax.random.normal(ks[1], (g, kdim, 2 * n)) * kdim**-0.5).astype(jnp.bfloat16)
+  cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
+  ref = gg._row_tiled_call([x], [w_gate_up, w_gate_up], gs, mode="swiglu", transpose_b=False,
+                           out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET,
+                           b_col_offsets=(0, n))
+  params = gg.row_tiled_params(m, kdim, n, g, mode="swiglu", transpose_b=False,
+                               out_dtype=jnp.bfloat16, in_dtype=jnp.bfloat16, save_hu=True,
+                               config=cfg, b_col_offsets=(0, n))
+
+  def body(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem):
+    gg._row_tiled_kernel(plan_gmem, x_gmem, wg_gmem, wu_gmem, a_gmem, h_gmem, u_gmem,
+                         lhs_col_tile=ct, **params)
+
+  kernel = plgpu.kernel(
+      body, out_type=tuple(jax.ShapeDtypeStruct((m, n), jnp.bfloat16) for _ in range(3)),
+      grid=(2,), grid_names=("sm",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=gg.resolve_interpret(INTERPRET))
+  got = kernel(gg._row_tile_plan(gs, m, cfg.block_m), x.reshape(m, kdim // ct, ct), w_gate_up,
+               w_gate_up)
+  for a, b in zip(got, ref):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+  with pytest.raises(ValueError, match="lhs_col_tile=96 must be a multiple of block_k=64"):
+    gg._row_tiled_kernel(None, lhs_col_tile=96, **params)

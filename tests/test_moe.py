@@ -365,15 +365,22 @@ def test_nvlink_plumbing_equals_padded_bitwise(monkeypatch, bound):
     (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
                                  down_return_ctas=16, wgrad_return_ctas=16,
                                  dispatch_in_kernel=False),
-     uniep_jax.KernelConfig(group_aligned_tiles=False), True, False)])
+     uniep_jax.KernelConfig(group_aligned_tiles=False), True, False),
+    # Kernel D both ways: the de-duplicated dispatch, its expansion and the gate/up (da)
+    # GEMM in one launch each (dedup_send_groups 2 of the 2 local experts)
+    (None, uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=256, return_in_kernel=False,
+                                 down_return_ctas=16, wgrad_return_ctas=16,
+                                 dispatch_in_kernel=False, overlap_copy_ctas=16,
+                                 overlap_copy_ctas_bwd=32), None, True, True)])
 def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   """The whole uniep layer, forward and backward (NVLink transfers, the Pallas
   grouped GEMMs, the XLA glue), lowers for CUDA on this CPU-only machine: every
   kernel gets as far as the Mosaic GPU custom call (it runs on GPUs in
   bench/check_moe_gpu.py)."""
   hidden = 128 if fused is None else 256   # Kernel B: H a multiple of 2 * block_n
+  overlap = fused is not None and fused.overlap_copy_ctas > 0
   cfg = UniEPConfig(backend="uniep", receive_capacity_factor=bound, fused=fused, kernel=kernel,
-                    dedup_tokens=dedup)
+                    dedup_tokens=dedup, dedup_send_groups=2 if overlap else 1)
   text = lower_uniep_layer_for_cuda(cfg, hidden, grad=grad)
   # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
   # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
@@ -384,7 +391,8 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   # transfer; with gather_rows=False first gathered into a send buffer, one launch more),
   # then the owner's weighted live-rows copy (+1); without Kernel A
   # (dispatch_in_kernel=False): the unique send rows' transfer, the live-rows copy and
-  # v1's gate/up launch in its place (+3 with the send buffer's gather)
+  # v1's gate/up launch in its place (+3 with the send buffer's gather); Kernel D: those
+  # three launches as one, forward and backward (the dy transfer, weighted copy and da)
   send_buffer = 0 if cfg.transfer.gather_rows else 1
   if fused is None:
     expected = 10
@@ -393,9 +401,13 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
                + (1 if fused.return_in_kernel or fused.down_return_ctas else 2))
     backward = ((5 if fused.backward else 6) - (1 if fused.wgrad_return_ctas else 0)
                 + (1 + send_buffer if dedup else 0))
+    if overlap:
+      forward, backward = forward - 2, backward - 2
     expected = forward + (backward if grad else 0)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == expected
-  assert ("gather_live_rows_scaled" in text) == (dedup and grad)   # the dy rows' weighted copy
+  # the dy rows' weighted copy (inside Kernel D's backward launch with overlap)
+  assert ("gather_live_rows_scaled" in text) == (dedup and grad and not overlap)
+  assert ("dedup_dispatch_dswiglu" in text) == (overlap and grad)
   # no host-stepped loop between the kernels (XLA:GPU drives a while loop from the host;
   # ragged.SEARCH_METHOD)
   assert not host_stepped_loops(text)
@@ -461,6 +473,47 @@ def _simulated_fused_dispatch_dswiglu(dy_sorted, seg_src, seg_dst, seg_len, grou
   return dy_recv, dhu
 
 
+def _simulated_dedup_recv(x, dplan, index, live, *, out_rows, m_p, scale=None, garbage):
+  """Kernel D's data movement in plain JAX (EP 1: the only owner is this rank): the
+  unique rows x[unique_tokens] packed, receive row p = unique[index[p]] (weighted as
+  `dedup._scale_rows`) for p < live, garbage after."""
+  unique = jnp.take(x, dplan.unique_tokens, axis=0)
+  rows = jnp.take(unique, index, axis=0)
+  if scale is not None:
+    rows = (rows.astype(jnp.float32) * scale[:, None]).astype(rows.dtype)
+  rows = jnp.where((jnp.arange(out_rows) < live)[:, None], rows, garbage).astype(x.dtype)
+  return jnp.pad(rows, ((0, m_p - out_rows), (0, 0)), constant_values=garbage)
+
+
+def _simulated_dedup_dispatch_gate_up(x, dplan, index, live, group_sizes, w_gate_up, *,
+                                      out_rows, axis_name, kernel, fused, n_copy,
+                                      zero_window=None):
+  """Kernel D's forward contract: the receive layout (rows >= live garbage) and the
+  grouped GEMM's swiglu body on it."""
+  from pallas_kernels import grouped_gemm as gg
+  recv = _simulated_dedup_recv(x, dplan, index, live, out_rows=out_rows,
+                               m_p=gg._round_up(out_rows, kernel.block_m), garbage=1e4)
+  a, h, u = gg.gate_up_projection(recv, w_gate_up, group_sizes, config=kernel,
+                                  zero_window=zero_window)
+  return recv, a, h, u
+
+
+def _simulated_dedup_dispatch_dswiglu(dy, dplan, index, scale, live, group_sizes, w_down, h, u,
+                                      *, out_rows, axis_name, kernel, fused, n_copy,
+                                      zero_window=None):
+  """Kernel D's backward contract: the weighted receive layout (rows >= live NaN) and
+  the grouped GEMM's "dswiglu" launch on it."""
+  from pallas_kernels import grouped_gemm as gg
+  m_p, f_p = h.shape
+  dy_recv = _simulated_dedup_recv(dy, dplan, index, live, out_rows=out_rows, m_p=m_p,
+                                  scale=scale, garbage=jnp.nan)
+  (dhu,) = gg._row_tiled_call([dy_recv], [gg._pad_axis(w_down, 1, f_p)], group_sizes,
+                              mode="dswiglu", transpose_b=True, out_dtype=dy.dtype,
+                              save_hu=False, config=kernel, interpret=None, epi_inputs=(h, u),
+                              zero_window=zero_window)
+  return dy_recv, dhu
+
+
 def _simulated_fused_gemm_return(a, w_down, seg_src, seg_dst, seg_len, *, out_rows, axis_name,
                                  kernel):
   """Kernel B's contract: v1's down-GEMM tiles, each row stored where the return puts it."""
@@ -507,7 +560,10 @@ _FUSED_PLUMBING_V1 = {}   # v1's outputs and gradients on the plumbing test's in
 @pytest.mark.parametrize("variant", [
     {}, dict(return_in_kernel=False, backward=True),
     dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1, dedup_tokens=True,
-         dispatch_in_kernel=False)])
+         dispatch_in_kernel=False),
+    # Kernel D both ways (the de-duplicated dispatches inside the gate/up and da launches)
+    dict(return_in_kernel=False, down_return_ctas=1, wgrad_return_ctas=1, dedup_tokens=True,
+         dispatch_in_kernel=False, overlap_copy_ctas=1, overlap_copy_ctas_bwd=1)])
 def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   """`UniEPConfig.fused` (uniep_jax/fused.py) with Kernels A and B replaced by their
   contracts (`_simulated_fused_*`) and the v1 transfer by `_simulated_transfer`:
@@ -529,6 +585,9 @@ def test_fused_uniep_plumbing_equals_v1_bitwise(monkeypatch, variant):
   monkeypatch.setattr(fdg, "fused_dispatch_dswiglu", _simulated_fused_dispatch_dswiglu)
   monkeypatch.setattr(wgr, "gmm_wgrad_with_return", _simulated_wgrad_with_return)
   monkeypatch.setattr(dgr, "down_gemm_return", _simulated_down_gemm_return)
+  import pallas_kernels.dedup_dispatch_gemm as ddg
+  monkeypatch.setattr(ddg, "dedup_dispatch_gate_up", _simulated_dedup_dispatch_gate_up)
+  monkeypatch.setattr(ddg, "dedup_dispatch_dswiglu", _simulated_dedup_dispatch_dswiglu)
   mesh = make_mesh(1, 1)
   axes = ("data", "expert")
   e, h, f, top_k = 4, 64, 48, 2

@@ -299,6 +299,16 @@ class FusedConfig:
     rank, `uniep_jax/dedup.py`) with the owner's live-rows copy, then v1's gate/up
     launch on every SM; the other fields apply as with Kernel A (n_comm then unused).
     Trades Kernel A's overlap for fewer bytes and no sort gather of x (T*K rows).
+  overlap_copy_ctas: EXPERIMENTAL, NOT yet run on a GPU ("Kernel D",
+    pallas_kernels/dedup_dispatch_gemm.py; needs dispatch_in_kernel=False): > 0 runs the
+    forward's de-duplicated dispatch (on n_comm CTAs), the owner's expansion (on this
+    many CTAs) and the gate/up GEMM (on the rest) in one launch, each GEMM row chunk of
+    recv_chunk_rows rows starting once its rows are expanded, which needs only the unique
+    rows of the expert groups up to the chunk's (`UniEPConfig.dedup_send_groups` groups:
+    set it > 1, else every chunk waits for every row). 0: the transfer, the copy and the
+    GEMM one after another.
+  overlap_copy_ctas_bwd: the same for the backward's dy dispatch, weighted expansion and
+    da GEMM (with dh, du in its epilogue: needs `swiglu_grad_in_kernel`). 0: off.
   The bits never depend on these fields.
   """
 
@@ -309,8 +319,17 @@ class FusedConfig:
   wgrad_return_ctas: int = 0
   down_return_ctas: int = 0
   dispatch_in_kernel: bool = True
+  overlap_copy_ctas: int = 0
+  overlap_copy_ctas_bwd: int = 0
 
   def __post_init__(self):
+    for name in ("overlap_copy_ctas", "overlap_copy_ctas_bwd"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: off)")
+      if getattr(self, name) and self.dispatch_in_kernel:
+        raise ValueError(f"{name}={getattr(self, name)} overlaps the DE-DUPLICATED dispatch "
+                         f"with its GEMM; Kernel A (dispatch_in_kernel=True) is the other "
+                         f"choice: set dispatch_in_kernel=False")
     if self.down_return_ctas < 0:
       raise ValueError(f"down_return_ctas={self.down_return_ctas} must be >= 0 (0: off)")
     if self.down_return_ctas and self.return_in_kernel:

@@ -79,6 +79,7 @@ class DedupPlan:
   unique_output_offsets: jax.Array  # [R] int32: where my rows land in d's packed buffer
   unique_group_ends: jax.Array    # [R(src), G] int32: end of the rows of expert groups
                                   #   0..g inside source s's unique block for me (send_groups)
+  unique_send_group_ends: jax.Array  # [R(dst), G] int32: the same for my block for owner d
   expand_position: jax.Array      # [recv_rows] int32: receive row p -> index inside its
                                   #   source's unique block (0 for dead rows)
   recv_weights: jax.Array         # [recv_rows] f32: routing weight of receive row p's
@@ -175,6 +176,14 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
   slot = send_offsets[plan.sorted_experts // el] + own_position
   unique_tokens = jnp.zeros((size,), jnp.int32).at[slot].set(
       (plan.sort_order // top_k).astype(jnp.int32), mode="drop")
+  # unique_send_group_ends[d, g]: a unique row's group is that of its token's smallest
+  # expert on d, so the sorted rows of experts in groups 0..g touch exactly the unique
+  # rows of groups 0..g, which the group order puts first: the end is their max + 1
+  per_group = el // send_groups
+  send_group_ends = jax.lax.cummax(jnp.zeros((r, send_groups), jnp.int32).at[
+      plan.sorted_experts // el,
+      jnp.minimum((plan.sorted_experts % el) // per_group, send_groups - 1)].max(
+          own_position + 1), axis=1)
   # owner side
   incoming = jax.lax.dynamic_index_in_dim(u, rank, axis=1, keepdims=False)    # [src]
   recv_offsets = _exclusive_cumsum(incoming)
@@ -205,7 +214,7 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
                    unique_counts=u.astype(jnp.int32),
                    unique_recv_offsets=recv_offsets.astype(jnp.int32),
                    unique_output_offsets=before_me.astype(jnp.int32),
-                   unique_group_ends=group_ends,
+                   unique_group_ends=group_ends, unique_send_group_ends=send_group_ends,
                    expand_position=expand_position, recv_weights=recv_weights,
                    send_groups=send_groups)
 

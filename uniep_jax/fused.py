@@ -84,6 +84,16 @@ def _forward(rows_in, w_gate_up, w_down, plan: DispatchPlan, axis_name, el, kern
     # v1's receive buffer, the residual of the backward pass: [recv_rows, H] with the
     # window after the live rows zeroed (the wgrad reads up to block_k rows past a group)
     recv = as_received(recv, plan)
+  elif fused.overlap_copy_ctas:   # Kernel D: the de-duplicated dispatch, its expansion
+    # and the gate/up GEMM in one launch, each GEMM chunk once its rows are expanded
+    from pallas_kernels.dedup_dispatch_gemm import dedup_dispatch_gate_up
+    from uniep_jax.dedup import packed_unique_index
+    recv, a, h, u = dedup_dispatch_gate_up(
+        rows_in, dplan, packed_unique_index(plan, dplan), plan.num_received,
+        plan.recv_group_sizes, w_gate_up, out_rows=recv_rows, axis_name=axis_name,
+        kernel=kernel, fused=fused, n_copy=fused.overlap_copy_ctas,
+        zero_window=kernel.block_k)
+    recv = as_received(recv, plan)   # v1's residual: the window after the live rows zeroed
   else:   # each (token, owner) pair's row sent once, copied to its experts' rows; v1's
     # gate/up launch on every SM (moe.py's uniep_dd forward, kernel for kernel)
     from uniep_jax.dedup import _dedup_nvlink
@@ -227,12 +237,34 @@ def _fused_ffn_combine_bwd(axis_name, el, kernel, transfer, fused, grad_in_kerne
                            out_dtype, res, dy):
   from uniep_jax.dedup import unique_dy_rows
   recv, plan, (weights, y_assign, dplan, rows_in_like) = res[0], res[6], res[7:]
-  # each (token, owner) pair's dy once; the owner forms every slot's row w * dy
-  dy_recv, d_weights = unique_dy_rows(dy, y_assign, weights, plan, dplan, axis_name=axis_name,
-                                      transport="nvlink", transfer=transfer,
-                                      out_dtype=out_dtype, rows_dtype=recv.dtype)
-  d_rows, dw_gate_up, dw_down = _backward_from_dy_recv(res, dy_recv, axis_name, el, kernel,
-                                                       transfer, fused, grad_in_kernel)
+  if fused.overlap_copy_ctas_bwd:
+    # Kernel D's backward twin: dy's de-duplicated dispatch, the weighted expansion and
+    # the da GEMM (dh, du in its epilogue) in one launch; d_weights as unique_dy_rows'
+    from pallas_kernels.dedup_dispatch_gemm import dedup_dispatch_dswiglu
+    from uniep_jax.combine import round_cotangent, weighted_topk_sum_vjp
+    from uniep_jax.dedup import packed_unique_index
+    if not grad_in_kernel:
+      raise ValueError("fused.overlap_copy_ctas_bwd computes dh, du in the da GEMM's "
+                       "epilogue: it needs swiglu_grad_in_kernel")
+    a, h, u, w_gate_up, w_down = res[1:6]
+    dy = round_cotangent(dy)
+    _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)
+    dy_recv, dhu = dedup_dispatch_dswiglu(
+        dy.astype(recv.dtype), dplan, packed_unique_index(plan, dplan), dplan.recv_weights,
+        plan.num_received, plan.recv_group_sizes, w_down, h, u,
+        out_rows=plan.recv_valid.shape[0], axis_name=axis_name, kernel=kernel, fused=fused,
+        n_copy=fused.overlap_copy_ctas_bwd, zero_window=kernel.block_k)
+    dy_recv = as_received(dy_recv, plan)   # as v1's: the window the dw_down wgrad reads
+    d_rows, dw_gate_up, dw_down = _tail(recv, w_gate_up, w_down, a, dy_recv, dhu, plan,
+                                        axis_name, el, kernel, transfer, fused)
+  else:
+    # each (token, owner) pair's dy once; the owner forms every slot's row w * dy
+    dy_recv, d_weights = unique_dy_rows(dy, y_assign, weights, plan, dplan,
+                                        axis_name=axis_name, transport="nvlink",
+                                        transfer=transfer, out_dtype=out_dtype,
+                                        rows_dtype=recv.dtype)
+    d_rows, dw_gate_up, dw_down = _backward_from_dy_recv(res, dy_recv, axis_name, el, kernel,
+                                                         transfer, fused, grad_in_kernel)
   if not fused.dispatch_in_kernel:   # rows_in was x: sort_rows' transpose (dedup.py's)
     d_rows = sort_rows_transpose(d_rows, plan, top_k, rows_in_like)
   return (d_rows, dw_gate_up, dw_down, d_weights, _zero_plan_cotangent(plan),
