@@ -180,7 +180,7 @@ def test_static_validation_errors(kw, match):
 def test_communicating_kernel_lowers_for_cuda(mesh_factory, backward):
   """The whole launch (three roles, remote refs, both semaphore arrays, the recv reshape
   for the copies) lowers to a Mosaic GPU custom call for CUDA on a CPU-only machine
-  (runs: bench/check_dedup_overlap_gpu.py on GPUs)."""
+  (runs: bench/check_moe_gpu.py --backends uniep_dd,uniep_dd_ov on GPUs)."""
   r, t, h, f, el, k, groups = 4, 64, 256, 192, 2, 2, 2
   mesh = mesh_factory(1, r)
   kernel = KernelConfig(num_sms=8, max_concurrent_steps=2)

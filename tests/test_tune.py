@@ -543,7 +543,8 @@ def test_stage3_tries_the_fused_kernels_verified_and_pruned():
   entry = T.cache_entry(res)
   assert entry["fused"] == dict(n_comm=32, recv_chunk_rows=1024, return_in_kernel=True,
                                 backward=False, wgrad_return_ctas=0, down_return_ctas=0,
-                                dispatch_in_kernel=True)
+                                dispatch_in_kernel=True, overlap_copy_ctas=0,
+                                overlap_copy_ctas_bwd=0)
   assert T._entry_candidate(json.loads(json.dumps(entry))) == res.best.candidate
   # a fused candidate that does not give pallas's bits is never picked
   clock = FakeClock()

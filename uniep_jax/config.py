@@ -299,14 +299,16 @@ class FusedConfig:
     rank, `uniep_jax/dedup.py`) with the owner's live-rows copy, then v1's gate/up
     launch on every SM; the other fields apply as with Kernel A (n_comm then unused).
     Trades Kernel A's overlap for fewer bytes and no sort gather of x (T*K rows).
-  overlap_copy_ctas: EXPERIMENTAL, NOT yet run on a GPU ("Kernel D",
+  overlap_copy_ctas: EXPERIMENTAL ("Kernel D",
     pallas_kernels/dedup_dispatch_gemm.py; needs dispatch_in_kernel=False): > 0 runs the
     forward's de-duplicated dispatch (on n_comm CTAs), the owner's expansion (on this
     many CTAs) and the gate/up GEMM (on the rest) in one launch, each GEMM row chunk of
     recv_chunk_rows rows starting once its rows are expanded, which needs only the unique
     rows of the expert groups up to the chunk's (`UniEPConfig.dedup_send_groups` groups:
     set it > 1, else every chunk waits for every row). 0: the transfer, the copy and the
-    GEMM one after another.
+    GEMM one after another. Bit for bit on 2x H200; there (EP 2, qwen3-like) 0.36 ms
+    slower forward and 0.31 backward than the three launches; EP 4 not yet timed
+    (pallas_kernels/NOTES_dedup_dispatch_gemm.md).
   overlap_copy_ctas_bwd: the same for the backward's dy dispatch, weighted expansion and
     da GEMM (with dh, du in its epilogue: needs `swiglu_grad_in_kernel`). 0: off.
   The bits never depend on these fields.

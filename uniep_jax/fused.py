@@ -10,7 +10,10 @@ Per EP rank, inside `shard_map`, from the sorted rows to the rows back home:
                                 (pallas_kernels/fused_gemm_return.py)
             (FusedConfig.dispatch_in_kernel=False, with de-duplication: x sent once per
              (token, owner) by v1's transfer, the owner's live-rows copy, then v1's
-             gate/up launch on every SM instead of Kernel A;
+             gate/up launch on every SM instead of Kernel A; with overlap_copy_ctas > 0
+             the three in one launch, Kernel D, pallas_kernels/dedup_dispatch_gemm.py,
+             and with overlap_copy_ctas_bwd > 0 the backward's dy dispatch, weighted copy
+             and da GEMM;
              FusedConfig.return_in_kernel=False: v1's down GEMM, then v1's return;
              with down_return_ctas > 0, Kernel C: the down GEMM with each finished chunk
              sent back beside it, pallas_kernels/down_gemm_return.py)
