@@ -72,8 +72,9 @@ Buffers
   a, h, u [M_p, F_p] (forward) or dhu [M_p, 2 F_p] (backward): the GEMM's outputs, as
                              Kernel A's (dead rows as its zero_window says)
   SMEM    each role its own `pl.run_scoped` in its branch (they share the space): transfer
-          and copy 2 stages of [16, nb, ct] (`row_gather.column_blocking`), the GEMM its
-          stages and epilogue.
+          2 stages of [16, nb, ct] (`row_gather.column_blocking`), copy
+          `FusedConfig.overlap_copy_stages` stages of [16, nb', ct] (nb' the most boxes
+          that fit them), the GEMM its stages and epilogue.
   arrived [G], chunk_sem [C]  `pl.get_global` REGULAR semaphores (GMEM, zero-filled per launch).
 
 Synchronisation contract
@@ -238,12 +239,13 @@ class _Layout:
   c_index_base: int    # index
 
 
-def _scoped(fn, dtype, nb: int, ct: int):
-  """Runs fn(stage_smem, load_barrier) on warpgroup 0, the SMEM allocated collectively
-  over the CTA's warpgroups (the kernel runs 3 for the GEMM role)."""
+def _scoped(fn, dtype, nb: int, ct: int, stages: int = 2):
+  """Runs fn(stage_smem, load_barrier) on warpgroup 0, the SMEM (`stages` stages of
+  [ITEM_ROWS, nb, ct]) allocated collectively over the CTA's warpgroups (the kernel runs
+  3 for the GEMM role)."""
   @functools.partial(pl.run_scoped,
-                     stage_smem=plgpu.SMEM((2, ITEM_ROWS, nb, ct), dtype),
-                     load_barrier=plgpu.Barrier(num_arrivals=ITEM_ROWS, num_barriers=2),
+                     stage_smem=plgpu.SMEM((stages, ITEM_ROWS, nb, ct), dtype),
+                     load_barrier=plgpu.Barrier(num_arrivals=ITEM_ROWS, num_barriers=stages),
                      collective_axes="wg")
   def _(stage_smem, load_barrier):
     @pl.when(lax.axis_index("wg") == 0)
@@ -290,7 +292,7 @@ def _transfer_role(work_gmem, x_gmem, unique_gmem, arrived, stage_smem, load_bar
 
 def _copy_role(work_gmem, unique_gmem, scale_gmem, recv3_gmem, arrived, chunk_sem, stage_smem,
                load_barrier, *, cc, lay: _Layout, nb: int, n_copy: int, expected: int,
-               axis_name):
+               axis_name, stages: int = 2):
   """Copy CTA cc (of n_copy): the live chunks in order, each after the groups it reads
   arrived, then a signal on this rank. arrived/chunk_sem None: the local form (no waits,
   no signals)."""
@@ -304,7 +306,7 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv3_gmem, arrived, chunk_se
     move_items(work_gmem, unique_gmem, recv3_gmem, stage_smem, load_barrier, base=lay.c_base,
                first_item=first, count=jnp.clip(live_items - first, 0, lay.chunk_items),
                w=lay.c_w, cta=cc, num_ctas=n_copy, item_rows=ITEM_ROWS, col_tile=nb,
-               index_base=lay.c_index_base, scale=scale_gmem)
+               index_base=lay.c_index_base, scale=scale_gmem, stages=stages)
     plgpu.wait_smem_to_gmem(0)                  # this CTA's rows of chunk k written
     if chunk_sem is not None:
       pl.semaphore_signal(chunk_sem.at[k], device_id={axis_name: lax.axis_index(axis_name)})
@@ -345,8 +347,9 @@ def build_work(unique_tokens, seg_src, seg_dst, seg_len, index, live, group_size
 
 
 def _kernel(work_gmem, plan_gmem, x_gmem, *refs, scaled: bool, num_in: int, gemm_in: tuple,
-            lay: _Layout, nb: int, gemm_kw: dict, n_comm: int, n_copy: int, num_sms: int,
-            num_chunks: int, recv_chunk_rows: int, axis_name, num_peers: int):
+            lay: _Layout, nb: int, nb_copy: int, copy_stages: int, gemm_kw: dict, n_comm: int,
+            n_copy: int, num_sms: int, num_chunks: int, recv_chunk_rows: int, axis_name,
+            num_peers: int):
   """refs: [scale], the GEMM's other inputs (num_in), then the outputs: unique (peers
   write into it), recv (the GEMM's lhs) and the GEMM's outputs."""
   scale_gmem, refs = (refs[0], refs[1:]) if scaled else (None, refs)
@@ -366,9 +369,10 @@ def _kernel(work_gmem, plan_gmem, x_gmem, *refs, scaled: bool, num_in: int, gemm
   @pl.when((c >= n_comm) & (c < n_comm + n_copy))
   def _copy():
     _scoped(functools.partial(_copy_role, work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived,
-                              chunk_sem, cc=c - n_comm, lay=lay, nb=nb, n_copy=n_copy,
-                              expected=num_peers * n_comm, axis_name=axis_name),
-            x_gmem.dtype, nb, ct)
+                              chunk_sem, cc=c - n_comm, lay=lay, nb=nb_copy, n_copy=n_copy,
+                              expected=num_peers * n_comm, axis_name=axis_name,
+                              stages=copy_stages),
+            x_gmem.dtype, nb_copy, ct, copy_stages)
 
   @pl.when(c >= n_comm + n_copy)
   def _gemm():
@@ -384,7 +388,7 @@ def validate(*, out_rows: int, hidden: int, ffn: int, num_local_experts: int, nu
              dtype, kernel: KernelConfig, fused: FusedConfig, n_copy: int,
              smem: Optional[int] = None, mode: str = "swiglu"):
   """Static checks of one launch with the derived sizes: (Kernel A's `_Static` for the
-  GEMM role, (ct, nb) of the transfer and copy roles). Raises ValueError."""
+  GEMM role, ct, (nb of the transfer role, nb of the copy role)). Raises ValueError."""
   num_sms = device_lib.num_sms(kernel.num_sms)
   if n_copy < 1:
     raise ValueError(f"the expansion needs at least one copy CTA, got {n_copy}")
@@ -408,11 +412,16 @@ def validate(*, out_rows: int, hidden: int, ffn: int, num_local_experts: int, nu
   if ct % kernel.block_k:
     raise ValueError(f"the rows' TMA box width {ct} (H={hidden}) must be a multiple of "
                      f"block_k={kernel.block_k}: the GEMM reads the receive layout through it")
-  return st, ct, nb
+  copy_stages = fused.overlap_copy_stages
+  _, nb_copy = column_blocking(hidden, itemsize, ITEM_ROWS,
+                               min(STAGE_BUDGET_BYTES * copy_stages // 2,
+                                   smem - gg._SMEM_RESERVE),
+                               stages=copy_stages)
+  return st, ct, (nb, nb_copy)
 
 
 def _launch(x, dplan, index, live, group_sizes, inputs: tuple, *, scale, gemm_in: tuple,
-            out_shapes: tuple, name: str, st, ct: int, nb: int, axis_name: str,
+            out_shapes: tuple, name: str, st, ct: int, nb: tuple, axis_name: str,
             kernel: KernelConfig, fused: FusedConfig, n_copy: int, zero_window):
   t, hidden = x.shape
   r = dplan.unique_counts.shape[0]
@@ -425,8 +434,8 @@ def _launch(x, dplan, index, live, group_sizes, inputs: tuple, *, scale, gemm_in
   # a copy item's weights are read for all ITEM_ROWS stage rows, past its end too
   scale_in = (jnp.pad(scale, (0, st.m_p + ITEM_ROWS - scale.shape[0])),) if scaled else ()
   body = functools.partial(
-      _kernel, scaled=scaled, num_in=len(inputs), gemm_in=gemm_in, lay=lay, nb=nb,
-      gemm_kw=st.gemm_kw, n_comm=fused.n_comm, n_copy=n_copy, num_sms=st.num_sms,
+      _kernel, scaled=scaled, num_in=len(inputs), gemm_in=gemm_in, lay=lay, nb=nb[0],
+      nb_copy=nb[1], copy_stages=fused.overlap_copy_stages, gemm_kw=st.gemm_kw, n_comm=fused.n_comm, n_copy=n_copy, num_sms=st.num_sms,
       num_chunks=st.num_chunks, recv_chunk_rows=fused.recv_chunk_rows, axis_name=axis_name,
       num_peers=r)
   # unique and recv as [rows, H / ct, ct]: the copies store whole rows as one box each,
@@ -521,7 +530,8 @@ def dedup_dispatch_dswiglu(dy, dplan, index, scale, live, group_sizes, w_down, h
 
 def transfer_copy_local(src, unique_tokens, seg_src, seg_dst, seg_len, index, live, group_sizes,
                         *, unique_rows: int, out_rows: int, recv_chunk_rows: int, rank: int = 0,
-                        scale=None, n_comm: int = 2, n_copy: int = 2, interpret=None):
+                        scale=None, n_comm: int = 2, n_copy: int = 2, copy_stages: int = 2,
+                        interpret=None):
   """The two data-moving roles in the fused kernel's launch shape, every peer offset's
   rows landing in this device's [unique_rows, H] buffer (launch 1, the transfer role),
   then recv [out_rows, H] = that buffer's rows by `index`, weighted if `scale` (launch 2,
@@ -531,6 +541,10 @@ def transfer_copy_local(src, unique_tokens, seg_src, seg_dst, seg_len, index, li
   itemsize = jnp.dtype(src.dtype).itemsize
   ct, nb = column_blocking(hidden, itemsize, ITEM_ROWS,
                            min(STAGE_BUDGET_BYTES, device_lib.smem_capacity()))
+  _, nb_copy = column_blocking(hidden, itemsize, ITEM_ROWS,
+                               min(STAGE_BUDGET_BYTES * copy_stages // 2,
+                                   device_lib.smem_capacity() - gg._SMEM_RESERVE),
+                               stages=copy_stages)
   work, lay = build_work(unique_tokens, seg_src, seg_dst, seg_len, index, live, group_sizes,
                          rank=rank, tokens=ns, out_rows=out_rows,
                          recv_chunk_rows=recv_chunk_rows)
@@ -556,8 +570,9 @@ def transfer_copy_local(src, unique_tokens, seg_src, seg_dst, seg_len, index, li
   def copy_body(work_gmem, unique_gmem, *refs):
     scale_gmem, (recv_gmem,) = (refs[0], refs[1:]) if scaled else (None, refs)
     _scoped(functools.partial(_copy_role, work_gmem, unique_gmem, scale_gmem, recv_gmem, None,
-                              None, cc=lax.axis_index("sm"), lay=lay, nb=nb, n_copy=n_copy,
-                              expected=0, axis_name=None), src.dtype, nb, ct)
+                              None, cc=lax.axis_index("sm"), lay=lay, nb=nb_copy, n_copy=n_copy,
+                              expected=0, axis_name=None, stages=copy_stages),
+            src.dtype, nb_copy, ct, copy_stages)
 
   recv = launch(copy_body, kernel_name="dedup_copy_local", grid=(n_copy,), grid_names=("sm",),
                 out_type=jax.ShapeDtypeStruct((out_rows, hidden // ct, ct), src.dtype))(

@@ -122,7 +122,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.row_gather import column_blocking, scale_stage_rows
-from pallas_kernels.tma import ladder_store, load_rows_by_index, two_stage_copy_loop
+from pallas_kernels.tma import copy_loop, ladder_store, load_rows_by_index
 from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
 from uniep_jax.ragged import enumerate_runs
 
@@ -162,7 +162,7 @@ def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: in
 
 def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base, first_item,
                count, w: int, cta, num_ctas: int, item_rows: int, col_tile: int,
-               index_base: int | None = None, scale=None):
+               index_base: int | None = None, scale=None, stages: int = 2):
   """One CTA's share of `count` items of a work list: items first_item + cta,
   first_item + cta + num_ctas, ... of the list at work_gmem[base:] (layout of
   `work_lists`: src_row at [base + i], dst_row at [base + w + i], rows at
@@ -185,7 +185,9 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   by TMA, as gather_live_rows loads them, faulted here with CUDA_ERROR_ILLEGAL_
   INSTRUCTION on an H200: an item's first row is any position, so the box starts at any
   4-byte offset, where gather_live_rows' tiles start at multiples of 16 rows. See
-  NOTES_transfer_expand.md, 2026-11-28.)"""
+  NOTES_transfer_expand.md, 2026-11-28.)
+  stages: SMEM stages (stage_smem's and load_barrier's leading dimension; `tma.copy_loop`),
+  2 everywhere but Kernel D's copies (`FusedConfig.overlap_copy_stages`)."""
   if scale is not None and index_base is None:
     raise ValueError("move_items: scale needs the gathered form (index_base)")
   ns, width = src_gmem.shape[:2]      # width: columns (2-D) or boxes (3-D) per row
@@ -226,7 +228,8 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
       plgpu.commit_smem_to_gmem_group()
 
   # the gathered loads take long to issue: keep the previous stores in flight meanwhile
-  two_stage_copy_loop(steps, load, store, load_barrier, stores_first=index_base is not None)
+  copy_loop(steps, load, store, load_barrier, stages=stages,
+            stores_first=index_base is not None)
 
 
 def peer_ref(out_gmem, j: int, *, me, axis_name, num_peers: int):

@@ -113,11 +113,11 @@ STAGE_BUDGET_BYTES = 160 * 1024
 
 def column_blocking(hidden: int, itemsize: int, rows_per_tile: int,
                     budget: int = STAGE_BUDGET_BYTES, *,
-                    max_col_tile: int = 256) -> tuple[int, int]:
+                    max_col_tile: int = 256, stages: int = 2) -> tuple[int, int]:
   """(ct, nb): columns per TMA box and boxes per column block. ct is the widest
   multiple of 8 <= max_col_tile (<= 256, the TMA box limit) dividing `hidden`; nb the
-  most boxes (a divisor of hidden / ct) whose two stages of `rows_per_tile` rows fit in
-  `budget` bytes. Shared with ep_transfer.py's gathered loads."""
+  most boxes (a divisor of hidden / ct) whose `stages` stages (default two) of
+  `rows_per_tile` rows fit in `budget` bytes. Shared with ep_transfer.py's gathered loads."""
   ct = next((t for t in range(min(max_col_tile, 256, hidden), 7, -1)
              if hidden % t == 0 and t % 8 == 0), None)
   if ct is None:
@@ -125,10 +125,11 @@ def column_blocking(hidden: int, itemsize: int, rows_per_tile: int,
                      f"{min(max_col_tile, 256)} (the TMA box limit, col_tile)")
   boxes = hidden // ct
   for nb in range(boxes, 0, -1):
-    if boxes % nb == 0 and 2 * rows_per_tile * nb * ct * itemsize <= budget:
+    if boxes % nb == 0 and stages * rows_per_tile * nb * ct * itemsize <= budget:
       return ct, nb
   raise ValueError(f"rows_per_tile={rows_per_tile} rows of {ct} columns x {itemsize} B do "
-                   f"not fit twice in {budget} B of shared memory; lower rows_per_tile")
+                   f"not fit {stages} times in {budget} B of shared memory; lower "
+                   f"rows_per_tile")
 
 
 def _round_robin(tiles, num_ctas: int):

@@ -8,16 +8,24 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def two_stage_copy_loop(steps, load, store, load_barrier, *, stores_first: bool = False):
-  """Steps 0 .. steps-1 of a GMEM -> SMEM -> GMEM copy through two SMEM stages:
-  `load(s, stage)` issues step s's TMA loads into `stage` (arriving on
-  load_barrier[stage]); `store(s, stage)` issues its stores from that stage.
+  """`copy_loop` with two stages (the form every kernel but Kernel D's copies uses)."""
+  copy_loop(steps, load, store, load_barrier, stages=2, stores_first=stores_first)
+
+
+def copy_loop(steps, load, store, load_barrier, *, stages: int = 2, stores_first: bool = False):
+  """Steps 0 .. steps-1 of a GMEM -> SMEM -> GMEM copy through `stages` SMEM stages
+  (step s in stage s mod stages): `load(s, stage)` issues step s's TMA loads into `stage`
+  (arriving on load_barrier[stage]); `store(s, stage)` issues its stores from that stage.
+  The loads of the next stages - 1 steps are in flight while a step is stored (2
+  stages: one step ahead).
 
   Synchronisation: step s waits for its loads (`barrier_wait`; every load group is
   waited exactly once, phases alternating per stage), then, before loading step
-  s + 1 into the other stage, `wait_smem_to_gmem(0, wait_read_only=True)`: the store
-  of step s - 1 (the only one issued from that stage) has finished reading it. The
-  first load waits the same way for stores issued before the loop. The caller waits
-  for its stores to land (`wait_smem_to_gmem(0)`) when it needs them complete.
+  s + stages - 1 into the stage step s - 1 used, `wait_smem_to_gmem(0,
+  wait_read_only=True)`: the store of step s - 1 (the only one issued from that stage
+  since its load) has finished reading it. The first loads wait the same way for stores
+  issued before the loop. The caller waits for its stores to land
+  (`wait_smem_to_gmem(0)`) when it needs them complete.
 
   stores_first: step s's stores are issued BEFORE step s + 1's loads, for loads that
   take long to issue (a gather's one TMA per row): the CTA's stores stay in flight while
@@ -27,22 +35,31 @@ def two_stage_copy_loop(steps, load, store, load_barrier, *, stores_first: bool 
   `plgpu.commit_smem_to_gmem_group()`), and the wait before loading step s + 1 is
   `wait_smem_to_gmem(1, wait_read_only=True)`: at most one group (step s's) still reads
   SMEM, so step s - 1's, the only one issued from that stage, has finished."""
+  if stages < 2:
+    raise ValueError(f"copy_loop needs at least 2 stages, got {stages}")
+  ahead = stages - 1
+
   @pl.when(steps > 0)
   def _():
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # both stages free
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # every stage free
     load(0, 0)
 
+  for first in range(1, ahead):                       # (3+ stages) the other prefetches
+    @pl.when(first < steps)
+    def _(first=first):
+      load(first, first)
+
   def step(s, carry):
-    stage = lax.rem(s, 2)
+    stage = lax.rem(s, stages)
     plgpu.barrier_wait(load_barrier.at[stage])
     if stores_first:
       store(s, stage)
 
-    @pl.when(s + 1 < steps)
+    @pl.when(s + ahead < steps)
     def _():
-      # stage 1 - s is free (step s's own group may still read its stage)
+      # step s - 1's stage is free (step s's own group may still read its stage)
       plgpu.wait_smem_to_gmem(1 if stores_first else 0, wait_read_only=True)
-      load(s + 1, 1 - stage)
+      load(s + ahead, 1 - stage if stages == 2 else lax.rem(s + ahead, stages))
 
     if not stores_first:
       store(s, stage)

@@ -37,6 +37,10 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   assert cfg.transfer.num_ctas == 96
   with pytest.raises(ValueError, match="no fused config"):
     moe_layer.backend_config("uniep_dd@dr32")
+  # Kernel D's knobs, and a field of UniEPConfig itself (@sg)
+  cfg = moe_layer.backend_config("uniep_dc_rbw_dd_ov@ov24@ovb0@ovs3@sg4")
+  assert (cfg.fused.overlap_copy_ctas, cfg.fused.overlap_copy_ctas_bwd,
+          cfg.fused.overlap_copy_stages, cfg.dedup_send_groups) == (24, 0, 3, 4)
 
 
 def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):
