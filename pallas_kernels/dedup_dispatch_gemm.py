@@ -127,7 +127,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels import fused_dispatch_gemm as fdg
 from pallas_kernels import grouped_gemm as gg
-from pallas_kernels.ep_transfer import GATHER_ITEM_ROWS, move_items, peer_ref
+from pallas_kernels.ep_transfer import GATHER_ITEM_ROWS, move_items
 from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, column_blocking
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig
 from uniep_jax.ragged import SEARCH_METHOD, enumerate_runs
@@ -253,41 +253,18 @@ def _scoped(fn, dtype, nb: int, ct: int, stages: int = 2):
       fn(stage_smem, load_barrier)
 
 
-def _transfer_role(work_gmem, x_gmem, unique_gmem, arrived, stage_smem, load_barrier, *, c,
+def _transfer_role(work_gmem, x_gmem, unique_gmem, arrived, stage_smem, load_barrier, *,
                    lay: _Layout, nb: int, n_comm: int, axis_name, num_peers: int):
-  """Transfer CTA c: the groups in order, each ending in one drain and R signals; then the
-  final sweep. axis_name=None: the local form (every offset lands in this device's
-  buffer, no semaphores)."""
+  """Transfer CTA c: the groups in order, each ending in one drain and R signals
+  (Kernel A's walk, `fused_dispatch_gemm.walk_units_and_signal`, over groups instead of
+  chunks, with gathered loads of x[unique_tokens]); then the final sweep. axis_name=None:
+  the local form (every offset lands in this device's buffer, no semaphores)."""
   g_count = lay.num_groups
-  stride = transfer_row_length(lay.t_w, g_count)
-  starts, deals = 3 * lay.t_w, 3 * lay.t_w + g_count + 1
-  me = lax.axis_index(axis_name) if axis_name is not None else None
-
-  def group_body(g, carry):
-    for j in fdg.transfer_order(num_peers):   # static: the TMA peer id must be host-computable
-      base = j * stride
-      dst_gmem = peer_ref(unique_gmem, j, me=me, axis_name=axis_name, num_peers=num_peers)
-      first = work_gmem[base + starts + g]
-      dealt = lax.rem(work_gmem[base + deals + g], n_comm)
-      move_items(work_gmem, x_gmem, dst_gmem, stage_smem, load_barrier, base=base,
-                 first_item=first, count=work_gmem[base + starts + g + 1] - first, w=lay.t_w,
-                 cta=lax.rem(c - dealt + n_comm, n_comm), num_ctas=n_comm,
-                 item_rows=ITEM_ROWS, col_tile=nb, index_base=lay.t_index_base)
-    plgpu.wait_smem_to_gmem(0)                  # this CTA's rows of groups <= g landed
-    if axis_name is not None:
-      for p in range(num_peers):
-        pl.semaphore_signal(arrived.at[g], device_id={axis_name: p})
-    return carry
-
-  lax.fori_loop(0, g_count, group_body, 0)
-
-  if axis_name is not None:
-    # Final sweep: when every transfer CTA is past it, every peer's rows and signals of
-    # this launch have reached this rank (groups c, c + n_comm, ...)
-    def sweep(i, carry):
-      plgpu.semaphore_wait(arrived.at[c + i * n_comm], num_peers * n_comm, decrement=False)
-      return carry
-    lax.fori_loop(0, (g_count - c + n_comm - 1) // n_comm, sweep, 0)
+  fdg.walk_units_and_signal(
+      work_gmem, x_gmem, unique_gmem, stage_smem, load_barrier, arrived, units=g_count,
+      stride=transfer_row_length(lay.t_w, g_count), starts=3 * lay.t_w,
+      deals=3 * lay.t_w + g_count + 1, w=lay.t_w, item_rows=ITEM_ROWS, col_tile=nb,
+      n_comm=n_comm, axis_name=axis_name, num_peers=num_peers, index_base=lay.t_index_base)
 
 
 def _copy_role(work_gmem, unique_gmem, scale_gmem, recv3_gmem, arrived, chunk_sem, stage_smem,
@@ -362,7 +339,7 @@ def _kernel(work_gmem, plan_gmem, x_gmem, *refs, scaled: bool, num_in: int, gemm
 
   @pl.when(c < n_comm)
   def _transfer():
-    _scoped(functools.partial(_transfer_role, work_gmem, x_gmem, unique_gmem, arrived, c=c,
+    _scoped(functools.partial(_transfer_role, work_gmem, x_gmem, unique_gmem, arrived,
                               lay=lay, nb=nb, n_comm=n_comm, axis_name=axis_name,
                               num_peers=num_peers), x_gmem.dtype, nb, ct)
 
@@ -557,7 +534,7 @@ def transfer_copy_local(src, unique_tokens, seg_src, seg_dst, seg_len, index, li
 
   def transfer_body(work_gmem, src_gmem, unique_gmem):
     _scoped(functools.partial(_transfer_role, work_gmem, src_gmem, unique_gmem, None,
-                              c=lax.axis_index("sm"), lay=lay, nb=nb, n_comm=n_comm,
+                              lay=lay, nb=nb, n_comm=n_comm,
                               axis_name=None, num_peers=num_peers), src_gmem.dtype, nb, ct)
 
   unique = launch(transfer_body, kernel_name="dedup_transfer_local", grid=(n_comm,),

@@ -245,42 +245,60 @@ def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chu
   """Warpgroup 0 of transfer CTA c: the live chunks' items, then the final sweep.
   axis_name=None: the local form (every offset lands in this device's recv, no
   semaphores; runs in the CPU interpret mode)."""
-  c = lax.axis_index("sm")
   stride = work_row_length(w, num_chunks)
-  starts, deals = 3 * w, 3 * w + num_chunks + 1
-  live_chunks = work_gmem[stride - 1]          # the same on every rank and every row
-  me = lax.axis_index(axis_name) if axis_name is not None else None
-
-  def chunk_body(kc, carry):
-    for j in transfer_order(num_peers):         # static: the TMA peer id must be host-computable
-      base = j * stride
-      dst_gmem = peer_ref(recv_gmem, j, me=me, axis_name=axis_name, num_peers=num_peers)
-      first_item = work_gmem[base + starts + kc]
-      # round robin over the sender's whole walk: item i of this (k, j) list has walk
-      # rank deal_start + i and goes to CTA (deal_start + i) mod n_comm
-      dealt = lax.rem(work_gmem[base + deals + kc], n_comm)
-      move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
-                 first_item=first_item, count=work_gmem[base + starts + kc + 1] - first_item,
-                 w=w, cta=lax.rem(c - dealt + n_comm, n_comm), num_ctas=n_comm,
-                 item_rows=item_rows, col_tile=col_tile)
-
-    plgpu.wait_smem_to_gmem(0)                  # this CTA's stores of chunk kc landed
-    if axis_name is not None:
-      for p in range(num_peers):
-        pl.semaphore_signal(chunk_sem.at[kc], device_id={axis_name: p})
-    return carry
-
   # Chunks past every rank's live rows hold no item and no compute tile (the only tiles
   # that wait): no rank sends, signals or waits on them.
-  lax.fori_loop(0, live_chunks, chunk_body, 0)
+  live_chunks = work_gmem[stride - 1]          # the same on every rank and every row
+  walk_units_and_signal(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chunk_sem,
+                        units=live_chunks, stride=stride, starts=3 * w,
+                        deals=3 * w + num_chunks + 1, w=w, item_rows=item_rows,
+                        col_tile=col_tile, n_comm=n_comm, axis_name=axis_name,
+                        num_peers=num_peers)
+
+
+def walk_units_and_signal(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, sem, *,
+                          units, stride: int, starts: int, deals: int, w: int, item_rows: int,
+                          col_tile: int, n_comm: int, axis_name, num_peers: int,
+                          index_base: Optional[int] = None):
+  """A transfer CTA's walk over `units` (Kernel A: receive chunks; Kernel D: expert
+  groups), shared by the two kernels. Work row j (peer offset j) at work_gmem[j * stride]
+  holds src_row/dst_row/rows[w], then at `starts` the units' first items [units + 1] and
+  at `deals` each unit's deal start (its first item's rank in the sender's whole walk).
+  Per unit u: for each peer offset (static, `transfer_order`) this CTA's items of (j, u),
+  dealt round robin over the walk; then `wait_smem_to_gmem(0)` (its stores landed) and
+  sem[u] signalled on every rank. Then the final sweep: units c, c + n_comm, ... waited
+  for R * n_comm signals (decrement=False), so that when every transfer CTA is past it
+  every peer's stores and signals of this launch have reached this rank. axis_name=None:
+  the local form (every offset into this device's `out_gmem`, no semaphores)."""
+  c = lax.axis_index("sm")
+  me = lax.axis_index(axis_name) if axis_name is not None else None
+
+  def unit_body(u, carry):
+    for j in transfer_order(num_peers):         # static: the TMA peer id must be host-computable
+      base = j * stride
+      dst_gmem = peer_ref(out_gmem, j, me=me, axis_name=axis_name, num_peers=num_peers)
+      first_item = work_gmem[base + starts + u]
+      # round robin over the sender's whole walk: item i of this (u, j) list has walk
+      # rank deal_start + i and goes to CTA (deal_start + i) mod n_comm
+      dealt = lax.rem(work_gmem[base + deals + u], n_comm)
+      move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, base=base,
+                 first_item=first_item, count=work_gmem[base + starts + u + 1] - first_item,
+                 w=w, cta=lax.rem(c - dealt + n_comm, n_comm), num_ctas=n_comm,
+                 item_rows=item_rows, col_tile=col_tile, index_base=index_base)
+
+    plgpu.wait_smem_to_gmem(0)                  # this CTA's stores of unit u landed
+    if axis_name is not None:
+      for p in range(num_peers):
+        pl.semaphore_signal(sem.at[u], device_id={axis_name: p})
+    return carry
+
+  lax.fori_loop(0, units, unit_body, 0)
 
   if axis_name is not None:
-    # Final sweep: when every CTA is past it, every live chunk of this rank's recv has
-    # landed (kernel end => recv complete). Chunks c, c + n_comm, ...
     def sweep(i, carry):
-      plgpu.semaphore_wait(chunk_sem.at[c + i * n_comm], num_peers * n_comm, decrement=False)
+      plgpu.semaphore_wait(sem.at[c + i * n_comm], num_peers * n_comm, decrement=False)
       return carry
-    lax.fori_loop(0, (live_chunks - c + n_comm - 1) // n_comm, sweep, 0)
+    lax.fori_loop(0, (units - c + n_comm - 1) // n_comm, sweep, 0)
 
 
 def _transfer_scope(work_gmem, src_gmem, recv_gmem, chunk_sem, *, item_rows, col_tile, **kw):
