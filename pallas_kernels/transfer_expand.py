@@ -51,9 +51,11 @@ Buffers
   recv   [out_rows, H/ct, ct] kernel output, this rank only; rows no copy item covers
                           (>= the live rows) are undefined, as gather_live_rows'.
   SMEM, per role (`pl.run_scoped` in each branch, so the roles share it): 2 stages of
-  [16, nb, ct] (`row_gather.column_blocking`, 160 KiB budget) + 2 barriers. The copy
-  role with `scale` reads each row's weight as a scalar from GMEM (`move_items`; a TMA
-  box of weights at an item's unaligned first row faulted, NOTES 2026-11-28).
+  [16, nb, ct] (`row_gather.column_blocking`, 160 KiB budget) + 2 barriers; the copy
+  role `TransferConfig.copy_stages` stages of [16, nb', ct] (nb' the most boxes that fit
+  them). The copy role with `scale` reads each row's weight as a scalar from GMEM
+  (`move_items`; a TMA box of weights at an item's unaligned first row faulted, NOTES
+  2026-11-28).
 
 Synchronisation contract
 ------------------------
@@ -101,6 +103,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.ep_transfer import GATHER_ITEM_ROWS, move_items, peer_ref, work_lists
+from pallas_kernels.grouped_gemm import _SMEM_RESERVE
 from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, column_blocking
 from uniep_jax.config import TransferConfig
 
@@ -162,15 +165,15 @@ def copy_walks(cta: int, *, role: str, n_copy: int, num_ctas: int, num_peers: in
 
 def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, walks, c_base: int,
                c_w: int, item_rows: int, nb: int, index_base: int, expected: int,
-               num_peers: int):
+               num_peers: int, stages: int = 2):
   """The copies of `walks` (`copy_walks`), in order: per offset j, wait until every row
   of source me - j has landed (`arrived` None: the local form, no wait), then this CTA's
   items of offset j's list."""
   stride = 3 * c_w + 1
   # the weights (with `scale`) are read from GMEM by the copy itself: no SMEM for them
-  scratch = dict(stage_smem=plgpu.SMEM((2, item_rows, nb, unique_gmem.shape[2]),
+  scratch = dict(stage_smem=plgpu.SMEM((stages, item_rows, nb, unique_gmem.shape[2]),
                                        unique_gmem.dtype),
-                 load_barrier=plgpu.Barrier(num_arrivals=item_rows, num_barriers=2))
+                 load_barrier=plgpu.Barrier(num_arrivals=item_rows, num_barriers=stages))
 
   assert expand_order(num_peers) == list(range(num_peers))   # the loops walk j = 0, 1, ..
 
@@ -184,7 +187,7 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived, *, walks,
         move_items(work_gmem, unique_gmem, recv_gmem, stage_smem, load_barrier, base=base,
                    first_item=0, count=work_gmem[base + 3 * c_w], w=c_w, cta=cta,
                    num_ctas=dealt, item_rows=item_rows, col_tile=nb, index_base=index_base,
-                   scale=scale_gmem)
+                   scale=scale_gmem, stages=stages)
         return carry
 
       lax.fori_loop(first, end, offset, 0)
@@ -254,6 +257,12 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
   ct, nb = column_blocking(hidden, itemsize, item_rows,
                            min(STAGE_BUDGET_BYTES, device_lib.smem_capacity()),
                            max_col_tile=config.col_tile)
+  # the copy role's column blocks: config.copy_stages stages of its own (the same ct)
+  stages = config.copy_stages
+  _, nb_copy = column_blocking(hidden, itemsize, item_rows,
+                               min(STAGE_BUDGET_BYTES * stages // 2,
+                                   device_lib.smem_capacity() - _SMEM_RESERVE),
+                               max_col_tile=config.col_tile, stages=stages)
   boxes = hidden // ct
   num_ctas = min(config.num_ctas, device_lib.num_sms())
   n_copy = min(config.copy_ctas, device_lib.num_sms())
@@ -277,7 +286,8 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
   # an item's weights are read for all item_rows stage rows, past its end too
   scale_in = (jnp.pad(scale, (0, item_rows)),) if scaled else ()
   transfer_kw = dict(t_w=t_w, item_rows=item_rows, nb=nb, index_base=t_index_base)
-  copy_kw = dict(c_base=c_base, c_w=c_w, item_rows=item_rows, nb=nb, index_base=c_index_base)
+  copy_kw = dict(c_base=c_base, c_w=c_w, item_rows=item_rows, nb=nb_copy,
+                 index_base=c_index_base, stages=stages)
   last_on_all = config.expand_last_on_all
   unique_type = jax.ShapeDtypeStruct((unique_rows, boxes, ct), src.dtype)
   recv_type = jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype)

@@ -27,15 +27,17 @@ def _copy_blocks(rng, live, peers, el):
   return (jnp.asarray(as_src_le(start), jnp.int32), jnp.asarray(as_src_le(lens), jnp.int32))
 
 
-@pytest.mark.parametrize("chunk,peers,el,num_ctas,copy_ctas,rank,scaled,h,last_on_all", [
+@pytest.mark.parametrize("chunk,peers,el,num_ctas,copy_ctas,rank,scaled,h,last_on_all,stages", [
     # items of 16 rows (the default), 3 sources, a rotated walk, the weighted copy (the
     # backward's), rows of 12 boxes in 2 column blocks of 6 (as H 7168's 4 blocks of 7)
-    (128, 3, 2, 3, 2, 1, True, 3072, False),
+    (128, 3, 2, 3, 2, 1, True, 3072, False, 2),
     # items of 4 rows, one block, the plain copy, the last source's copies dealt over
     # the transfer CTAs too (expand_last_on_all)
-    (4, 2, 3, 2, 3, 0, False, 256, True)])
+    (4, 2, 3, 2, 3, 0, False, 256, True, 2),
+    # the copies through 3 SMEM stages (TransferConfig.copy_stages)
+    (16, 3, 2, 2, 2, 2, True, 3072, True, 3)])
 def test_local_form_equals_transfer_then_gather(chunk, peers, el, num_ctas, copy_ctas, rank,
-                                                scaled, h, last_on_all):
+                                                scaled, h, last_on_all, stages):
   assert row_gather.column_blocking(h, 2, min(chunk, 16)) == ((256, 6) if h == 3072 else (256, 1))
   rng = np.random.default_rng(chunk)
   src_rows, index_rows, live, out_rows = 30, 70, 90, 100
@@ -49,7 +51,8 @@ def test_local_form_equals_transfer_then_gather(chunk, peers, el, num_ctas, copy
   copy_start, copy_len = _copy_blocks(rng, live, peers, el)
   scale = jnp.asarray(rng.standard_normal(index.shape[0]), jnp.float32) if scaled else None
   cfg = TransferConfig(chunk_rows=chunk, num_ctas=num_ctas, expand_in_transfer=True,
-                       copy_ctas=copy_ctas, expand_last_on_all=last_on_all)
+                       copy_ctas=copy_ctas, expand_last_on_all=last_on_all,
+                       copy_stages=stages)
   detect = plgpu.InterpretGPUParams(detect_races=True)
   got = transfer_expand.transfer_expand(
       x, seg_src, seg_dst, seg_len, copy_start, copy_len, index, src_index=src_index,

@@ -207,9 +207,15 @@ class TransferConfig:
     land (`pallas_kernels/transfer_expand.py`). The same bits (checked on 2 and 4
     H200s). Off by default: slower where measured (2x H200, qwen3-like EP 2, fwd+bwd:
     8.80 -> 9.39 ms, bench/results/moe_layer_NVIDIA_H200_ep2_run39_te_qwen3.json; 4x
-    H200, qwen3-like EP 4: 9.90 -> 9.78 ms, run 46, the same checksums; deepseek-like
-    at EP 4 not yet measured; pallas_kernels/NOTES_transfer_expand.md).
+    H200, qwen3-like EP 4: 9.90 -> 9.78 ms, run 46, 10.08 -> 9.80 and 9.97 -> 9.83, runs
+    58-59, the same checksums; deepseek-like EP 4: 37.41 -> 37.52, run 60;
+    pallas_kernels/NOTES_transfer_expand.md): per shape and EP degree, so the autotuner
+    times it (`tune.SearchSpace.expand_in_transfer`).
   copy_ctas: CTAs of that expansion (num_ctas + copy_ctas must fit on the SMs).
+  copy_stages: SMEM stages of each of those copy CTAs (>= 2; 2 as measured): their rate
+    is bound by the bytes each has in flight (one H200: the expansion on 64 CTAs 1.33x its
+    all-SM time), so 3 may let copy_ctas keep up where 2 fell behind (deepseek-like's
+    14 KiB rows). Not yet timed.
   expand_last_on_all: EXPERIMENTAL (with expand_in_transfer): the last source's
     expansion, the one left exposed after every transfer, dealt over the transfer CTAs
     too (they join it after their last signal). The same bits.
@@ -222,8 +228,11 @@ class TransferConfig:
   expand_in_transfer: bool = False
   copy_ctas: int = 64
   expand_last_on_all: bool = False
+  copy_stages: int = 2
 
   def __post_init__(self):
+    if self.copy_stages < 2:
+      raise ValueError(f"copy_stages={self.copy_stages} must be >= 2")
     if self.chunk_rows < 1 or self.chunk_rows & (self.chunk_rows - 1):
       raise ValueError(f"chunk_rows={self.chunk_rows} must be a power of two")
     if not 8 <= self.col_tile <= 256 or self.col_tile % 8:
