@@ -19,13 +19,14 @@ from uniep_jax.dedup import (local_unique_routing, make_dedup_plan, packed_uniqu
 from uniep_jax.layout import local_group_sizes, make_plan
 from pallas_testlib import INTERPRET_RACES, assert_no_races, fresh_interpret_state  # noqa: F401
 
-_make_plan = jax.jit(make_plan)
+_make_plan = jax.jit(make_plan, static_argnames=("recv_rows",))
 _local_unique_routing = jax.jit(local_unique_routing, static_argnums=(3, 4, 5))
 _make_dedup_plan = jax.jit(make_dedup_plan, static_argnums=(4, 5))
 
 
-def _plans(ranks, tokens, top_k, experts, groups, seed=0, hot=None):
-  """(topk, weights, plans, dplans) of every rank, numpy, from random routing."""
+def _plans(ranks, tokens, top_k, experts, groups, seed=0, hot=None, recv_rows=None):
+  """(topk, weights, plans, dplans) of every rank from random routing (recv_rows: a
+  receive bound, the rows past it dropped)."""
   topks, weights = [], []
   for s in range(ranks):
     logits = jax.random.normal(jax.random.key(seed + s), (tokens, experts))
@@ -34,7 +35,7 @@ def _plans(ranks, tokens, top_k, experts, groups, seed=0, hot=None):
     topks.append(jax.lax.top_k(logits, top_k)[1].astype(jnp.int32))
     weights.append(jax.random.uniform(jax.random.key(seed + 100 + s), (tokens, top_k)))
   counts = jnp.stack([local_group_sizes(t, experts) for t in topks])
-  plans = [_make_plan(t, counts, jnp.int32(s)) for s, t in enumerate(topks)]
+  plans = [_make_plan(t, counts, jnp.int32(s), recv_rows=recv_rows) for s, t in enumerate(topks)]
   local = [_local_unique_routing(t, p.sort_order, p.sorted_experts, ranks, experts // ranks,
                                  groups) for t, p in zip(topks, plans)]
   gathered = jnp.stack([jnp.concatenate([payload, sorted_weight_bits(w, p.sort_order)])
@@ -78,12 +79,20 @@ def test_group_work_lists_cover_every_row_once_group_by_group():
         walk_rank += start[grp + 1] - start[grp]
 
 
-@pytest.mark.parametrize("ranks,top_k,experts,groups,chunk,hot", [
-    (4, 3, 16, 2, 32, None), (2, 4, 8, 4, 16, 1), (4, 2, 16, 1, 48, None)])
-def test_copy_waits_only_for_groups_that_hold_its_rows(ranks, top_k, experts, groups, chunk, hot):
+@pytest.mark.parametrize("ranks,top_k,experts,groups,chunk,hot,bound", [
+    (4, 3, 16, 2, 32, None, None), (2, 4, 8, 4, 16, 1, None), (4, 2, 16, 1, 48, None, None),
+    # a hot expert and a receive bound that drops rows (the hot owner's)
+    (4, 3, 16, 4, 16, 5, 96)])
+def test_copy_waits_only_for_groups_that_hold_its_rows(ranks, top_k, experts, groups, chunk, hot,
+                                                       bound):
   """group_of_chunks: every unique row a receive chunk reads lies below every source's
-  end of that chunk's group (what the copies wait for)."""
-  _, _, plans, dplans = _plans(ranks, 40, top_k, experts, groups, hot=hot)
+  end of that chunk's group as the SOURCE sends it (what the copies wait for: arrived[g]
+  counts the senders' groups). The owner's own bound (`unique_group_ends`, from the rows
+  it reads) is the sender's, or below it where a receive bound dropped rows the sender
+  still sends."""
+  _, _, plans, dplans = _plans(ranks, 40, top_k, experts, groups, hot=hot, recv_rows=bound)
+  if bound is not None:   # the bound drops rows somewhere (else the case tests nothing new)
+    assert any(int(p.num_received) == bound for p in plans)
   for me, (p, dp) in enumerate(zip(plans, dplans)):
     live = int(p.num_received)
     nchunks = -(-p.recv_valid.shape[0] // chunk)
@@ -91,13 +100,20 @@ def test_copy_waits_only_for_groups_that_hold_its_rows(ranks, top_k, experts, gr
                                          num_groups=groups, recv_chunk_rows=chunk,
                                          num_chunks=nchunks))
     src, pos = np.asarray(p.recv_source), np.asarray(dp.expand_position)
-    ends = np.asarray(dp.unique_group_ends)
+    sent = np.stack([np.asarray(dplans[s].unique_send_group_ends)[me] for s in range(ranks)])
     for k in range(-(-live // chunk)):
       rows = np.arange(k * chunk, min((k + 1) * chunk, live))
-      assert (pos[rows] < ends[src[rows], grp[k]]).all(), (me, k)
-    # the sender's view of the bounds is the owner's
-    for s in range(ranks):
-      np.testing.assert_array_equal(np.asarray(dplans[s].unique_send_group_ends)[me], ends[s])
+      assert (pos[rows] < sent[src[rows], grp[k]]).all(), (me, k)
+    owner = np.asarray(dp.unique_group_ends)
+    if bound is None:
+      np.testing.assert_array_equal(sent, owner)
+    else:
+      assert (owner <= sent).all()
+  if bound is not None:   # and the bound made the two differ somewhere
+    assert any((np.asarray(dp.unique_group_ends)
+                != np.stack([np.asarray(dplans[s].unique_send_group_ends)[me]
+                             for s in range(ranks)])).any()
+               for me, dp in enumerate(dplans))
 
 
 @pytest.mark.parametrize("scaled,h,n_comm,n_copy,chunk,stages", [

@@ -79,7 +79,9 @@ class DedupPlan:
   unique_output_offsets: jax.Array  # [R] int32: where my rows land in d's packed buffer
   unique_group_ends: jax.Array    # [R(src), G] int32: end of the rows of expert groups
                                   #   0..g inside source s's unique block for me (send_groups)
-  unique_send_group_ends: jax.Array  # [R(dst), G] int32: the same for my block for owner d
+  unique_send_group_ends: jax.Array  # [R(dst), G] int32: the same for the rows I send owner d
+                                  #   (all of them: >= d's unique_group_ends[me] where a
+                                  #   receive bound drops rows d does not read)
   expand_position: jax.Array      # [recv_rows] int32: receive row p -> index inside its
                                   #   source's unique block (0 for dead rows)
   recv_weights: jax.Array         # [recv_rows] f32: routing weight of receive row p's
