@@ -154,6 +154,7 @@ _NUMBERED_SUFFIXES = {"sm": ("kernel", "num_sms"), "rr": ("kernel", "raster_rows
                       "ov": ("fused", "overlap_copy_ctas"),
                       "ovb": ("fused", "overlap_copy_ctas_bwd"),
                       "ovs": ("fused", "overlap_copy_stages"),
+                      "ovj": ("fused", "overlap_join_percent"),
                       "tes": ("transfer", "copy_stages"),
                       "sg": (None, "dedup_send_groups")}
 
@@ -191,7 +192,8 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   beside the down GEMM (Kernel C, `FusedConfig.down_return_ctas`) and beside the
   dw_gate_up wgrad (`FusedConfig.wgrad_return_ctas`); `@ov<N>`, `@ovb<N>` Kernel D's copy
   CTAs forward / backward (`FusedConfig.overlap_copy_ctas[_bwd]`), `@ovs<N>` their SMEM
-  stages (`FusedConfig.overlap_copy_stages`), `@tes<N>` those of `@te`'s copy CTAs
+  stages (`FusedConfig.overlap_copy_stages`), `@ovj<P>` its transfer CTAs copying the
+  chunks from P% on (`FusedConfig.overlap_join_percent`), `@tes<N>` those of `@te`'s copy CTAs
   (`TransferConfig.copy_stages`); `@sg<N>` the unique
   rows' send groups (`UniEPConfig.dedup_send_groups`)."""
   base, *suffixes = name.split("@")
@@ -216,7 +218,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = _replace_in(cfg, "transfer", gather_rows=suffix == "gx")
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @ctas<N>, @dr<N>, @wrc<N>, @ov<N>, @ovb<N>, @ovs<N>, @tes<N>, @sg<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @ctas<N>, @dr<N>, @wrc<N>, @ov<N>, @ovb<N>, @ovs<N>, @ovj<P>, @tes<N>, @sg<N>)")
   return cfg
 
 

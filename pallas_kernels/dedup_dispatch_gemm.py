@@ -43,6 +43,9 @@ Roles (by CTA index c on "sm", 3 warpgroups each; warpgroup 0 works in roles 1 a
                              on this rank.
   c >= n_comm + n_copy       GEMM: Kernel A's GEMM body on the remaining CTAs; before each
                              compute tile, wait chunk_sem[load_row // B].
+  `FusedConfig.overlap_join_percent` p > 0: after their sweep the transfer CTAs copy too,
+  the chunks from join_chunk = live_chunks * p // 100 on, whose items are then dealt over
+  the n_copy + n_comm copiers (`copiers`); chunk_sem of those chunks counts them all.
 
 Work lists (plain JAX, one int32 array)
 ---------------------------------------
@@ -91,8 +94,9 @@ Synchronisation contract
       decrement=False (many waiters). Invariant when a wait returns: every source's
       unique rows of groups 0..g are in this rank's unique buffer (each CTA signals the
       groups in order, so arrived[g] complete implies every earlier group complete).
-  chunk_sem[k]: producers the n_copy copy CTAs of this rank, once each per live chunk,
-      after `wait_smem_to_gmem(0)` of their copies of chunk k: expected = n_copy.
+  chunk_sem[k]: producers the copiers of chunk k on this rank (the n_copy copy CTAs, and
+      from join_chunk on the n_comm transfer CTAs too), once each per live chunk, after
+      `wait_smem_to_gmem(0)` of their copies of chunk k: expected = `copiers(k)`.
       Consumers: the GEMM CTAs before a compute tile of chunk k (decrement=False).
       Invariant: every live row of chunk k of recv is written.
   Kernel end: the transfer CTAs' final sweep waits every arrived[g], so no peer writes
@@ -100,8 +104,9 @@ Synchronisation contract
       every chunk holding a compute tile and the copy CTAs drained their stores, so recv
       and the GEMM outputs are complete for the next XLA op.
   Deadlock freedom: transfer CTAs wait only on transfer CTAs' signals (their sweep,
-      after all of their own); copy CTAs only on transfer signals; GEMM CTAs only on copy
-      signals; each producer signals unconditionally. All num_sms CTAs resident (1 per SM).
+      after all of their own; joining, the same arrived counts as the copies); copy CTAs
+      only on transfer signals; GEMM CTAs only on copiers' signals; each producer signals
+      unconditionally. All num_sms CTAs resident (1 per SM).
   Open point (as Kernel A's): the GEMM's TMA loads of recv (async proxy) after an acquire
       in the generic proxy (the semaphore wait) of rows the copy CTAs stored with TMA.
 
@@ -234,7 +239,7 @@ class _Layout:
   c_w: int             # copy items (bound): cdiv(M_p, ITEM_ROWS)
   chunk_items: int     # copy items per receive chunk: B / ITEM_ROWS
   group_base: int      # group_of_chunk[C]
-  live_chunks_at: int  # live_chunks, then live_items
+  live_chunks_at: int  # live_chunks, then live_items, then join_chunk
   t_index_base: int    # unique_tokens
   c_index_base: int    # index
 
@@ -267,14 +272,22 @@ def _transfer_role(work_gmem, x_gmem, unique_gmem, arrived, stage_smem, load_bar
       n_comm=n_comm, axis_name=axis_name, num_peers=num_peers, index_base=lay.t_index_base)
 
 
+def copiers(k, join_chunk, n_copy: int, n_join: int):
+  """The CTAs that copy receive chunk k: the n_copy copy CTAs, and from join_chunk on the
+  n_join transfer CTAs too (`FusedConfig.overlap_join_percent`)."""
+  return n_copy + jnp.where(k >= join_chunk, n_join, 0)
+
+
 def _copy_role(work_gmem, unique_gmem, scale_gmem, recv3_gmem, arrived, chunk_sem, stage_smem,
-               load_barrier, *, cc, lay: _Layout, nb: int, n_copy: int, expected: int,
-               axis_name, stages: int = 2):
-  """Copy CTA cc (of n_copy): the live chunks in order, each after the groups it reads
-  arrived, then a signal on this rank. arrived/chunk_sem None: the local form (no waits,
-  no signals)."""
+               load_barrier, *, cc, lay: _Layout, nb: int, n_copy: int, n_join: int,
+               joining: bool, expected: int, axis_name, stages: int = 2):
+  """Copier cc of a chunk's copiers (`copiers`): copy CTA cc < n_copy walks every live
+  chunk; with joining, transfer CTA cc - n_copy walks the chunks from join_chunk on (after
+  its transfer). Each chunk after the groups it reads arrived, then a signal on this
+  rank. arrived/chunk_sem None: the local form (no waits, no signals)."""
   live_chunks = work_gmem[lay.live_chunks_at]
   live_items = work_gmem[lay.live_chunks_at + 1]
+  join_chunk = work_gmem[lay.live_chunks_at + 2]
 
   def chunk_body(k, carry):
     if arrived is not None:   # every source's rows of groups <= the chunk's last landed
@@ -282,22 +295,26 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv3_gmem, arrived, chunk_se
     first = k * lay.chunk_items
     move_items(work_gmem, unique_gmem, recv3_gmem, stage_smem, load_barrier, base=lay.c_base,
                first_item=first, count=jnp.clip(live_items - first, 0, lay.chunk_items),
-               w=lay.c_w, cta=cc, num_ctas=n_copy, item_rows=ITEM_ROWS, col_tile=nb,
-               index_base=lay.c_index_base, scale=scale_gmem, stages=stages)
+               w=lay.c_w, cta=cc, num_ctas=copiers(k, join_chunk, n_copy, n_join),
+               item_rows=ITEM_ROWS, col_tile=nb, index_base=lay.c_index_base,
+               scale=scale_gmem, stages=stages)
     plgpu.wait_smem_to_gmem(0)                  # this CTA's rows of chunk k written
     if chunk_sem is not None:
       pl.semaphore_signal(chunk_sem.at[k], device_id={axis_name: lax.axis_index(axis_name)})
     return carry
 
-  lax.fori_loop(0, live_chunks, chunk_body, 0)
+  lax.fori_loop(jnp.minimum(join_chunk, live_chunks) if joining else 0, live_chunks,
+                chunk_body, 0)
 
 
 def build_work(unique_tokens, seg_src, seg_dst, seg_len, index, live, group_sizes, *, rank,
-               tokens: int, out_rows: int, recv_chunk_rows: int):
+               tokens: int, out_rows: int, recv_chunk_rows: int, join_percent: int = 0):
   """(flat int32 work array, _Layout): the module doc's "Work lists". seg_*: [R, G] the
   transfer's segments (`send_segments`); index [N]: the packed unique row of every receive
   row (`dedup.packed_unique_index`); live: this rank's live receive rows; group_sizes
-  [El]; out_rows: M_p (the receive layout padded to block_m, a multiple of B)."""
+  [El]; out_rows: M_p (the receive layout padded to block_m, a multiple of B);
+  join_percent: the transfer CTAs copy the live chunks from join_chunk = live_chunks *
+  join_percent // 100 on (0: never, join_chunk = C)."""
   num_groups = seg_len.shape[1]
   b = recv_chunk_rows
   num_chunks = -(-out_rows // b)
@@ -306,7 +323,9 @@ def build_work(unique_tokens, seg_src, seg_dst, seg_len, index, live, group_size
   groups = group_of_chunks(group_sizes, live, num_groups=num_groups, recv_chunk_rows=b,
                            num_chunks=num_chunks)
   live = jnp.asarray(live, jnp.int32)
-  counts = jnp.stack([(live + b - 1) // b, (live + ITEM_ROWS - 1) // ITEM_ROWS])
+  live_chunks = (live + b - 1) // b
+  join_chunk = live_chunks * join_percent // 100 if join_percent else jnp.int32(num_chunks)
+  counts = jnp.stack([live_chunks, (live + ITEM_ROWS - 1) // ITEM_ROWS, join_chunk])
   parts = [t_lists.reshape(-1), c_list, groups, counts.astype(jnp.int32),
            unique_tokens.astype(jnp.int32), index.astype(jnp.int32)]
   offsets = [0]
@@ -325,8 +344,8 @@ def build_work(unique_tokens, seg_src, seg_dst, seg_len, index, live, group_size
 
 def _kernel(work_gmem, plan_gmem, x_gmem, *refs, scaled: bool, num_in: int, gemm_in: tuple,
             lay: _Layout, nb: int, nb_copy: int, copy_stages: int, gemm_kw: dict, n_comm: int,
-            n_copy: int, num_sms: int, num_chunks: int, recv_chunk_rows: int, axis_name,
-            num_peers: int):
+            n_copy: int, n_join: int, num_sms: int, num_chunks: int, recv_chunk_rows: int,
+            axis_name, num_peers: int):
   """refs: [scale], the GEMM's other inputs (num_in), then the outputs: unique (peers
   write into it), recv (the GEMM's lhs) and the GEMM's outputs."""
   scale_gmem, refs = (refs[0], refs[1:]) if scaled else (None, refs)
@@ -337,24 +356,33 @@ def _kernel(work_gmem, plan_gmem, x_gmem, *refs, scaled: bool, num_in: int, gemm
   chunk_sem = pl.get_global(plgpu.SemaphoreType.REGULAR((num_chunks,)))
   ct = x_gmem.shape[2]
 
+  copy = functools.partial(_copy_role, work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived,
+                           chunk_sem, lay=lay, nb=nb_copy, n_copy=n_copy, n_join=n_join,
+                           expected=num_peers * n_comm, axis_name=axis_name,
+                           stages=copy_stages)
+
   @pl.when(c < n_comm)
   def _transfer():
     _scoped(functools.partial(_transfer_role, work_gmem, x_gmem, unique_gmem, arrived,
                               lay=lay, nb=nb, n_comm=n_comm, axis_name=axis_name,
                               num_peers=num_peers), x_gmem.dtype, nb, ct)
+    if n_join:   # then the copies of the chunks from join_chunk on (its own SMEM scope)
+      _scoped(functools.partial(copy, cc=n_copy + c, joining=True), x_gmem.dtype, nb_copy, ct,
+              copy_stages)
 
   @pl.when((c >= n_comm) & (c < n_comm + n_copy))
   def _copy():
-    _scoped(functools.partial(_copy_role, work_gmem, unique_gmem, scale_gmem, recv_gmem, arrived,
-                              chunk_sem, cc=c - n_comm, lay=lay, nb=nb_copy, n_copy=n_copy,
-                              expected=num_peers * n_comm, axis_name=axis_name,
-                              stages=copy_stages),
-            x_gmem.dtype, nb_copy, ct, copy_stages)
+    _scoped(functools.partial(copy, cc=c - n_comm, joining=False), x_gmem.dtype, nb_copy, ct,
+            copy_stages)
 
   @pl.when(c >= n_comm + n_copy)
   def _gemm():
+    join_chunk = work_gmem[lay.live_chunks_at + 2]
+
     def wait_rows(load_row):   # invariant on return: rows of chunk load_row // B written
-      plgpu.semaphore_wait(chunk_sem.at[load_row // recv_chunk_rows], n_copy, decrement=False)
+      k = load_row // recv_chunk_rows
+      plgpu.semaphore_wait(chunk_sem.at[k], copiers(k, join_chunk, n_copy, n_join),
+                           decrement=False)
 
     gg._row_tiled_kernel(plan_gmem, recv_gmem, *(inputs[i] for i in gemm_in), *gemm_outs,
                          cta_offset=n_comm + n_copy, num_ctas=num_sms - n_comm - n_copy,
@@ -405,14 +433,17 @@ def _launch(x, dplan, index, live, group_sizes, inputs: tuple, *, scale, gemm_in
   rank = lax.axis_index(axis_name)
   seg = send_segments(dplan, dplan.send_groups)
   work, lay = build_work(dplan.unique_tokens, *seg, index, live, group_sizes, rank=rank,
-                         tokens=t, out_rows=st.m_p, recv_chunk_rows=fused.recv_chunk_rows)
+                         tokens=t, out_rows=st.m_p, recv_chunk_rows=fused.recv_chunk_rows,
+                         join_percent=fused.overlap_join_percent)
   plan = gg._row_tile_plan(group_sizes, st.m_p, kernel.block_m, zero_window)
   scaled = scale is not None
   # a copy item's weights are read for all ITEM_ROWS stage rows, past its end too
   scale_in = (jnp.pad(scale, (0, st.m_p + ITEM_ROWS - scale.shape[0])),) if scaled else ()
   body = functools.partial(
       _kernel, scaled=scaled, num_in=len(inputs), gemm_in=gemm_in, lay=lay, nb=nb[0],
-      nb_copy=nb[1], copy_stages=fused.overlap_copy_stages, gemm_kw=st.gemm_kw, n_comm=fused.n_comm, n_copy=n_copy, num_sms=st.num_sms,
+      nb_copy=nb[1], copy_stages=fused.overlap_copy_stages, gemm_kw=st.gemm_kw,
+      n_join=fused.n_comm if fused.overlap_join_percent else 0, n_comm=fused.n_comm,
+      n_copy=n_copy, num_sms=st.num_sms,
       num_chunks=st.num_chunks, recv_chunk_rows=fused.recv_chunk_rows, axis_name=axis_name,
       num_peers=r)
   # unique and recv as [rows, H / ct, ct]: the copies store whole rows as one box each,
@@ -508,12 +539,14 @@ def dedup_dispatch_dswiglu(dy, dplan, index, scale, live, group_sizes, w_down, h
 def transfer_copy_local(src, unique_tokens, seg_src, seg_dst, seg_len, index, live, group_sizes,
                         *, unique_rows: int, out_rows: int, recv_chunk_rows: int, rank: int = 0,
                         scale=None, n_comm: int = 2, n_copy: int = 2, copy_stages: int = 2,
-                        interpret=None):
+                        join_percent: int = 0, interpret=None):
   """The two data-moving roles in the fused kernel's launch shape, every peer offset's
   rows landing in this device's [unique_rows, H] buffer (launch 1, the transfer role),
   then recv [out_rows, H] = that buffer's rows by `index`, weighted if `scale` (launch 2,
   the copy role), chunk by chunk; no semaphores, so both run in the CPU interpret mode.
-  Returns (unique, recv); recv rows >= live undefined."""
+  join_percent: the transfer CTAs' share of the later chunks' copies (CTAs n_copy ..
+  n_copy + n_comm - 1 of launch 2 play them). Returns (unique, recv); recv rows >= live
+  undefined."""
   ns, hidden = src.shape
   itemsize = jnp.dtype(src.dtype).itemsize
   ct, nb = column_blocking(hidden, itemsize, ITEM_ROWS,
@@ -524,7 +557,7 @@ def transfer_copy_local(src, unique_tokens, seg_src, seg_dst, seg_len, index, li
                                stages=copy_stages)
   work, lay = build_work(unique_tokens, seg_src, seg_dst, seg_len, index, live, group_sizes,
                          rank=rank, tokens=ns, out_rows=out_rows,
-                         recv_chunk_rows=recv_chunk_rows)
+                         recv_chunk_rows=recv_chunk_rows, join_percent=join_percent)
   num_peers = seg_len.shape[0]
   interpret = gg.resolve_interpret(interpret)
   launch = functools.partial(
@@ -544,14 +577,22 @@ def transfer_copy_local(src, unique_tokens, seg_src, seg_dst, seg_len, index, li
   scaled = scale is not None
   scale_in = (jnp.pad(scale, (0, out_rows + ITEM_ROWS - scale.shape[0])),) if scaled else ()
 
+  n_join = n_comm if join_percent else 0
+
   def copy_body(work_gmem, unique_gmem, *refs):
     scale_gmem, (recv_gmem,) = (refs[0], refs[1:]) if scaled else (None, refs)
-    _scoped(functools.partial(_copy_role, work_gmem, unique_gmem, scale_gmem, recv_gmem, None,
-                              None, cc=lax.axis_index("sm"), lay=lay, nb=nb_copy, n_copy=n_copy,
-                              expected=0, axis_name=None, stages=copy_stages),
-            src.dtype, nb_copy, ct, copy_stages)
+    c = lax.axis_index("sm")
+    for joining, lo, hi in ((False, 0, n_copy), (True, n_copy, n_copy + n_join)):
+      @pl.when((c >= lo) & (c < hi))
+      def _(joining=joining):
+        _scoped(functools.partial(_copy_role, work_gmem, unique_gmem, scale_gmem, recv_gmem,
+                                  None, None, cc=c, lay=lay, nb=nb_copy, n_copy=n_copy,
+                                  n_join=n_join, joining=joining, expected=0, axis_name=None,
+                                  stages=copy_stages),
+                src.dtype, nb_copy, ct, copy_stages)
 
-  recv = launch(copy_body, kernel_name="dedup_copy_local", grid=(n_copy,), grid_names=("sm",),
+  recv = launch(copy_body, kernel_name="dedup_copy_local", grid=(n_copy + n_join,),
+                grid_names=("sm",),
                 out_type=jax.ShapeDtypeStruct((out_rows, hidden // ct, ct), src.dtype))(
       work, unique, *scale_in)
   return unique.reshape(unique_rows, hidden), recv.reshape(out_rows, hidden)

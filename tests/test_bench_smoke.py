@@ -42,6 +42,7 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   assert (cfg.fused.overlap_copy_ctas, cfg.fused.overlap_copy_ctas_bwd,
           cfg.fused.overlap_copy_stages, cfg.dedup_send_groups) == (24, 0, 3, 4)
   assert moe_layer.backend_config("uniep_dc_rbw_dd@te@tes3").transfer.copy_stages == 3
+  assert moe_layer.backend_config("uniep_dc_rbw_dd_ov@ovj40").fused.overlap_join_percent == 40
 
 
 def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):

@@ -116,11 +116,13 @@ def test_copy_waits_only_for_groups_that_hold_its_rows(ranks, top_k, experts, gr
                for me, dp in enumerate(dplans))
 
 
-@pytest.mark.parametrize("scaled,h,n_comm,n_copy,chunk,stages", [
-    (False, 256, 2, 3, 32, 2),      # one column block, the forward's plain copy
-    (True, 3072, 3, 2, 48, 2),      # rows of 12 boxes in 2 blocks, the backward's weighted copy
-    (True, 3072, 2, 2, 32, 3)])     # 3 copy stages (overlap_copy_stages)
-def test_local_form_delivers_the_dedup_dispatch_rows(scaled, h, n_comm, n_copy, chunk, stages):
+@pytest.mark.parametrize("scaled,h,n_comm,n_copy,chunk,stages,join", [
+    (False, 256, 2, 3, 32, 2, 0),      # one column block, the forward's plain copy
+    (True, 3072, 3, 2, 48, 2, 0),      # rows of 12 boxes in 2 blocks, the backward's weighted copy
+    (True, 3072, 2, 2, 32, 3, 0),      # 3 copy stages (overlap_copy_stages)
+    (False, 256, 3, 2, 16, 2, 40)])    # the transfer CTAs copy the chunks from 40% on too
+def test_local_form_delivers_the_dedup_dispatch_rows(scaled, h, n_comm, n_copy, chunk, stages,
+                                                     join):
   """The transfer role (group-major, every source simulated as a peer offset landing in
   this device's buffer) then the copy role, chunk by chunk: the owner's packed unique
   buffer and its receive layout, each row the token the plan names, weighted as
@@ -155,7 +157,7 @@ def test_local_form_delivers_the_dedup_dispatch_rows(scaled, h, n_comm, n_copy, 
       x, unique_tokens, as_i32(seg_src), as_i32(seg_dst), as_i32(seg_len), index,
       p.num_received, p.recv_group_sizes, unique_rows=ranks * tokens, out_rows=out_rows,
       recv_chunk_rows=chunk, rank=me, scale=scale, n_comm=n_comm, n_copy=n_copy,
-      copy_stages=stages, interpret=INTERPRET_RACES)
+      copy_stages=stages, join_percent=join, interpret=INTERPRET_RACES)
   assert_no_races()
   live = int(p.num_received)
   total = int(np.sum([len(u) for u in uniq]))
@@ -202,7 +204,8 @@ def test_communicating_kernel_lowers_for_cuda(mesh_factory, backward):
   mesh = mesh_factory(1, r)
   kernel = KernelConfig(num_sms=8, max_concurrent_steps=2)
   fused = FusedConfig(n_comm=2, recv_chunk_rows=128, return_in_kernel=False,
-                      dispatch_in_kernel=False, overlap_copy_stages=2 if backward else 3)
+                      dispatch_in_kernel=False, overlap_copy_stages=2 if backward else 3,
+                      overlap_join_percent=0 if backward else 50)
   recv_rows = r * t * k
 
   def body(x, topk, weights, w1, w2):

@@ -324,6 +324,10 @@ class FusedConfig:
     row copy): the copy's rate per CTA is bound by the bytes it has in flight (one H200:
     the whole qwen3-like layout in 0.62 ms on 32 CTAs, 0.25 on all), so 3 stages may
     let fewer copy CTAs keep up with the GEMM. Not yet timed.
+  overlap_join_percent: p in 1..100: Kernel D's transfer CTAs, once their sends are done,
+    copy too, the receive chunks from p% of the live ones on (their items dealt over
+    n_comm + overlap_copy_ctas CTAs): the transfer takes ~0.6 ms of a ~1.4 ms GEMM at
+    qwen3-like EP 4, its CTAs idle after. 0: off. Not yet timed.
   The bits never depend on these fields.
   """
 
@@ -337,8 +341,12 @@ class FusedConfig:
   overlap_copy_ctas: int = 0
   overlap_copy_ctas_bwd: int = 0
   overlap_copy_stages: int = 2
+  overlap_join_percent: int = 0
 
   def __post_init__(self):
+    if not 0 <= self.overlap_join_percent <= 100:
+      raise ValueError(f"overlap_join_percent={self.overlap_join_percent} must be in [0, 100] "
+                       f"(0: off)")
     if self.overlap_copy_stages < 2:
       raise ValueError(f"overlap_copy_stages={self.overlap_copy_stages} must be >= 2")
     for name in ("overlap_copy_ctas", "overlap_copy_ctas_bwd"):
