@@ -122,8 +122,10 @@ def main(argv=None):
         # transfer CTAs too; "<name>_op": slot_reduction="owner_partials"
         # "<backend>_ov": EXPERIMENTAL Kernel D both ways (the de-duplicated dispatch, its
         # expansion and the gate/up / da GEMM in one launch each; with the fused point's
-        # Kernel C and the dX return beside the wgrad; 2 send groups)
-        base, overlap = (backend[:-3], True) if backend.endswith("_ov") else (backend, False)
+        # Kernel C and the dX return beside the wgrad; 2 send groups); "_ovj": with 3 copy
+        # stages and the transfer CTAs copying the chunks from 50% on
+        base, join = (backend[:-1], True) if backend.endswith("_ovj") else (backend, False)
+        base, overlap = (base[:-3], True) if base.endswith("_ov") else (base, False)
         base, owner = (base[:-3], True) if base.endswith("_op") else (base, False)
         base, gather = (base[:-3], False) if base.endswith("_sb") else (base, True)
         base, expand_all = (base[:-4], True) if base.endswith("_tel") else (base, False)
@@ -144,7 +146,8 @@ def main(argv=None):
             cfg = dataclasses.replace(cfg, dedup_send_groups=2, fused=uniep_jax.FusedConfig(
                 n_comm=16, recv_chunk_rows=256, return_in_kernel=False, down_return_ctas=16,
                 wgrad_return_ctas=16, dispatch_in_kernel=False, overlap_copy_ctas=16,
-                overlap_copy_ctas_bwd=32))
+                overlap_copy_ctas_bwd=32, overlap_copy_stages=3 if join else 2,
+                overlap_join_percent=50 if join else 0))
           tag = f"{backend}/{tr}/{jnp.dtype(dtype).name}/data={data},ep={ep}"
           try:
             f_fwd, f_grad = _fns(mesh, top_k, cfg)
@@ -170,7 +173,7 @@ def main(argv=None):
         if outs:
           by_backend[backend] = next(iter(outs.values()))
       for backend in list(by_backend):
-        for suffix in ("_te", "_tel", "_ov"):
+        for suffix in ("_te", "_tel", "_ov", "_ovj"):
           plain = backend[:-len(suffix)]
           if backend.endswith(suffix) and plain in by_backend:
             # the transfer and the expansion in one launch move and weight the same rows
