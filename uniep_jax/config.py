@@ -463,10 +463,10 @@ class UniEPConfig:
     contiguous groups, the rows in (group of the token's smallest expert there, token)
     order, so the rows that the experts of groups 0..g read arrive first from every
     source (`DedupPlan.unique_group_ends`): the order a dispatch overlapped with its
-    GEMM needs (chunk g can start while later groups are in flight; sized in
-    pallas_kernels/NOTES_fused.md, "What is left for qwen3-like's 2x"; that kernel is
-    not built). Must divide the local experts. The bits do not depend on it (the same
-    rows land in the same receive rows).
+    GEMM needs: Kernel D (`FusedConfig.overlap_copy_ctas`, pallas_kernels/
+    dedup_dispatch_gemm.py) starts a GEMM chunk once every source has sent the groups
+    up to its last expert. Must divide the local experts. The bits do not depend on it
+    (the same rows land in the same receive rows).
   slot_reduction: how a token's K slot rows become one row, in the forward combine
     (y = sum_k w_k y_k) and in the dispatch's backward (dx = sum_k dx_k).
     "slot_order" (default): one float32 fold over k = 0..K-1 at home, rounded once.
