@@ -123,7 +123,8 @@ def main(argv=None):
         # "<backend>_ov": EXPERIMENTAL Kernel D both ways (the de-duplicated dispatch, its
         # expansion and the gate/up / da GEMM in one launch each; with the fused point's
         # Kernel C and the dX return beside the wgrad; 2 send groups); "_ovj": with 3 copy
-        # stages and the transfer CTAs copying the chunks from 50% on
+        # stages and the transfer CTAs copying the chunks from 50% on, and few copiers (4
+        # transfer, 2 copy CTAs) so that each walks several items of a chunk at this size
         base, join = (backend[:-1], True) if backend.endswith("_ovj") else (backend, False)
         base, overlap = (base[:-3], True) if base.endswith("_ov") else (base, False)
         base, owner = (base[:-3], True) if base.endswith("_op") else (base, False)
@@ -143,11 +144,12 @@ def main(argv=None):
                                           expand_last_on_all=expand_all),
                                       slot_reduction="owner_partials" if owner else "slot_order")
           if overlap:
+            copiers = 2 if join else 16
             cfg = dataclasses.replace(cfg, dedup_send_groups=2, fused=uniep_jax.FusedConfig(
-                n_comm=16, recv_chunk_rows=256, return_in_kernel=False, down_return_ctas=16,
-                wgrad_return_ctas=16, dispatch_in_kernel=False, overlap_copy_ctas=16,
-                overlap_copy_ctas_bwd=32, overlap_copy_stages=3 if join else 2,
-                overlap_join_percent=50 if join else 0))
+                n_comm=4 if join else 16, recv_chunk_rows=256, return_in_kernel=False,
+                down_return_ctas=16, wgrad_return_ctas=16, dispatch_in_kernel=False,
+                overlap_copy_ctas=copiers, overlap_copy_ctas_bwd=copiers if join else 32,
+                overlap_copy_stages=3 if join else 2, overlap_join_percent=50 if join else 0))
           tag = f"{backend}/{tr}/{jnp.dtype(dtype).name}/data={data},ep={ep}"
           try:
             f_fwd, f_grad = _fns(mesh, top_k, cfg)

@@ -43,9 +43,11 @@ Roles (by CTA index c on "sm", 3 warpgroups each; warpgroup 0 works in roles 1 a
                              on this rank.
   c >= n_comm + n_copy       GEMM: Kernel A's GEMM body on the remaining CTAs; before each
                              compute tile, wait chunk_sem[load_row // B].
-  `FusedConfig.overlap_join_percent` p > 0: after their sweep the transfer CTAs copy too,
-  the chunks from join_chunk = live_chunks * p // 100 on, whose items are then dealt over
-  the n_copy + n_comm copiers (`copiers`); chunk_sem of those chunks counts them all.
+  `FusedConfig.overlap_join_percent` p > 0: after their sends (before their final sweep)
+  the transfer CTAs copy too, the chunks from join_chunk = live_chunks * p // 100 on,
+  whose items are then dealt over the n_copy + n_comm copiers (`copiers`); chunk_sem of
+  those chunks counts them all. A chunk's items are dealt round robin from copier
+  (first item mod copiers), continuing the walk of the chunks before it.
 
 Work lists (plain JAX, one int32 array)
 ---------------------------------------
@@ -259,17 +261,20 @@ def _scoped(fn, dtype, nb: int, ct: int, stages: int = 2):
 
 
 def _transfer_role(work_gmem, x_gmem, unique_gmem, arrived, stage_smem, load_barrier, *,
-                   lay: _Layout, nb: int, n_comm: int, axis_name, num_peers: int):
+                   lay: _Layout, nb: int, n_comm: int, axis_name, num_peers: int,
+                   sweep: bool = True):
   """Transfer CTA c: the groups in order, each ending in one drain and R signals
   (Kernel A's walk, `fused_dispatch_gemm.walk_units_and_signal`, over groups instead of
-  chunks, with gathered loads of x[unique_tokens]); then the final sweep. axis_name=None:
-  the local form (every offset lands in this device's buffer, no semaphores)."""
+  chunks, with gathered loads of x[unique_tokens]); then the final sweep (sweep=False:
+  the caller's, after the joined copies). axis_name=None: the local form (every offset
+  lands in this device's buffer, no semaphores)."""
   g_count = lay.num_groups
   fdg.walk_units_and_signal(
       work_gmem, x_gmem, unique_gmem, stage_smem, load_barrier, arrived, units=g_count,
       stride=transfer_row_length(lay.t_w, g_count), starts=3 * lay.t_w,
       deals=3 * lay.t_w + g_count + 1, w=lay.t_w, item_rows=ITEM_ROWS, col_tile=nb,
-      n_comm=n_comm, axis_name=axis_name, num_peers=num_peers, index_base=lay.t_index_base)
+      n_comm=n_comm, axis_name=axis_name, num_peers=num_peers, index_base=lay.t_index_base,
+      sweep=sweep)
 
 
 def copiers(k, join_chunk, n_copy: int, n_join: int):
@@ -293,9 +298,12 @@ def _copy_role(work_gmem, unique_gmem, scale_gmem, recv3_gmem, arrived, chunk_se
     if arrived is not None:   # every source's rows of groups <= the chunk's last landed
       plgpu.semaphore_wait(arrived.at[work_gmem[lay.group_base + k]], expected, decrement=False)
     first = k * lay.chunk_items
+    n = copiers(k, join_chunk, n_copy, n_join)
+    # round robin over the whole walk (item i of chunk k to copier (first + i) mod n), not
+    # from copier 0 in every chunk: a chunk of few items still reaches every copier
     move_items(work_gmem, unique_gmem, recv3_gmem, stage_smem, load_barrier, base=lay.c_base,
                first_item=first, count=jnp.clip(live_items - first, 0, lay.chunk_items),
-               w=lay.c_w, cta=cc, num_ctas=copiers(k, join_chunk, n_copy, n_join),
+               w=lay.c_w, cta=lax.rem(cc - lax.rem(first, n) + n, n), num_ctas=n,
                item_rows=ITEM_ROWS, col_tile=nb, index_base=lay.c_index_base,
                scale=scale_gmem, stages=stages)
     plgpu.wait_smem_to_gmem(0)                  # this CTA's rows of chunk k written
@@ -365,10 +373,17 @@ def _kernel(work_gmem, plan_gmem, x_gmem, *refs, scaled: bool, num_in: int, gemm
   def _transfer():
     _scoped(functools.partial(_transfer_role, work_gmem, x_gmem, unique_gmem, arrived,
                               lay=lay, nb=nb, n_comm=n_comm, axis_name=axis_name,
-                              num_peers=num_peers), x_gmem.dtype, nb, ct)
-    if n_join:   # then the copies of the chunks from join_chunk on (its own SMEM scope)
+                              num_peers=num_peers, sweep=not n_join), x_gmem.dtype, nb, ct)
+    if n_join:
+      # then the copies of the chunks from join_chunk on (their own SMEM scope), before
+      # the sweep: each waits only for its groups, signalled by every transfer CTA before
+      # its own copies or sweep; the sweep last
       _scoped(functools.partial(copy, cc=n_copy + c, joining=True), x_gmem.dtype, nb_copy, ct,
               copy_stages)
+
+      @pl.when(lax.axis_index("wg") == 0)
+      def _():
+        fdg.final_sweep(arrived, units=lay.num_groups, n_comm=n_comm, num_peers=num_peers)
 
   @pl.when((c >= n_comm) & (c < n_comm + n_copy))
   def _copy():
@@ -437,7 +452,7 @@ def _launch(x, dplan, index, live, group_sizes, inputs: tuple, *, scale, gemm_in
                          join_percent=fused.overlap_join_percent)
   plan = gg._row_tile_plan(group_sizes, st.m_p, kernel.block_m, zero_window)
   scaled = scale is not None
-  # a copy item's weights are read for all ITEM_ROWS stage rows, past its end too
+  # (slack: the items are 16-row aligned inside M_p, so no weight past M_p is read)
   scale_in = (jnp.pad(scale, (0, st.m_p + ITEM_ROWS - scale.shape[0])),) if scaled else ()
   body = functools.partial(
       _kernel, scaled=scaled, num_in=len(inputs), gemm_in=gemm_in, lay=lay, nb=nb[0],

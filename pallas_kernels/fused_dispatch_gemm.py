@@ -259,7 +259,7 @@ def _transfer_role(work_gmem, src_gmem, recv_gmem, stage_smem, load_barrier, chu
 def walk_units_and_signal(work_gmem, src_gmem, out_gmem, stage_smem, load_barrier, sem, *,
                           units, stride: int, starts: int, deals: int, w: int, item_rows: int,
                           col_tile: int, n_comm: int, axis_name, num_peers: int,
-                          index_base: Optional[int] = None):
+                          index_base: Optional[int] = None, sweep: bool = True):
   """A transfer CTA's walk over `units` (Kernel A: receive chunks; Kernel D: expert
   groups), shared by the two kernels. Work row j (peer offset j) at work_gmem[j * stride]
   holds src_row/dst_row/rows[w], then at `starts` the units' first items [units + 1] and
@@ -268,8 +268,9 @@ def walk_units_and_signal(work_gmem, src_gmem, out_gmem, stage_smem, load_barrie
   dealt round robin over the walk; then `wait_smem_to_gmem(0)` (its stores landed) and
   sem[u] signalled on every rank. Then the final sweep: units c, c + n_comm, ... waited
   for R * n_comm signals (decrement=False), so that when every transfer CTA is past it
-  every peer's stores and signals of this launch have reached this rank. axis_name=None:
-  the local form (every offset into this device's `out_gmem`, no semaphores)."""
+  every peer's stores and signals of this launch have reached this rank (sweep=False: the
+  caller runs `final_sweep` itself, later). axis_name=None: the local form (every offset
+  into this device's `out_gmem`, no semaphores)."""
   c = lax.axis_index("sm")
   me = lax.axis_index(axis_name) if axis_name is not None else None
 
@@ -294,11 +295,20 @@ def walk_units_and_signal(work_gmem, src_gmem, out_gmem, stage_smem, load_barrie
 
   lax.fori_loop(0, units, unit_body, 0)
 
-  if axis_name is not None:
-    def sweep(i, carry):
-      plgpu.semaphore_wait(sem.at[c + i * n_comm], num_peers * n_comm, decrement=False)
-      return carry
-    lax.fori_loop(0, (units - c + n_comm - 1) // n_comm, sweep, 0)
+  if axis_name is not None and sweep:
+    final_sweep(sem, units=units, n_comm=n_comm, num_peers=num_peers)
+
+
+def final_sweep(sem, *, units, n_comm: int, num_peers: int):
+  """Transfer CTA c waits units c, c + n_comm, ... of `sem` for all R * n_comm signals
+  (decrement=False): when every transfer CTA is past it, every unit is complete on this
+  rank, so no peer's store or signal of this launch arrives after it ends."""
+  c = lax.axis_index("sm")
+
+  def wait(i, carry):
+    plgpu.semaphore_wait(sem.at[c + i * n_comm], num_peers * n_comm, decrement=False)
+    return carry
+  lax.fori_loop(0, (units - c + n_comm - 1) // n_comm, wait, 0)
 
 
 def _transfer_scope(work_gmem, src_gmem, recv_gmem, chunk_sem, *, item_rows, col_tile, **kw):

@@ -120,7 +120,8 @@ def test_copy_waits_only_for_groups_that_hold_its_rows(ranks, top_k, experts, gr
     (False, 256, 2, 3, 32, 2, 0),      # one column block, the forward's plain copy
     (True, 3072, 3, 2, 48, 2, 0),      # rows of 12 boxes in 2 blocks, the backward's weighted copy
     (True, 3072, 2, 2, 32, 3, 0),      # 3 copy stages (overlap_copy_stages)
-    (False, 256, 3, 2, 16, 2, 40)])    # the transfer CTAs copy the chunks from 40% on too
+    (False, 256, 3, 2, 16, 2, 40),     # the transfer CTAs copy the chunks from 40% on too
+    (True, 3072, 2, 1, 32, 3, 40)])    # both, weighted, one copy CTA: several steps each
 def test_local_form_delivers_the_dedup_dispatch_rows(scaled, h, n_comm, n_copy, chunk, stages,
                                                      join):
   """The transfer role (group-major, every source simulated as a peer offset landing in

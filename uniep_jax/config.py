@@ -323,7 +323,9 @@ class FusedConfig:
   overlap_copy_stages: SMEM stages of each copy CTA of Kernel D (>= 2; 2 as every other
     row copy): the copy's rate per CTA is bound by the bytes it has in flight (one H200:
     the whole qwen3-like layout in 0.62 ms on 32 CTAs, 0.25 on all), so 3 stages may
-    let fewer copy CTAs keep up with the GEMM. Not yet timed.
+    let fewer copy CTAs keep up with the GEMM (H 2048 and 7168 keep their column blocks
+    at 3 stages; where 3 stages halve them, e.g. H 5120, the bytes in flight stay the
+    same). Not yet timed.
   overlap_join_percent: p in 1..100: Kernel D's transfer CTAs, once their sends are done,
     copy too, the receive chunks from p% of the live ones on (their items dealt over
     n_comm + overlap_copy_ctas CTAs): the transfer takes ~0.6 ms of a ~1.4 ms GEMM at
