@@ -683,7 +683,9 @@ def test_parse_fused_points():
   assert T.parse_fused_points("32,2048; 16,2048,0,1;") == ((32, 2048), (16, 2048, False, True))
   # every field of FusedConfig: the point without Kernel A
   assert T.parse_fused_points("16,2048,0,0,16,16,0") == ((16, 2048, False, False, 16, 16, False),)
-  for bad in ("32", "32,2048,2,0", "a,2048", "16,2048,0,0,16,16,2", "16,2048,0,0,16,16,0,1"):
+  # (a 12th field: FusedConfig has 11, the last four Kernel D's)
+  for bad in ("32", "32,2048,2,0", "a,2048", "16,2048,0,0,16,16,2",
+              "16,2048,0,0,16,16,0,16,32,3,50,1"):
     with pytest.raises(ValueError, match="--fused-points"):
       T.parse_fused_points(bad)
 
@@ -769,6 +771,50 @@ def test_stage3_times_each_dedup_candidate_with_the_expansion_in_the_transfer(tm
   valid, _ = T.fused_candidates(_space(dedup_tokens=(True,)), T.DEFAULT_CANDIDATE,
                                 DEEPSEEK_BWD, HOPPER)
   assert not any(c.transfer.expand_in_transfer for c in valid)
+
+def test_stage3_kernel_d_points_carry_their_send_groups(tmp_path, no_shipped_cache):
+  """A fused point with Kernel D (overlap_copy_ctas): one de-duplicated candidate whose
+  send groups follow OVERLAP_SEND_GROUPS, labelled, round-tripped through knobs and the
+  cache, resolved for a fully auto config (dedup_send_groups with it), never paired with
+  expand_in_transfer where Kernel D moves every dispatch, pruned where its CTAs leave no
+  GEMM CTA; the forward run drops the backward's copy CTAs."""
+  point = (16, 2048, False, False, 16, 16, False, 16, 32)
+  valid, rejected = T.fused_candidates(
+      _space(fused=(point,), dedup_tokens=(True,), expand_in_transfer=(True,)),
+      T.DEFAULT_CANDIDATE, DEEPSEEK_BWD, HOPPER)
+  assert not rejected
+  kd = [c for c in valid if c.fused is not None]
+  assert [c.label() for c in kd] == [
+      "m128_n128_k64_s3|c128_x64_t256|f16_b2048_v1ret_dr16_rbw16_noA_ov16_ovb32|dd|sg8"]
+  assert kd[0].send_groups == 8 == T.overlap_send_groups(DEEPSEEK_BWD.experts // DEEPSEEK_BWD.ep)
+  assert T.candidate_from_knobs(kd[0].knobs()) == kd[0]
+  assert T.overlap_send_groups(12) == 4 and T.overlap_send_groups(2) == 2
+  # (the v1 base with dedup keeps its expand_in_transfer twin)
+  assert any(c.fused is None and c.transfer.expand_in_transfer for c in valid)
+  fwd = dataclasses.replace(DEEPSEEK_BWD, direction="fwd")
+  valid_fwd, _ = T.fused_candidates(_space(fused=(point,), dedup_tokens=(True,)),
+                                    T.DEFAULT_CANDIDATE, fwd, HOPPER)
+  assert [c.fused.overlap_copy_ctas_bwd for c in valid_fwd if c.fused is not None] == [0]
+  # 16 transfer + 120 copy CTAs leave no GEMM CTA on 132 SMs
+  _, rejected = T.fused_candidates(_space(fused=((16, 2048, False, False, 16, 16, False, 120),)),
+                                   T.DEFAULT_CANDIDATE, DEEPSEEK_BWD, HOPPER)
+  assert "must leave GEMM CTAs" in rejected[0]["reason"]
+  # cache entry -> fully auto config: the fused point with its send groups
+  entry = dict(kernel=dataclasses.asdict(kd[0].kernel), transfer=dataclasses.asdict(kd[0].transfer),
+               fused=dataclasses.asdict(kd[0].fused), dedup_tokens=True, dedup_send_groups=8)
+  assert T._entry_candidate(json.loads(json.dumps(entry))) == kd[0]
+  dev, shape = no_shipped_cache
+  user = tmp_path / "user.json"
+  T.update_cache(user, T.cache_key(dev.device_kind, DEEPSEEK_BWD), entry)
+  auto = UniEPConfig(backend="uniep", kernel=None, transfer=None)
+  r = T.resolve_config(auto, device=dev, cache_path=user, **shape)
+  assert (r.fused, r.dedup_tokens, r.dedup_send_groups) == (kd[0].fused, True, 8)
+  # a config that names its fused kernels keeps them, and its own send groups
+  mine = dataclasses.replace(auto, fused=uniep_jax.FusedConfig(n_comm=8))
+  r = T.resolve_config(mine, device=dev, cache_path=user, **shape)
+  assert (r.fused, r.dedup_send_groups) == (mine.fused, 1)
+  assert T.parse_fused_points("16,2048,0,0,16,16,0,16,32,3,50") == (
+      (16, 2048, False, False, 16, 16, False, 16, 32, 3, 50),)
 
 def test_stage3_tries_token_dedup_on_the_v1_winner(tmp_path, no_shipped_cache):
   """SearchSpace.dedup_tokens: stage 3 times the best v1 candidate with token

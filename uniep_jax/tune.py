@@ -8,8 +8,11 @@ fused: FusedConfig | None)`:
                   raster_rows (grouped GEMM)
   TransferConfig  chunk_rows, num_ctas, col_tile                 (NVLink rows)
   FusedConfig     n_comm, recv_chunk_rows, return_in_kernel, backward,
-                  wgrad_return_ctas, down_return_ctas  (the v2 fused
-                  kernels; None: v1)
+                  wgrad_return_ctas, down_return_ctas, dispatch_in_kernel and
+                  Kernel D's overlap_copy_ctas[_bwd], overlap_copy_stages,
+                  overlap_join_percent  (the v2 fused kernels; None: v1; Kernel D's
+                  points only where --fused-points names them, each with
+                  UniEPConfig.dedup_send_groups by `overlap_send_groups`' rule)
 `SearchSpace` lists the values of each knob; the product of the kernel and
 transfer knobs is the enumerated space; its `fused` points are stage 3.
 `KernelConfig.num_sms` is not tuned (the persistent grid takes every SM).
@@ -241,6 +244,7 @@ class Candidate:
   transfer: TransferConfig
   fused: Optional[FusedConfig] = None   # the v2 fused kernels (stage 3); None: v1
   dedup_tokens: bool = False            # v1 with token de-duplication (stage 3)
+  send_groups: int = 1                  # UniEPConfig.dedup_send_groups (Kernel D points)
 
   def label(self) -> str:
     k, t = self.kernel, self.transfer
@@ -257,9 +261,15 @@ class Candidate:
                 + ("_fbwd" if f.backward else "")
                 + (f"_dr{f.down_return_ctas}" if f.down_return_ctas else "")
                 + (f"_rbw{f.wgrad_return_ctas}" if f.wgrad_return_ctas else "")
-                + ("" if f.dispatch_in_kernel else "_noA"))
+                + ("" if f.dispatch_in_kernel else "_noA")
+                + (f"_ov{f.overlap_copy_ctas}" if f.overlap_copy_ctas else "")
+                + (f"_ovb{f.overlap_copy_ctas_bwd}" if f.overlap_copy_ctas_bwd else "")
+                + (f"_ovs{f.overlap_copy_stages}" if f.overlap_copy_stages != 2 else "")
+                + (f"_ovj{f.overlap_join_percent}" if f.overlap_join_percent else ""))
     if self.dedup_tokens:
       label += "|dd"
+    if self.send_groups != 1:
+      label += f"|sg{self.send_groups}"
     return label
 
   def knobs(self) -> dict:
@@ -271,6 +281,8 @@ class Candidate:
       knobs["dedup_tokens"] = True
     if self.transfer.expand_in_transfer:
       knobs["expand_in_transfer"] = True
+    if self.send_groups != 1:
+      knobs["dedup_send_groups"] = self.send_groups
     return knobs
 
 
@@ -281,7 +293,9 @@ TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
 # the order before it (row-major), which the same labels no longer mean.
 TILE_ORDER_KNOBS = ("raster_rows", "wgrad_raster")
 FUSED_KNOBS = ("n_comm", "recv_chunk_rows", "return_in_kernel", "backward",
-               "wgrad_return_ctas", "down_return_ctas", "dispatch_in_kernel")
+               "wgrad_return_ctas", "down_return_ctas", "dispatch_in_kernel",
+               "overlap_copy_ctas", "overlap_copy_ctas_bwd", "overlap_copy_stages",
+               "overlap_join_percent")
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
 
 
@@ -325,7 +339,10 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
   if transfer.expand_in_transfer and not dedup:
     raise InvalidCandidate("expand_in_transfer is the de-duplicated dispatches' expansion: it "
                            "needs dedup_tokens")
-  return Candidate(kernel, transfer, fused, dedup)
+  send_groups = int(knobs.get("dedup_send_groups", 1))
+  if send_groups < 1:
+    raise InvalidCandidate(f"dedup_send_groups={send_groups} must be >= 1")
+  return Candidate(kernel, transfer, fused, dedup, send_groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,12 +541,40 @@ def check_fused(cand: Candidate, problem: TuneProblem, device: DeviceFacts) -> N
       ctas = getattr(cand.fused, name)
       if ctas and not ctas < device.num_sms:
         raise ValueError(f"{name}={ctas} must be < num_sms={device.num_sms}")
+    for n_copy, mode in ((cand.fused.overlap_copy_ctas, "swiglu"),
+                         (cand.fused.overlap_copy_ctas_bwd if p.direction == "bwd" else 0,
+                          "dswiglu")):
+      if n_copy:   # Kernel D's checks (CTA split, send groups, SMEM, the 3-D view's tiles)
+        from pallas_kernels import dedup_dispatch_gemm as ddg
+        ddg.validate(out_rows=p.recv_rows, hidden=p.hidden, ffn=p.ffn, num_local_experts=el,
+                     num_groups=cand.send_groups, dtype=jnp.dtype(p.dtype), kernel=kernel,
+                     fused=cand.fused, n_copy=n_copy, smem=device.smem_bytes, mode=mode)
     cta_n = 2 * kernel.block_n
     if cand.fused.down_return_ctas and p.hidden % cta_n:
       raise ValueError(f"hidden={p.hidden} must be divisible by the CTA tile width "
                        f"2 * block_n = {cta_n} (Kernel C sends the down GEMM's columns as they are)")
   except ValueError as e:
     raise InvalidCandidate(f"fused kernels: {e}") from None
+
+
+# Kernel D's send groups (UniEPConfig.dedup_send_groups) for a tuned point: the most of
+# these that divides the local experts (8 groups of 4 at qwen3-like EP 4, as the layer
+# bench's uniep_dc_rbw_dd_ov). A rule, not tuned.
+OVERLAP_SEND_GROUPS = (8, 4, 2, 1)
+
+
+def overlap_send_groups(local_experts: int) -> int:
+  return next(g for g in OVERLAP_SEND_GROUPS if local_experts % g == 0)
+
+
+def _has_v1_dedup_dispatch(cand: Candidate, direction: str) -> bool:
+  """Whether a de-duplicated candidate runs a v1 de-duplicated dispatch (transfer, then
+  the owner's copy) that expand_in_transfer would change: not where Kernel D moves every
+  dispatch the run times."""
+  f = cand.fused
+  if f is None or not f.overlap_copy_ctas:
+    return True
+  return direction == "bwd" and not f.overlap_copy_ctas_bwd
 
 
 def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
@@ -541,8 +586,13 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
     knobs = dict(base.knobs(), **dict(zip(FUSED_KNOBS, point)))
     if knobs.get("dispatch_in_kernel") is False:
       knobs["dedup_tokens"] = True   # the point's forward dispatch is the unique one
+    if knobs.get("overlap_copy_ctas") or knobs.get("overlap_copy_ctas_bwd"):
+      # Kernel D: the unique rows sent in expert groups (OVERLAP_SEND_GROUPS' rule)
+      knobs["dedup_send_groups"] = overlap_send_groups(problem.experts // problem.ep)
     if knobs.get("backward") and problem.direction == "fwd":
       continue   # the fused backward: the same forward as its point without it
+    if problem.direction == "fwd":
+      knobs["overlap_copy_ctas_bwd"] = 0   # a forward run times no backward launch
     try:
       cand = candidate_from_knobs(knobs)
       check_fused(cand, problem, device)
@@ -557,7 +607,8 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
     valid.append(dataclasses.replace(base, dedup_tokens=True))
   if True in space.expand_in_transfer:
     # + the expansion inside the transfer's launch, for every de-duplicated candidate
-    for cand in [c for c in valid if c.dedup_tokens and not c.transfer.expand_in_transfer]:
+    for cand in [c for c in valid if c.dedup_tokens and not c.transfer.expand_in_transfer
+                 and _has_v1_dedup_dispatch(c, problem.direction)]:
       t = cand.transfer
       if not t.gather_rows:
         continue
@@ -788,13 +839,15 @@ class LayerRunner:
     return jax.jit(init, out_shardings=out)(jax.random.key(seed))
 
   def _config(self, backend: str, kernel: KernelConfig, transfer: TransferConfig,
-              fused: Optional[FusedConfig] = None, dedup_tokens: bool = False) -> UniEPConfig:
+              fused: Optional[FusedConfig] = None, dedup_tokens: bool = False,
+              send_groups: int = 1) -> UniEPConfig:
     if self.num_sms is not None:
       kernel = dataclasses.replace(kernel, num_sms=self.num_sms)
     transport = "padded" if backend == "pallas" else None
     return UniEPConfig(backend=backend, kernel=kernel, transfer=transfer, transport=transport,
                        fused=fused if backend == "uniep" else None,
-                       dedup_tokens=dedup_tokens and backend == "uniep")
+                       dedup_tokens=dedup_tokens and backend == "uniep",
+                       dedup_send_groups=send_groups if backend == "uniep" else 1)
 
   def _jitted(self, cfg: UniEPConfig):
     """The jitted layer for `cfg`: forward, or loss value and gradients for "bwd"."""
@@ -816,7 +869,8 @@ class LayerRunner:
                    else jax.value_and_grad(loss, argnums=(0, 1)))
 
   def _candidate_config(self, cand: Candidate) -> UniEPConfig:
-    return self._config(self.backend, cand.kernel, cand.transfer, cand.fused, cand.dedup_tokens)
+    return self._config(self.backend, cand.kernel, cand.transfer, cand.fused, cand.dedup_tokens,
+                        cand.send_groups)
 
   def _compile(self, cfg: UniEPConfig):
     t0 = time.perf_counter()
@@ -1239,7 +1293,8 @@ def _entry_candidate(entry: dict) -> Candidate:
   fused = entry.get("fused")
   return Candidate(KernelConfig(**entry["kernel"]), TransferConfig(**entry["transfer"]),
                    FusedConfig(**fused) if fused else None,
-                   bool(entry.get("dedup_tokens", False)))   # older entries: False
+                   bool(entry.get("dedup_tokens", False)),   # older entries: False
+                   int(entry.get("dedup_send_groups", 1)))
 
 
 def lookup(problem: TuneProblem, device_kind: str, *, cache_path=None):
@@ -1322,11 +1377,14 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
   if fused is not None and fused.backward and config.swiglu_grad_in_kernel is False:
     # the fused backward computes dh, du in the da epilogue: the user asked for XLA's
     fused = dataclasses.replace(fused, backward=False)
+  # Kernel D's send groups come with the tuned winner that needs them (unless set)
+  groups = (cand.send_groups if fused is f and f is not None and config.dedup_send_groups == 1
+            else config.dedup_send_groups)
   return dataclasses.replace(
       config,
       kernel=config.kernel if config.kernel is not None else cand.kernel,
       transfer=config.transfer if config.transfer is not None else cand.transfer,
-      fused=fused, dedup_tokens=dedup)
+      fused=fused, dedup_tokens=dedup, dedup_send_groups=groups)
 
 
 def cache_entry(result: TuneResult, git_commit: Optional[str] = None,
@@ -1346,6 +1404,7 @@ def cache_entry(result: TuneResult, git_commit: Optional[str] = None,
   return dict(kernel=k, transfer=dataclasses.asdict(best.candidate.transfer),
               fused=dataclasses.asdict(fused) if fused is not None else None,
               dedup_tokens=best.candidate.dedup_tokens,
+              dedup_send_groups=best.candidate.send_groups,
               median_ms=best.median_ms, default_ms=spread["default_ms"] if spread else None,
               backend=result.backend, strategy=result.strategy, counts=result.counts(),
               device_count=result.problem.ep, git_commit=git_commit,
@@ -1573,8 +1632,9 @@ _FUSED_BOOL_FIELDS = tuple(i for i, k in enumerate(FUSED_KNOBS)
 
 def parse_fused_points(text: str) -> tuple:
   """'32,2048;16,2048,0,1' -> ((32, 2048), (16, 2048, False, True)): SearchSpace.fused.
-  A point is 2 to 7 of FUSED_KNOBS in order, the flags as 0|1
-  (e.g. '16,2048,0,0,16,16,0': no Kernel A, Kernel C and the return beside the wgrad)."""
+  A point is 2 to 11 of FUSED_KNOBS in order, the flags as 0|1
+  (e.g. '16,2048,0,0,16,16,0': no Kernel A, Kernel C and the return beside the wgrad;
+  '16,2048,0,0,16,16,0,16,32': the same with Kernel D, 16 / 32 copy CTAs)."""
   points = []
   for item in (t.strip() for t in text.split(";")):
     if not item:
@@ -1583,7 +1643,9 @@ def parse_fused_points(text: str) -> tuple:
     if not 2 <= len(fields) <= len(FUSED_KNOBS) or not all(f.isdigit() for f in fields) or any(
         fields[i] not in ("0", "1") for i in _FUSED_BOOL_FIELDS if i < len(fields)):
       raise ValueError(f"--fused-points: {item!r} must be n_comm,recv_chunk_rows[,0|1,0|1"
-                       f"[,wgrad_return_ctas[,down_return_ctas[,0|1]]]]")
+                       f"[,wgrad_return_ctas[,down_return_ctas[,0|1[,overlap_copy_ctas"
+                       f"[,overlap_copy_ctas_bwd[,overlap_copy_stages"
+                       f"[,overlap_join_percent]]]]]]]]")
     points.append(tuple((f == "1") if i in _FUSED_BOOL_FIELDS else int(f)
                         for i, f in enumerate(fields)))
   return tuple(points)
@@ -1625,11 +1687,15 @@ def main(argv=None) -> int:
   ap.add_argument("--compile-workers", type=int, default=1,
                   help="compile the next candidates in this many threads while one is timed "
                        "(see LayerRunner; use with XLA_FLAGS=--xla_gpu_deterministic_ops=true)")
-  ap.add_argument("--fused-points", default=None, metavar="N,B[,RET,BWD[,RBW[,DR[,A]]]];...",
+  ap.add_argument("--fused-points", default=None,
+                  metavar="N,B[,RET,BWD[,RBW[,DR[,A[,OV[,OVB[,OVS[,OVJ]]]]]]]];...",
                   help="stage 3's points instead of SearchSpace().fused: FusedConfig fields "
                        "n_comm, recv_chunk_rows[, return_in_kernel, backward (0/1)[, "
-                       "wgrad_return_ctas[, down_return_ctas[, dispatch_in_kernel (0/1)]]]], "
-                       "';' between points, e.g. '8,2048,0,1;16,2048,0,0,16,16,0'")
+                       "wgrad_return_ctas[, down_return_ctas[, dispatch_in_kernel (0/1)[, "
+                       "overlap_copy_ctas[, overlap_copy_ctas_bwd[, overlap_copy_stages[, "
+                       "overlap_join_percent]]]]]]]] (Kernel D: the unique rows in the most "
+                       "of 8/4/2 groups dividing the local experts), ';' between points, e.g. "
+                       "'8,2048,0,1;16,2048,0,0,16,16,0;16,2048,0,0,16,16,0,16,32'")
   args = ap.parse_args(argv)
   space = SearchSpace(fused=()) if args.no_fused else SearchSpace()
   if args.fused_points and not args.no_fused:
