@@ -135,8 +135,9 @@ from pallas_kernels import device as device_lib
 from pallas_kernels import fused_dispatch_gemm as fdg
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.ep_transfer import GATHER_ITEM_ROWS, move_items
-from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, column_blocking
+from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, column_blocking, stage_budget
 from uniep_jax.config import FusedConfig, KernelConfig, TransferConfig
+from uniep_jax.dedup import expert_group
 from uniep_jax.ragged import SEARCH_METHOD, enumerate_runs
 
 ITEM_ROWS = GATHER_ITEM_ROWS   # rows per item of both roles (gathered loads: one TMA per row)
@@ -211,13 +212,23 @@ def group_of_chunks(group_sizes, live, *, num_groups: int, recv_chunk_rows: int,
   last = jnp.minimum((jnp.arange(num_chunks, dtype=jnp.int32) + 1) * recv_chunk_rows,
                      jnp.asarray(live, jnp.int32)) - 1
   expert = jnp.searchsorted(ends, jnp.maximum(last, 0), side="right", method=SEARCH_METHOD)
-  group = jnp.minimum(expert, el - 1) // (el // num_groups)
+  group = expert_group(jnp.minimum(expert, el - 1), el, num_groups)
   return jnp.where(last >= 0, group, 0).astype(jnp.int32)
 
 
-def send_segments(dplan, num_groups: int):
-  """The transfer's segments [R(dst), G] (src, dst, len) from a `DedupPlan` made with
-  send_groups = G: this rank's unique rows for owner d in group g are unique_tokens
+def column_blockings(hidden: int, itemsize: int, copy_stages: int, smem: int):
+  """(ct, nb of the transfer role, nb of the copy role): the rows' TMA box width (the same
+  for x, the unique buffer and recv, all [rows, H / ct, ct]) and each role's boxes per
+  step, the transfer's on 2 stages, the copy's on `copy_stages`."""
+  ct, nb = column_blocking(hidden, itemsize, ITEM_ROWS, min(STAGE_BUDGET_BYTES, smem))
+  _, nb_copy = column_blocking(hidden, itemsize, ITEM_ROWS, stage_budget(copy_stages, smem),
+                               stages=copy_stages)
+  return ct, nb, nb_copy
+
+
+def send_segments(dplan):
+  """The transfer's segments [R(dst), G] (src, dst, len) from a `DedupPlan` (its
+  send_groups G): this rank's unique rows for owner d in group g are unique_tokens
   positions unique_send_offsets[d] + [ends[g - 1], ends[g]) and land in d's packed buffer
   at unique_output_offsets[d] + the same. ends = dplan.unique_send_group_ends[d]."""
   ends = dplan.unique_send_group_ends                               # [R, G]
@@ -426,17 +437,12 @@ def validate(*, out_rows: int, hidden: int, ffn: int, num_local_experts: int, nu
                     fused=FusedConfig(n_comm=fused.n_comm + n_copy,
                                       recv_chunk_rows=fused.recv_chunk_rows),
                     smem=smem, mode=mode)
-  itemsize = jnp.dtype(dtype).itemsize
-  smem = device_lib.smem_capacity() if smem is None else smem
-  ct, nb = column_blocking(hidden, itemsize, ITEM_ROWS, min(STAGE_BUDGET_BYTES, smem))
+  ct, nb, nb_copy = column_blockings(
+      hidden, jnp.dtype(dtype).itemsize, fused.overlap_copy_stages,
+      device_lib.smem_capacity() if smem is None else smem)
   if ct % kernel.block_k:
     raise ValueError(f"the rows' TMA box width {ct} (H={hidden}) must be a multiple of "
                      f"block_k={kernel.block_k}: the GEMM reads the receive layout through it")
-  copy_stages = fused.overlap_copy_stages
-  _, nb_copy = column_blocking(hidden, itemsize, ITEM_ROWS,
-                               min(STAGE_BUDGET_BYTES * copy_stages // 2,
-                                   smem - gg._SMEM_RESERVE),
-                               stages=copy_stages)
   return st, ct, (nb, nb_copy)
 
 
@@ -446,7 +452,7 @@ def _launch(x, dplan, index, live, group_sizes, inputs: tuple, *, scale, gemm_in
   t, hidden = x.shape
   r = dplan.unique_counts.shape[0]
   rank = lax.axis_index(axis_name)
-  seg = send_segments(dplan, dplan.send_groups)
+  seg = send_segments(dplan)
   work, lay = build_work(dplan.unique_tokens, *seg, index, live, group_sizes, rank=rank,
                          tokens=t, out_rows=st.m_p, recv_chunk_rows=fused.recv_chunk_rows,
                          join_percent=fused.overlap_join_percent)
@@ -563,13 +569,8 @@ def transfer_copy_local(src, unique_tokens, seg_src, seg_dst, seg_len, index, li
   n_copy + n_comm - 1 of launch 2 play them). Returns (unique, recv); recv rows >= live
   undefined."""
   ns, hidden = src.shape
-  itemsize = jnp.dtype(src.dtype).itemsize
-  ct, nb = column_blocking(hidden, itemsize, ITEM_ROWS,
-                           min(STAGE_BUDGET_BYTES, device_lib.smem_capacity()))
-  _, nb_copy = column_blocking(hidden, itemsize, ITEM_ROWS,
-                               min(STAGE_BUDGET_BYTES * copy_stages // 2,
-                                   device_lib.smem_capacity() - gg._SMEM_RESERVE),
-                               stages=copy_stages)
+  ct, nb, nb_copy = column_blockings(hidden, jnp.dtype(src.dtype).itemsize, copy_stages,
+                                     device_lib.smem_capacity())
   work, lay = build_work(unique_tokens, seg_src, seg_dst, seg_len, index, live, group_sizes,
                          rank=rank, tokens=ns, out_rows=out_rows,
                          recv_chunk_rows=recv_chunk_rows, join_percent=join_percent)

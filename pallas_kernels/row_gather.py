@@ -103,12 +103,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
+from pallas_kernels.grouped_gemm import _SMEM_RESERVE
 from pallas_kernels.tma import ladder_store, load_rows_by_index, two_stage_copy_loop
 from uniep_jax.ragged import SEARCH_METHOD
 
 ROWS_PER_TILE = 16
 # Two stages per CTA must fit with room to spare (Hopper: 227 KiB per block).
 STAGE_BUDGET_BYTES = 160 * 1024
+
+
+def stage_budget(stages: int, smem: int) -> int:
+  """The SMEM budget of `stages` copy stages: STAGE_BUDGET_BYTES per two, within the
+  block's `smem` less the barriers' reserve (the copy CTAs of transfer_expand and Kernel
+  D, `TransferConfig.copy_stages` / `FusedConfig.overlap_copy_stages`)."""
+  return min(STAGE_BUDGET_BYTES * stages // 2, smem - _SMEM_RESERVE)
 
 
 def column_blocking(hidden: int, itemsize: int, rows_per_tile: int,

@@ -103,8 +103,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.ep_transfer import GATHER_ITEM_ROWS, move_items, peer_ref, work_lists
-from pallas_kernels.grouped_gemm import _SMEM_RESERVE
-from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, column_blocking
+from pallas_kernels.row_gather import STAGE_BUDGET_BYTES, column_blocking, stage_budget
 from uniep_jax.config import TransferConfig
 
 
@@ -116,6 +115,14 @@ from uniep_jax.config import TransferConfig
 # rows land in this rank's own buffer (the signals still go to the peers).
 BRINGUP: frozenset[str] = frozenset()
 BRINGUP_PARTS = ("no_wait", "no_signal", "no_copy", "no_moves", "local_stores")
+
+
+def check_resident(num_ctas: int, copy_ctas: int, num_sms: int) -> None:
+  """Raises ValueError unless the transfer's and the copies' CTAs can all be resident
+  (the copies wait on the transfer CTAs' signals: SYNC.md's deadlock argument)."""
+  if num_ctas + copy_ctas > num_sms:
+    raise ValueError(f"num_ctas={num_ctas} + copy_ctas={copy_ctas} CTAs must all be resident "
+                     f"(at most {num_sms} SMs)")
 
 
 def expand_order(num_peers: int) -> list[int]:
@@ -260,17 +267,14 @@ def transfer_expand(src, seg_src, seg_dst, seg_len, copy_start, copy_len, index,
   # the copy role's column blocks: config.copy_stages stages of its own (the same ct)
   stages = config.copy_stages
   _, nb_copy = column_blocking(hidden, itemsize, item_rows,
-                               min(STAGE_BUDGET_BYTES * stages // 2,
-                                   device_lib.smem_capacity() - _SMEM_RESERVE),
+                               stage_budget(stages, device_lib.smem_capacity()),
                                max_col_tile=config.col_tile, stages=stages)
   boxes = hidden // ct
   num_ctas = min(config.num_ctas, device_lib.num_sms())
   n_copy = min(config.copy_ctas, device_lib.num_sms())
   if axis_name is not None:
     rank = lax.axis_index(axis_name)
-    if num_ctas + n_copy > device_lib.num_sms():
-      raise ValueError(f"num_ctas={num_ctas} + copy_ctas={n_copy} CTAs must all be resident "
-                       f"(at most {device_lib.num_sms()} SMs)")
+    check_resident(num_ctas, n_copy, device_lib.num_sms())
   t_lists = work_lists(seg_src, seg_dst, seg_len, rank=rank, src_rows=src_index.shape[0],
                        chunk_rows=item_rows)
   c_lists = work_lists(copy_start, copy_start, copy_len, rank=rank, src_rows=n,

@@ -174,19 +174,26 @@ def test_transfer_role_local_form_matches_numpy():
     assert np.isnan(out[~covered]).all()
 
 
+def _swiglu_reference(m, kdim, n, seed, cfg):
+  """(group sizes, x, w_gate_up, the standalone "swiglu" launch's (a, h, u)) over 3 groups
+  (one empty, dead rows after the last): what the hooked bodies must reproduce."""
+  ks = jax.random.split(jax.random.key(seed), 3)
+  gs = jnp.array([100, 0, 170], jnp.int32)                 # empty group, dead rows
+  x = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
+  w_gate_up = (jax.random.normal(ks[1], (3, kdim, 2 * n)) * kdim**-0.5).astype(jnp.bfloat16)
+  ref = gg._row_tiled_call([x], [w_gate_up, w_gate_up], gs, mode="swiglu", transpose_b=False,
+                           out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET,
+                           b_col_offsets=(0, n))
+  return gs, x, w_gate_up, ref
+
+
 def test_gemm_body_on_cta_subset_with_hook_is_bitwise_equal():
   """The hooks the fused kernels use (CTA subset walk in bands of 2 row tiles, before_tile
   as Kernel A, after_tile as Kernel C) change no bit against the standalone launch's
   row-major walk: 2 column tiles, so the bands reorder the tiles."""
   m, kdim, n, g = 384, 128, 256, 3
-  ks = jax.random.split(jax.random.key(3), 3)
-  gs = jnp.array([100, 0, 170], jnp.int32)                 # empty group, dead rows
-  x = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
-  w_gate_up = (jax.random.normal(ks[1], (g, kdim, 2 * n)) * kdim**-0.5).astype(jnp.bfloat16)
   cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
-  ref = gg._row_tiled_call([x], [w_gate_up, w_gate_up], gs, mode="swiglu", transpose_b=False,
-                           out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET,
-                           b_col_offsets=(0, n))
+  gs, x, w_gate_up, ref = _swiglu_reference(m, kdim, n, 3, cfg)
   banded = dataclasses.replace(cfg, raster_rows=2)
   params = gg.row_tiled_params(m, kdim, n, g, mode="swiglu", transpose_b=False,
                                out_dtype=jnp.bfloat16, in_dtype=jnp.bfloat16, save_hu=True,
@@ -432,14 +439,8 @@ def test_gemm_body_reads_a_3d_lhs_view_bitwise():
   """lhs_col_tile (Kernel D's receive layout as [rows, H / ct, ct] boxes): the squeezed
   [block_m, 1, block_k] blocks of the 3-D view give the 2-D launch's bits."""
   m, kdim, n, g, ct = 384, 256, 256, 3, 128
-  ks = jax.random.split(jax.random.key(5), 2)
-  gs = jnp.array([100, 0, 170], jnp.int32)
-  x = jax.random.normal(ks[0], (m, kdim)).astype(jnp.bfloat16)
-  w_gate_up = (jax.random.normal(ks[1], (g, kdim, 2 * n)) * kdim**-0.5).astype(jnp.bfloat16)
   cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
-  ref = gg._row_tiled_call([x], [w_gate_up, w_gate_up], gs, mode="swiglu", transpose_b=False,
-                           out_dtype=jnp.bfloat16, save_hu=True, config=cfg, interpret=INTERPRET,
-                           b_col_offsets=(0, n))
+  gs, x, w_gate_up, ref = _swiglu_reference(m, kdim, n, 5, cfg)
   params = gg.row_tiled_params(m, kdim, n, g, mode="swiglu", transpose_b=False,
                                out_dtype=jnp.bfloat16, in_dtype=jnp.bfloat16, save_hu=True,
                                config=cfg, b_col_offsets=(0, n))

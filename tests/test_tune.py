@@ -766,7 +766,8 @@ def test_stage3_times_each_dedup_candidate_with_the_expansion_in_the_transfer(tm
   valid, rejected = T.fused_candidates(_space(dedup_tokens=(True,), expand_in_transfer=(True,)),
                                        T.DEFAULT_CANDIDATE, DEEPSEEK_BWD, small)
   assert [c.label() for c in valid] == ["m128_n128_k64_s3|c128_x64_t256|dd"]
-  assert "copy_ctas=64 CTAs must all be resident on the 100 SMs" in rejected[0]["reason"]
+  assert "num_ctas=64 + copy_ctas=64 CTAs must all be resident (at most 100 SMs)" in (
+      rejected[0]["reason"])
   # off: no such candidate
   valid, _ = T.fused_candidates(_space(dedup_tokens=(True,)), T.DEFAULT_CANDIDATE,
                                 DEEPSEEK_BWD, HOPPER)

@@ -101,6 +101,13 @@ def unique_receive_bytes(tokens_per_shard: int, hidden: int, ep: int, itemsize: 
   return ep * tokens_per_shard * hidden * itemsize
 
 
+def expert_group(local_expert, num_local_experts: int, send_groups: int):
+  """The send group (`UniEPConfig.dedup_send_groups`) of a local expert index: G
+  contiguous groups of El / G experts. One definition for the senders' order, the owners'
+  and senders' group ends and Kernel D's chunk waits, which must agree."""
+  return jnp.minimum(local_expert // (num_local_experts // send_groups), send_groups - 1)
+
+
 def token_destinations(topk_experts: jax.Array, num_ranks: int, num_local_experts: int,
                        send_groups: int = 1):
   """(present [T, R] bool: token t has an expert on rank d; position [T, R] int32: t's
@@ -119,7 +126,7 @@ def token_destinations(topk_experts: jax.Array, num_ranks: int, num_local_expert
     position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present          # exclusive
     return present, position
   smallest = jnp.min(jnp.where(on_rank, (experts % el)[:, :, None], el), axis=1)   # [T, R]
-  group = jnp.minimum(smallest // (el // send_groups), send_groups - 1)
+  group = expert_group(smallest, el, send_groups)
   member = present[:, :, None] & (group[:, :, None] == jnp.arange(send_groups))  # [T, R, G]
   before = jnp.cumsum(member, axis=0, dtype=jnp.int32) - member                 # same group
   totals = jnp.sum(member, axis=0, dtype=jnp.int32)                             # [R, G]
@@ -181,10 +188,8 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
   # unique_send_group_ends[d, g]: a unique row's group is that of its token's smallest
   # expert on d, so the sorted rows of experts in groups 0..g touch exactly the unique
   # rows of groups 0..g, which the group order puts first: the end is their max + 1
-  per_group = el // send_groups
   send_group_ends = jax.lax.cummax(jnp.zeros((r, send_groups), jnp.int32).at[
-      plan.sorted_experts // el,
-      jnp.minimum((plan.sorted_experts % el) // per_group, send_groups - 1)].max(
+      plan.sorted_experts // el, expert_group(plan.sorted_experts % el, el, send_groups)].max(
           own_position + 1), axis=1)
   # owner side
   incoming = jax.lax.dynamic_index_in_dim(u, rank, axis=1, keepdims=False)    # [src]
@@ -207,7 +212,7 @@ def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
   recv_expert = jnp.searchsorted(expert_ends, jnp.arange(expand_position.shape[0],
                                                          dtype=jnp.int32),
                                  side="right", method=SEARCH_METHOD)
-  recv_group = jnp.minimum(recv_expert // (el // send_groups), send_groups - 1)
+  recv_group = expert_group(recv_expert, el, send_groups)
   group_ends = jnp.zeros((r, send_groups), jnp.int32).at[plan.recv_source, recv_group].max(
       jnp.where(plan.recv_valid, expand_position + 1, 0), mode="drop")
   group_ends = jax.lax.cummax(group_ends, axis=1)
@@ -447,14 +452,23 @@ def plan_with_dedup(topk_experts: jax.Array, topk_weights: jax.Array, *, num_exp
 # ---------------------------------------------------------------------------
 # The combine whose backward pass de-duplicates the dy dispatch.
 # ---------------------------------------------------------------------------
+def combine_cotangent(dy, y_assign, weights, out_dtype):
+  """(dy as the combine's backward uses it (`round_cotangent`), d_weights [T, K]: the
+  plain combine's): the half of the combine's backward that stays at home, shared by the
+  de-duplicated dy dispatch (`unique_dy_rows`) and Kernel D's backward (uniep_jax/fused.py),
+  which then send that dy."""
+  dy = round_cotangent(dy)
+  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)   # slot rows: dead
+  return dy, d_weights
+
+
 def unique_dy_rows(dy, y_assign, weights, plan: DispatchPlan, dplan: DedupPlan, *, axis_name,
                    transport, transfer, out_dtype, rows_dtype):
   """The backward of the combine (collect + `weighted_topk_sum`) with the dy dispatch
   de-duplicated: (d_recv [recv_rows, H] in rows_dtype, each slot's row dtype(w * f32(dy))
   on its owner; d_weights [T, K], the plain combine's). dy goes through
   `round_cotangent` first, as in the plain combine's backward."""
-  dy = round_cotangent(dy)
-  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)   # slot rows: dead
+  dy, d_weights = combine_cotangent(dy, y_assign, weights, out_dtype)
   d_recv = _DEDUP[transport](dy.astype(rows_dtype), plan, dplan, axis_name, transfer,
                              scale=dplan.recv_weights)
   return d_recv, d_weights

@@ -244,14 +244,12 @@ def _fused_ffn_combine_bwd(axis_name, el, kernel, transfer, fused, grad_in_kerne
     # Kernel D's backward twin: dy's de-duplicated dispatch, the weighted expansion and
     # the da GEMM (dh, du in its epilogue) in one launch; d_weights as unique_dy_rows'
     from pallas_kernels.dedup_dispatch_gemm import dedup_dispatch_dswiglu
-    from uniep_jax.combine import round_cotangent, weighted_topk_sum_vjp
-    from uniep_jax.dedup import packed_unique_index
+    from uniep_jax.dedup import combine_cotangent, packed_unique_index
     if not grad_in_kernel:
       raise ValueError("fused.overlap_copy_ctas_bwd computes dh, du in the da GEMM's "
                        "epilogue: it needs swiglu_grad_in_kernel")
     a, h, u, w_gate_up, w_down = res[1:6]
-    dy = round_cotangent(dy)
-    _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)
+    dy, d_weights = combine_cotangent(dy, y_assign, weights, out_dtype)
     dy_recv, dhu = dedup_dispatch_dswiglu(
         dy.astype(recv.dtype), dplan, packed_unique_index(plan, dplan), dplan.recv_weights,
         plan.num_received, plan.recv_group_sizes, w_down, h, u,

@@ -607,16 +607,17 @@ def fused_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
     valid.append(dataclasses.replace(base, dedup_tokens=True))
   if True in space.expand_in_transfer:
     # + the expansion inside the transfer's launch, for every de-duplicated candidate
+    from pallas_kernels.transfer_expand import check_resident   # the kernel's own check
     for cand in [c for c in valid if c.dedup_tokens and not c.transfer.expand_in_transfer
                  and _has_v1_dedup_dispatch(c, problem.direction)]:
       t = cand.transfer
       if not t.gather_rows:
         continue
-      if t.num_ctas + t.copy_ctas > device.num_sms:
+      try:
+        check_resident(t.num_ctas, t.copy_ctas, device.num_sms)
+      except ValueError as e:
         rejected.append(dict(knobs=dict(cand.knobs(), expand_in_transfer=True),
-                             reason=f"expand_in_transfer: num_ctas={t.num_ctas} + copy_ctas="
-                                    f"{t.copy_ctas} CTAs must all be resident on the "
-                                    f"{device.num_sms} SMs"))
+                             reason=f"expand_in_transfer: {e}"))
         continue
       valid.append(dataclasses.replace(cand, transfer=dataclasses.replace(
           t, expand_in_transfer=True)))
