@@ -61,6 +61,9 @@
 #            are packed too)
 #   epiprobe one GPU: the short-K launches timed with parts of their epilogue removed
 #            (bench/epilogue_probe.py, timing only; $EPIPROBE_ARGS its flags)
+#   cluster  one GPU: JAX's Hopper matmul with and without a 2-CTA cluster (TMA multicast
+#            inside the cluster) against cuBLAS and our grouped GEMM on one group
+#            (bench/cluster_probe.py; $CLUSTER_ARGS its flags)
 # Run `bash bench/stamp_commit.sh` first and carry BENCH_COMMIT so the JSONs name the commit.
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -169,6 +172,8 @@ run_phase() {  # name seconds
     ffnab)   timeout "$secs" python3 -m bench.ffn_ab --out "$dir" ${FFNAB_ARGS:-} \
                > "$dir/log" 2>&1 ;;
     epiprobe) timeout "$secs" python3 -m bench.epilogue_probe --out "$dir" ${EPIPROBE_ARGS:-} \
+               > "$dir/log" 2>&1 ;;
+    cluster) timeout "$secs" python3 -m bench.cluster_probe --out "$dir" ${CLUSTER_ARGS:-} \
                > "$dir/log" 2>&1 ;;
     teprobe) timeout "$secs" python3 -m bench.transfer_expand_probe --out "$dir" \
                ${TEPROBE_VARIANTS:+--variants "$TEPROBE_VARIANTS"} > "$dir/log" 2>&1 ;;
