@@ -374,6 +374,85 @@ def _layer_mode_ffn(cfg, x, w_gate_up, w_down, dy, gs):
   return y[:LIVE_ROWS], dx[:LIVE_ROWS], dwgu, dwd
 
 
+# Groups whose tiles (group-aligned, block_m 128, M = 384) store at most 64 rows from the
+# start of their loaded block: [0, 37) (lo = load row), [160, 187) (an expert's second
+# tile), [187, 207) (its first row 3 below the load row), [207, 217); the last expert's
+# second tile [344, 357) is loaded from the clamped row 256 (rows 88-101 of its block:
+# full); 27 dead rows.
+GROUP_SIZES_HALF_TILES = np.array([0, 37, 0, 150, 20, 0, 10, 140], np.int32)
+
+
+def test_half_tiles_change_no_bit():
+  """KernelConfig.half_tiles: a tile whose stored rows lie in the first 64 rows of its
+  loaded block runs half-height MMAs and epilogue. The FFN forward and backward in the
+  MoE layer's mode (gate/up "swiglu", down, da "dswiglu", dx) and a plain dgrad give the
+  bits of full tiles, with no race; the plan above has half tiles at and below their
+  load row, and a clamped load that stays full. block_m 64 has no half (a wgmma is 64
+  rows)."""
+  import dataclasses
+  gs = jnp.asarray(GROUP_SIZES_HALF_TILES)
+  live = int(GROUP_SIZES_HALF_TILES.sum())
+  m, h, f, g = 384, 128, 96, len(GROUP_SIZES_HALF_TILES)
+  ks = jax.random.split(jax.random.key(29), 4)
+  x = rand(ks[0], (m, h))
+  w_gate_up = rand(ks[1], (g, h, 2 * f), h**-0.5)
+  w_down = rand(ks[2], (g, f, h), f**-0.5)
+  dy = rand(ks[3], (m, h)).at[live:].set(0.0)
+  plan = np.asarray(gg._row_tile_plan(gs, m, 128, group_aligned=True)).reshape(5, -1)
+  _, load_row, lo, hi, kind = plan
+  half = (kind == gg._COMPUTE) & (hi - load_row <= 64)
+  assert half.sum() == 4 and (lo[half] > load_row[half]).any(), plan   # the cases above
+  assert ((kind == gg._COMPUTE) & (load_row == m - 128) & (lo - load_row >= 64)).any(), plan
+
+  def run(cfg, interpret):
+    ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=cfg, interpret=interpret,  # noqa
+                                           zero_dead_rows=False, fuse_da_epilogue=True)
+    y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
+    dx, dwgu, dwd = vjp(dy)
+    dgrad = gg.gmm_dgrad(dy, w_down, gs, config=cfg, interpret=interpret)
+    return y[:live], dx[:live], dwgu, dwd, dgrad[:live]
+
+  base = KernelConfig(num_sms=2, max_concurrent_steps=2)
+  got = run(dataclasses.replace(base, half_tiles=True), INTERPRET_RACES)
+  assert_no_races()
+  chex.assert_trees_all_equal(got, run(base, INTERPRET))
+  params = lambda cfg: gg.row_tiled_params(  # noqa: E731
+      256, 128, 256, g, mode="plain", transpose_b=False, out_dtype=BF16, in_dtype=BF16,
+      save_hu=False, config=cfg)["half_tiles"]
+  assert params(KernelConfig(half_tiles=True)) and not params(KernelConfig(half_tiles=False))
+  assert not params(KernelConfig(block_m=64, half_tiles=True))
+
+
+def test_half_tiles_lower_for_cuda():
+  """The row-tiled launches with half_tiles lower for CUDA (the GPU's compile path), in
+  every mode, and carry the second (half-height) program."""
+  import dataclasses
+  s = jax.ShapeDtypeStruct
+  m, h, f, g = 1024, 512, 512, 2
+
+  def lowered(cfg):
+    kw = dict(config=cfg, interpret=False, zero_window=64)
+    calls = {
+        "plain": (lambda a, w, gs: gg._row_tiled_call(
+            [a], [w], gs, mode="plain", transpose_b=False, out_dtype=BF16, save_hu=False, **kw),
+            (s((m, h), BF16), s((g, h, f), BF16), s((g,), jnp.int32))),
+        "swiglu": (lambda a, w, gs: gg._row_tiled_call(
+            [a], [w, w], gs, mode="swiglu", transpose_b=False, out_dtype=BF16, save_hu=True,
+            b_col_offsets=(0, f), **kw),
+            (s((m, h), BF16), s((g, h, 2 * f), BF16), s((g,), jnp.int32))),
+        "dswiglu": (lambda d, w, gs, hh, uu: gg._row_tiled_call(
+            [d], [w], gs, mode="dswiglu", transpose_b=True, out_dtype=BF16, save_hu=False,
+            epi_inputs=(hh, uu), **kw),
+            (s((m, h), BF16), s((g, f, h), BF16), s((g,), jnp.int32), s((m, f), BF16),
+             s((m, f), BF16))),
+    }
+    return [jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            for fn, args in calls.values()]
+
+  for off, on in zip(lowered(KernelConfig()), lowered(KernelConfig(half_tiles=True))):
+    assert len(on) - len(off) > 1000, (len(on), len(off))
+
+
 @functools.lru_cache(maxsize=None)
 def _knob_operands():
   """The operands of the tests that change one KernelConfig knob (epilogue slots, raster
