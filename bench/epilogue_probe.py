@@ -28,9 +28,7 @@ it is lowered (restored right after):
                1, 4 or 16 (the row-tiled launches' bands; auto: 4, 8 or 1); inflight0 /
                inflight1 KernelConfig.mma_in_flight 0 or 1 (one wgmma group kept in
                flight, on one stage more where it fits; run 9's `inflight1_s4` was
-               today's inflight1 on 3 -> 4 stages); half0 / half1 KernelConfig.half_tiles
-               (half-height MMAs and epilogue for tiles storing <= 64 rows from their
-               block's top; row-tiled launches only); same bits, checked
+               today's inflight1 on 3 -> 4 stages); same bits, checked
   no_epilogue  gg._store_epilogue / gg._dswiglu_epilogue behind a run-time condition that
                never holds: the mainloop (MMAs) and the per-tile pipeline restart only
 
@@ -91,10 +89,8 @@ _SAME_BITS_CONFIGS = {
     "stages2": dict(max_concurrent_steps=2), "stages4": dict(max_concurrent_steps=4),
     "rows1": dict(raster_rows=1), "rows4": dict(raster_rows=4), "rows16": dict(raster_rows=16),
     "inflight0": dict(mma_in_flight=0), "inflight1": dict(mma_in_flight=1),
-    "half0": dict(half_tiles=False), "half1": dict(half_tiles=True),
 }
-_OPT_IN = ("stages2", "stages4", "rows1", "rows4", "rows16", "inflight0", "inflight1",
-           "half0", "half1")
+_OPT_IN = ("stages2", "stages4", "rows1", "rows4", "rows16", "inflight0", "inflight1")
 
 
 @contextlib.contextmanager
@@ -196,7 +192,7 @@ def run_shape(shape, reps: int, trials: int, only=None, only_launches=None) -> d
       variants.remove("full_tile_tma")   # its tiles are always full: one TMA already
       variants[1:1] = ["wgrad_r1", "wgrad_r4", "wgrad_r16"]
     variants += [v for v in _OPT_IN if only is not None and v in only
-                 and not (v.startswith(("rows", "half")) and lname.endswith("_wgrad"))]   # no row tiles
+                 and not (v.startswith("rows") and lname.endswith("_wgrad"))]   # no row tiles
     variants = [v for v in variants if only is None or v in only]
     for v in variants:
       key = f"{lname}/{v}"

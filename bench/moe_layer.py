@@ -149,7 +149,6 @@ BACKEND_CONFIGS = {name: (dataclasses.replace(c, dedup_tokens=False)
 _NUMBERED_SUFFIXES = {"sm": ("kernel", "num_sms"), "rr": ("kernel", "raster_rows"),
                       "wr": ("kernel", "wgrad_raster"), "chunk": ("transfer", "chunk_rows"),
                       "inflight": ("kernel", "mma_in_flight"),
-                      "ht": ("kernel", "half_tiles"),
                       "ctas": ("transfer", "num_ctas"), "dr": ("fused", "down_return_ctas"),
                       "wrc": ("fused", "wgrad_return_ctas"),
                       "ov": ("fused", "overlap_copy_ctas"),
@@ -188,8 +187,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
   (`KernelConfig.raster_rows`; default auto: 4 where a group's weight is >= 96 MiB, 8
   from 16 MiB, else row-major); `@inflight<N>` N wgmma groups kept in flight per
-  compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1); `@ht<0|1>` half-height
-  tiles off / on (`KernelConfig.half_tiles`); `@ctas<N>` the v1 transfers'
+  compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1); `@ctas<N>` the v1 transfers'
   CTAs (`TransferConfig.num_ctas`); `@dr<N>`, `@wrc<N>` (fused points) the return CTAs
   beside the down GEMM (Kernel C, `FusedConfig.down_return_ctas`) and beside the
   dw_gate_up wgrad (`FusedConfig.wgrad_return_ctas`); `@ov<N>`, `@ovb<N>` Kernel D's copy
@@ -206,12 +204,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
     m = re.fullmatch(r"([a-z]+)(\d+)", suffix)
     if m is not None and m.group(1) in _NUMBERED_SUFFIXES:
       part, field = _NUMBERED_SUFFIXES[m.group(1)]
-      value = int(m.group(2))
-      if field == "half_tiles":
-        if value not in (0, 1):
-          raise ValueError(f"backend {name!r}: @ht takes 0 or 1, got {value}")
-        value = bool(value)
-      cfg = _replace_in(cfg, part, **{field: value})
+      cfg = _replace_in(cfg, part, **{field: int(m.group(2))})
     elif suffix == "f32router":
       cfg = _replace_in(cfg, "routing", logits_matmul="float32")
     elif suffix in ("ga", "bt"):
@@ -225,7 +218,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
       cfg = _replace_in(cfg, "transfer", gather_rows=suffix == "gx")
     else:
       raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @ht<0|1>, @ctas<N>, @dr<N>, @wrc<N>, @ov<N>, @ovb<N>, @ovs<N>, @ovj<P>, @tes<N>, @sg<N>)")
+                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @ctas<N>, @dr<N>, @wrc<N>, @ov<N>, @ovb<N>, @ovs<N>, @ovj<P>, @tes<N>, @sg<N>)")
   return cfg
 
 

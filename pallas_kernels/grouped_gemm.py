@@ -167,7 +167,6 @@ _NUM_COMPUTE_WGS = 2
 _MEMORY_REGISTERS = 40
 _SMEM_RESERVE = 1024  # barriers and alignment slack
 _PLAN_FIELDS = 5
-_MIN_MMA_ROWS = 64  # a wgmma's M: a half-height tile needs block_m >= 128
 
 
 # ----------------------------------------------------------------------------
@@ -495,7 +494,7 @@ def _raster(s, num_tiles: int, n_tiles: int, rows: int):
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
                       b_col_offsets: tuple = (), epi_slots: int = 1, raster_rows: int = 1,
-                      mma_in_flight: int = 0, half_tiles: bool = False,
+                      mma_in_flight: int = 0,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, load_align: int,
                       block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
@@ -556,7 +555,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
   a_transforms = _swizzle_transforms(in_dtype, block_k)
   b_transforms = _swizzle_transforms(in_dtype, block_k if transpose_b else cta_n)
 
-  def mma_step(_, *args, mma_rows: int = block_m):
+  def mma_step(_, *args):
     *smems, accs = args
     a_smems, b_smems = smems[:num_a], smems[num_a:]
     wg_cols = pl.ds(lax.axis_index("wg") * wg_n, wg_n)
@@ -565,16 +564,14 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
         b = b_smems[bi].at[wg_cols, :].T
       else:
         b = b_smems[bi].at[:, wg_cols]
-      # a half-height tile multiplies the loaded block's first mma_rows rows only
-      a = a_smems[ai] if mma_rows == block_m else a_smems[ai].at[pl.ds(0, mma_rows)]
-      plgpu.wgmma(accs[ci], a, b)
+      plgpu.wgmma(accs[ci], a_smems[ai], b)
     # the previous step's stage is released (consumed) after this step: with
     # mma_in_flight 1 this step's MMAs still run (the pipeline releases a step late);
     # each wgmma is a group of its own, so "swiglu" keeps its step's 2 groups in flight
     plgpu.wgmma_wait(mma_in_flight * len(pairs))
     return accs
 
-  def make_pipeline(compute_context, k_steps, mma_rows: int = block_m):
+  def make_pipeline(compute_context, k_steps):
     if lhs_col_tile is None:
       a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms,
                                delay_release=mma_in_flight)
@@ -590,7 +587,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       b_spec = plgpu.BlockSpec((block_k, cta_n), lambda ki: (ki, 0), transforms=b_transforms,
                                delay_release=mma_in_flight)
     return plgpu.emit_pipeline_warp_specialized(
-        functools.partial(mma_step, mma_rows=mma_rows),
+        mma_step,
         grid=(k_steps,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[a_spec] * num_a + [b_spec] * num_b,
@@ -650,50 +647,34 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
 
         k_steps = jnp.where(kind == _COMPUTE, k_iters, 0)
 
-        def run_tile(rows: int):
-          # rows: the MMA and epilogue height, block_m, or block_m // 2 for a half tile
-          # (the operand loads are the same block_m rows either way)
-          epi = epi_smem if rows == block_m else epi_smem.at[:, :, pl.ds(0, rows)]
+        def compute_context(eval_pipeline):
+          def acc_scope(*accs):
+            eval_pipeline(tuple(accs))
+            _release_last_stage(pipeline_allocs, k_steps, stages, mma_in_flight)
+            vals = [acc[...] for acc in accs]
+            if mode == "swiglu":
+              outs = [_silu_mul(vals[0], vals[1])] + (vals if save_hu else [])
+            else:
+              outs = vals
+            col0 = nt * cta_n + lax.axis_index("wg") * wg_n
+            if mode == "dswiglu":
+              if out_gmems_ is not None or gmem_row is not None:
+                raise ValueError("mode 'dswiglu' stores its own outputs: no walk() redirection")
+              # one [m, 2n] output [dh | du]
+              _dswiglu_epilogue(vals[0], *epi_in_gmems, out_gmems[0], epi_smem, hu_barrier,
+                                load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
+                                count=hi - lo, rows=block_m, col0=col0)
+              return
+            _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
+                            smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
+                            count=hi - lo, rows=block_m, col0=col0, ragged=True)
+            if after_tile is not None:
+              after_tile(lo, hi)
+          pl.run_scoped(acc_scope, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * num_acc)
 
-          def compute_context(eval_pipeline):
-            def acc_scope(*accs):
-              eval_pipeline(tuple(accs))
-              _release_last_stage(pipeline_allocs, k_steps, stages, mma_in_flight)
-              vals = [acc[...] for acc in accs]
-              if mode == "swiglu":
-                outs = [_silu_mul(vals[0], vals[1])] + (vals if save_hu else [])
-              else:
-                outs = vals
-              col0 = nt * cta_n + lax.axis_index("wg") * wg_n
-              if mode == "dswiglu":
-                if out_gmems_ is not None or gmem_row is not None:
-                  raise ValueError("mode 'dswiglu' stores its own outputs: no walk() redirection")
-                # one [m, 2n] output [dh | du]
-                _dswiglu_epilogue(vals[0], *epi_in_gmems, out_gmems[0], epi, hu_barrier,
-                                  load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
-                                  count=hi - lo, rows=rows, col0=col0)
-                return
-              _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi,
-                              smem_row=lo - load_row,
-                              gmem_row=lo if gmem_row is None else gmem_row,
-                              count=hi - lo, rows=rows, col0=col0, ragged=True)
-              if after_tile is not None:
-                after_tile(lo, hi)
-            pl.run_scoped(acc_scope, *[plgpu.ACC((rows, wg_n), jnp.float32)] * num_acc)
-
-          a_views, b_views = operand_views(group, load_row, nt)
-          make_pipeline(compute_context, k_steps, rows)(*a_views, *b_views,
-                                                        allocations=pipeline_allocs)
-          _await_last_stage(pipeline_allocs, k_steps, stages, mma_in_flight)
-
-        if half_tiles:
-          # every row this tile stores lies in the first half of its loaded block: half
-          # the MMAs (a row's result does not depend on the tile's height: same bits)
-          half = (kind == _COMPUTE) & (hi - load_row <= block_m // 2)
-          pl.when(half)(lambda: run_tile(block_m // 2))
-          pl.when(jnp.logical_not(half))(lambda: run_tile(block_m))
-        else:
-          run_tile(block_m)
+        a_views, b_views = operand_views(group, load_row, nt)
+        make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
+        _await_last_stage(pipeline_allocs, k_steps, stages, mma_in_flight)
 
     if walk is not None:
       walk(lambda lin, out_gmems=None, gmem_row=None: tile(lin, out_gmems, gmem_row))
@@ -763,10 +744,9 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     weight_bytes = k * n * launch.num_b * jnp.dtype(in_dtype).itemsize
     raster = (RASTER_AUTO_ROWS_LARGE if weight_bytes >= RASTER_AUTO_LARGE_BYTES
               else RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1)
-  half = config.half_tiles and block_m // 2 >= _MIN_MMA_ROWS
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
               epi_slots=launch.epi_slots, raster_rows=raster,
-              mma_in_flight=in_flight, half_tiles=half, m=m, k=k, n=n,
+              mma_in_flight=in_flight, m=m, k=k, n=n,
               num_tiles=num_row_tiles(m, g, block_m, group_aligned), block_m=block_m,
               load_align=GROUP_TILE_ALIGN if group_aligned else block_m, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)

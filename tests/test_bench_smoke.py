@@ -31,10 +31,6 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   assert moe_layer.backend_config("uniep_dd@rr4@wr8").kernel.wgrad_raster == 8
   assert moe_layer.backend_config("uniep_dd@inflight1").kernel.mma_in_flight == 1
   assert moe_layer.backend_config("uniep_dd@inflight1@inflight0").kernel.mma_in_flight == 0
-  assert moe_layer.backend_config("uniep_dd@ht1").kernel.half_tiles is True
-  assert moe_layer.backend_config("uniep_dd@ht1@ht0").kernel.half_tiles is False
-  with pytest.raises(ValueError, match="@ht takes 0 or 1"):
-    moe_layer.backend_config("uniep_dd@ht2")
   # @ctas / @dr / @wrc: the v1 transfers' CTAs, the fused points' return CTAs
   cfg = moe_layer.backend_config("uniep_dc_rbw_dd@dr32@wrc24@ctas96")
   assert (cfg.fused.down_return_ctas, cfg.fused.wgrad_return_ctas) == (32, 24)

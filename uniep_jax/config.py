@@ -151,12 +151,6 @@ class KernelConfig:
     slower), the layer at EP 4 on 4x H200 level within its trials' spread on all three
     shapes: off by default. The bits do not depend on it (the same MMAs in the same
     order).
-  half_tiles: a row-tiled launch's tile whose stored rows all lie in the first
-    block_m / 2 rows of its loaded block (with group-aligned tiles: an expert's last
-    tile when it holds at most 64 rows) runs half-height MMAs and epilogue (block_m >=
-    128). At deepseek-like EP 4 (64 local experts of ~1024 rows) about half the experts
-    end in such a tile: ~2.9% of the row-tiled launches' MMA work. The bits do not
-    depend on it (a row's products are the same wgmma rows either way).
   """
 
   block_m: int = 128
@@ -169,7 +163,6 @@ class KernelConfig:
   group_aligned_tiles: bool = True
   wgrad_raster: Optional[int] = None
   mma_in_flight: int = 0
-  half_tiles: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
