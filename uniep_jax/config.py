@@ -14,7 +14,7 @@ from typing import Optional
 BACKENDS = ("xla_dropless", "xla_capacity", "dense_reference", "pallas", "uniep")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOGITS_MATMULS = ("bf16x3", "float32")
-TRANSPORTS = ("ragged", "padded", "nvlink")
+TRANSPORTS = ("ragged", "padded", "nvlink", "local")
 SLOT_REDUCTIONS = ("slot_order", "owner_partials")
 
 
@@ -410,7 +410,10 @@ class UniEPConfig:
     worst-case buffers); None picks "ragged" on GPUs driven by one process,
     "padded" elsewhere (the CPU cannot compile ragged_all_to_all; between processes
     its NCCL fallback hangs in jaxlib 0.11.2), "nvlink" (Pallas kernels writing into
-    peers' buffers; GPU only). All land every row at the same place.
+    peers' buffers; GPU only), "local" (an expert axis of size 1 only: nothing moves,
+    the receive layout is the sorted order). All land every row at the same place.
+    With one rank on the expert axis (every expert on every GPU, data parallel) None
+    picks "local", and backend "uniep" runs as "pallas" there (see `one_rank_form`).
   transfer: see `TransferConfig`; used by the "nvlink" transport. None means
     auto, as for `kernel`.
   receive_capacity_factor: dropless backends ("xla_dropless", "pallas",
@@ -554,6 +557,27 @@ class UniEPConfig:
       raise ValueError("transfer.expand_in_transfer expands the de-duplicated dispatch's "
                        "unique rows inside its transfer: it needs dedup_tokens (None: auto, "
                        "or True) and no fused.backward, got a dispatch without de-duplication")
+
+  def one_rank_form(self) -> "UniEPConfig":
+    """This config where the expert axis has one rank (every expert local): no peer to
+    send to, so the rows go to the experts with the "local" transport (no collective,
+    no copy: the receive layout is then the sorted order), without de-duplication
+    (each token has one owner) and without the fused kernels (whose roles move rows
+    between GPUs); backend "uniep" becomes "pallas" (the same layout and grouped GEMM).
+    The same bits by the backends' guarantees (uniep = pallas, dedup = plain, fused =
+    unfused). An explicit transport other than "local" is kept (with its dedup
+    setting), as is every other backend."""
+    if self.backend not in ("xla_dropless", "pallas", "uniep"):
+      return self
+    if self.transport not in (None, "local", "nvlink") and self.backend != "uniep":
+      return self
+    transfer = self.transfer
+    if transfer is not None and (transfer.expand_in_transfer or transfer.expand_last_on_all):
+      transfer = dataclasses.replace(transfer, expand_in_transfer=False, expand_last_on_all=False)
+    return dataclasses.replace(
+        self, backend="pallas" if self.backend == "uniep" else self.backend,
+        transport="local", fused=None, dedup_tokens=False, dedup_send_groups=1,
+        transfer=transfer)
 
   @property
   def use_dedup_tokens(self) -> bool:

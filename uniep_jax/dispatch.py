@@ -23,6 +23,10 @@ Transports (`transport=`):
             buffer (GPU only). Padding rows are not written, except a window of
             `ZERO_WINDOW_ROWS` rows after the live ones, which is zeroed (the grouped
             GEMM's wgrad reads up to block_k rows past a group's end).
+  "local"   one rank on the expert axis only: no peer, so nothing moves. Without a
+            receive bound the receive layout (local expert, source 0, token, slot) IS
+            the sorted order: send and return are the identity, no copy; with one, a
+            gather (send) and its transpose (return) drop the tail.
 All transports put exactly the same rows in the same places.
 """
 
@@ -316,14 +320,35 @@ def _dropped_sorted_rows(plan: DispatchPlan, num_local_experts):
   return pos >= plan.send_counts[dest]
 
 
+def _check_one_rank(plan: DispatchPlan) -> None:
+  if plan.send_counts.shape[0] != 1:
+    raise ValueError(f"transport='local' moves no row between ranks: it needs an expert axis "
+                     f"of size 1, got {plan.send_counts.shape[0]} ranks")
+
+
+def _send_local(rows_sorted, plan: DispatchPlan, axis_name, num_local_experts):
+  _check_one_rank(plan)
+  if plan.recv_valid.shape[0] == rows_sorted.shape[0]:   # no bound: layout = sorted order
+    return rows_sorted
+  return _take_rows(rows_sorted, plan.recv_index_in_source, plan.recv_valid)
+
+
+def _return_local(recv, plan: DispatchPlan, axis_name, num_local_experts):
+  _check_one_rank(plan)
+  n = plan.sort_order.shape[0]
+  if recv.shape[0] == n:
+    return recv
+  return _put_rows(n, recv, plan.recv_index_in_source, plan.recv_valid)   # dropped: zero
+
+
 def _with_transfer(fn):
   return lambda rows, plan, axis_name, el, transfer: fn(rows, plan, axis_name, el)
 
 
 _SEND = {"padded": _with_transfer(_send_padded), "ragged": _with_transfer(_send_ragged),
-         "nvlink": _send_nvlink}
+         "nvlink": _send_nvlink, "local": _with_transfer(_send_local)}
 _RETURN = {"padded": _with_transfer(_return_padded), "ragged": _with_transfer(_return_ragged),
-           "nvlink": _return_nvlink}
+           "nvlink": _return_nvlink, "local": _with_transfer(_return_local)}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -369,9 +394,34 @@ return_rows.defvjp(_return_fwd, _return_bwd)
 
 
 def sort_rows(x, plan: DispatchPlan, top_k: int) -> jax.Array:
-  """x [T, H] -> its K slot copies in the plan's sorted order [T*K, H]."""
-  return permute_rows(replicate_slots(x, top_k, plan.slot_owners), plan.sort_order,
-                      plan.sorted_position)
+  """x [T, H] -> its K slot copies in the plan's sorted order [T*K, H]: one gather of
+  x's rows (sorted row i is token sort_order[i] // K). Backward: `sort_rows_transpose`
+  (the same ops as the slot copies and their permutation would transpose to: the
+  gather by sorted_position, then each token's slots summed)."""
+  if plan.slot_owners is not None:   # owner_partials' backward sums per owner first
+    return permute_rows(replicate_slots(x, top_k, plan.slot_owners), plan.sort_order,
+                        plan.sorted_position)
+  return _gather_token_rows(x, plan.sort_order, plan.sorted_position, top_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_token_rows(x, sort_order, sorted_position, top_k):
+  return jnp.take(x, sort_order // top_k, axis=0, mode="clip")
+
+
+def _gather_token_rows_fwd(x, sort_order, sorted_position, top_k):
+  return _gather_token_rows(x, sort_order, sorted_position, top_k), (x[:0], sorted_position)
+
+
+def _gather_token_rows_bwd(top_k, res, ct):
+  x_like, sorted_position = res
+  every = jnp.ones(sorted_position.shape, bool)
+  slots = sum_to_type_of(_take_rows(ct, sorted_position, every), x_like)
+  return (replicate_slots_transpose(slots, top_k), int_cotangent(sorted_position),
+          int_cotangent(sorted_position))
+
+
+_gather_token_rows.defvjp(_gather_token_rows_fwd, _gather_token_rows_bwd)
 
 
 def sort_rows_transpose(rows_sorted, plan: DispatchPlan, top_k: int, x_like) -> jax.Array:

@@ -166,12 +166,16 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
   t, _ = x.shape
   num_experts = params.router.shape[1]
   el = params.w_gate_up.shape[0]
+  ep = jax.lax.axis_size(expert_axis)
   uses_tuning = config.backend in ("pallas", "uniep") or config.transport == "nvlink"
   if uses_tuning and (config.kernel is None or config.transfer is None):   # "auto"
     from uniep_jax.tune import resolve_config  # tune cache, else the heuristic
     config = resolve_config(config, tokens=t, hidden=x.shape[1], ffn=params.ffn,
-                            experts=num_experts, top_k=top_k,
-                            ep=jax.lax.axis_size(expert_axis), dtype=x.dtype)
+                            experts=num_experts, top_k=top_k, ep=ep, dtype=x.dtype)
+  if ep == 1:   # every expert here: nothing to send (UniEPConfig.one_rank_form)
+    one = config.one_rank_form()
+    if one.transport == "local":
+      config, transport = one, "local"
   out = routing_lib.route(x, params.router, top_k, config.routing, params.expert_bias)
 
   counts, prob_sum, z_sum = routing_lib.local_aux_sums(out, num_experts, config.routing)
@@ -287,9 +291,18 @@ def shard_map_type_checked(backend: str) -> bool:
   return backend not in ("pallas", "uniep")
 
 
-def resolve_transport(config: UniEPConfig, platform: str, x, params: MoEParams) -> str:
+def resolve_transport(config: UniEPConfig, platform: str, x, params: MoEParams,
+                      ep: int | None = None) -> str:
   """The transport `moe_ffn` uses here, after checking what the backend and transport
-  need of the devices and processes (ValueErrors)."""
+  need of the devices and processes (ValueErrors). ep: the expert axis' size; with one
+  rank nothing moves between devices (`UniEPConfig.one_rank_form`: "local")."""
+  if ep == 1 and config.one_rank_form().transport == "local":
+    config = config.one_rank_form()
+    check_kernel_dtypes(config.backend, platform, x, params)
+    return "local"
+  if config.transport == "local" and ep is not None:
+    raise ValueError(f"config.transport='local' moves no row between ranks: it needs an expert "
+                     f"axis of size 1, got {ep}")
   if config.backend == "uniep" or config.transport == "nvlink":
     # The kernels address peer GPUs' buffers directly (one process drives every GPU it
     # addresses). Across processes that takes NVSHMEM, and jaxlib 0.11.2's XLA has no
@@ -331,7 +344,7 @@ def _moe_ffn_in_shard_map(x, params: MoEParams, *, mesh, manual: set, top_k: int
   validate_inputs(x, params.replace(w_gate_up=whole(params.w_gate_up),
                                     w_down=whole(params.w_down)),
                   top_k=top_k, config=config, expert_axis=expert_axis)
-  transport = resolve_transport(config, mesh.devices.flat[0].platform, x, params)
+  transport = resolve_transport(config, mesh.devices.flat[0].platform, x, params, ep=ep)
   return moe_ffn_shard(x, params, top_k=top_k, config=config, expert_axis=expert_axis,
                        token_axes=tuple(mesh.axis_names), transport=transport)
 
@@ -356,7 +369,8 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
     return _moe_ffn_in_shard_map(x, params, mesh=mesh, manual=manual, top_k=top_k, config=config,
                                  expert_axis=expert_axis)
   validate_inputs(x, params, top_k=top_k, config=config, expert_axis=expert_axis, mesh=mesh)
-  transport = resolve_transport(config, mesh.devices.flat[0].platform, x, params)
+  transport = resolve_transport(config, mesh.devices.flat[0].platform, x, params,
+                                ep=mesh.shape[expert_axis])
   token_axes = tuple(mesh.axis_names)
   x_spec = P(token_axes, None)
   p_specs = param_specs(params, expert_axis)
