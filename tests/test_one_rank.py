@@ -132,6 +132,10 @@ def test_sort_rows_is_the_permuted_slot_copies_bitwise():
   new = lambda x: dispatch_lib.sort_rows(x, plan, k)   # noqa: E731
   (y_new, vjp_new), (y_old, vjp_old) = jax.vjp(new, x), jax.vjp(old, x)
   chex.assert_trees_all_equal((y_new, vjp_new(ct)), (y_old, vjp_old(ct)))
+  # the Pallas backends' gather (the live-rows copy kernel; interpret mode here)
+  kern = lambda x: dispatch_lib.sort_rows(x, plan, k, row_kernel=True)   # noqa: E731
+  y_kern, vjp_kern = jax.vjp(kern, x)
+  chex.assert_trees_all_equal((y_kern, vjp_kern(ct)), (y_old, vjp_old(ct)))
   np.testing.assert_array_equal(np.asarray(y_new, np.float32),
                                 np.asarray(x, np.float32)[np.asarray(plan.sort_order) // k])
   bwd = jax.make_jaxpr(lambda x, ct: jax.vjp(new, x)[1](ct))(x, ct)

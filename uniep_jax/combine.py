@@ -91,6 +91,49 @@ def _bwd(out_dtype, res, dy):
 _weighted_topk_sum.defvjp(_fwd, _bwd)
 
 
+def combine_cotangent(dy, y_assign, weights, out_dtype):
+  """(dy as the combine's backward uses it (`round_cotangent`), d_weights [T, K]: the
+  plain combine's): the half of the combine's backward that stays at home, shared by the
+  de-duplicated dy dispatch (`dedup.unique_dy_rows`), Kernel D's backward
+  (uniep_jax/fused.py) and the one-rank combine (`combine_sorted_rows`), which then form
+  each slot's row dtype(w * f32(dy)) themselves."""
+  dy = round_cotangent(dy)
+  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)   # slot rows: dead
+  return dy, d_weights
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def combine_sorted_rows(y_sorted, weights, plan, top_k: int, out_dtype):
+  """One rank on the expert axis (transport "local", no receive bound): the expert
+  outputs in sorted order [T*K, H] -> y [T, H], the plain combine (`dispatch.collect`,
+  then `weighted_topk_sum`) forward. Its backward forms each sorted row's cotangent
+  dtype(w * f32(dy)) in one pass of the Pallas weighted live-rows copy
+  (`row_gather.gather_live_rows(scale=)`: the plain combine's rounding, as the
+  de-duplicated dy dispatch's owner does), where the plain backward writes the [T, K, H]
+  slot rows and then permutes them; d_weights as the plain combine's."""
+  from uniep_jax.dispatch import unsort_rows
+  return weighted_topk_sum(unsort_rows(y_sorted, plan, top_k), weights, out_dtype)
+
+
+def _sorted_fwd(y_sorted, weights, plan, top_k, out_dtype):
+  return combine_sorted_rows(y_sorted, weights, plan, top_k, out_dtype), (y_sorted, weights, plan)
+
+
+def _sorted_bwd(top_k, out_dtype, res, dy):
+  from pallas_kernels.row_gather import gather_live_rows   # GPU kernels, lazy
+  from uniep_jax.dispatch import _zero_plan_cotangent, unsort_rows
+  y_sorted, weights, plan = res
+  dy, d_weights = combine_cotangent(dy, unsort_rows(y_sorted, plan, top_k), weights, out_dtype)
+  n = plan.sort_order.shape[0]
+  scale = jnp.take(weights.reshape(-1), plan.sort_order, axis=0).astype(jnp.float32)
+  d_sorted = gather_live_rows(dy.astype(y_sorted.dtype), plan.sort_order // top_k,
+                              jnp.int32(n), out_rows=n, scale=scale)
+  return d_sorted, d_weights, _zero_plan_cotangent(plan)
+
+
+combine_sorted_rows.defvjp(_sorted_fwd, _sorted_bwd)
+
+
 def round_to(x32: jax.Array, dtype) -> jax.Array:
   """float32 x rounded (to nearest even) to `dtype`, kept in float32: the value of
   x32.astype(dtype).astype(float32), subnormals of `dtype` kept (a kernel's cvt.rn),

@@ -56,7 +56,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.combine import (fold_present, round_cotangent, round_to, weighted_topk_sum,
+from uniep_jax.combine import (combine_cotangent, fold_present, round_cotangent, round_to, weighted_topk_sum,
                                weighted_topk_sum_vjp)
 from uniep_jax.dispatch import (_RETURN, _take_rows, _zero_plan_cotangent, _zeros_varying_like,
                                 as_received, collect, sort_rows_transpose, sum_to_type_of,
@@ -452,16 +452,6 @@ def plan_with_dedup(topk_experts: jax.Array, topk_weights: jax.Array, *, num_exp
 # ---------------------------------------------------------------------------
 # The combine whose backward pass de-duplicates the dy dispatch.
 # ---------------------------------------------------------------------------
-def combine_cotangent(dy, y_assign, weights, out_dtype):
-  """(dy as the combine's backward uses it (`round_cotangent`), d_weights [T, K]: the
-  plain combine's): the half of the combine's backward that stays at home, shared by the
-  de-duplicated dy dispatch (`unique_dy_rows`) and Kernel D's backward (uniep_jax/fused.py),
-  which then send that dy."""
-  dy = round_cotangent(dy)
-  _, d_weights = weighted_topk_sum_vjp(y_assign, weights, dy, out_dtype)   # slot rows: dead
-  return dy, d_weights
-
-
 def unique_dy_rows(dy, y_assign, weights, plan: DispatchPlan, dplan: DedupPlan, *, axis_name,
                    transport, transfer, out_dtype, rows_dtype):
   """The backward of the combine (collect + `weighted_topk_sum`) with the dy dispatch

@@ -244,7 +244,8 @@ def _fused_ffn_combine_bwd(axis_name, el, kernel, transfer, fused, grad_in_kerne
     # Kernel D's backward twin: dy's de-duplicated dispatch, the weighted expansion and
     # the da GEMM (dh, du in its epilogue) in one launch; d_weights as unique_dy_rows'
     from pallas_kernels.dedup_dispatch_gemm import dedup_dispatch_dswiglu
-    from uniep_jax.dedup import combine_cotangent, packed_unique_index
+    from uniep_jax.combine import combine_cotangent
+    from uniep_jax.dedup import packed_unique_index
     if not grad_in_kernel:
       raise ValueError("fused.overlap_copy_ctas_bwd computes dh, du in the da GEMM's "
                        "epilogue: it needs swiglu_grad_in_kernel")

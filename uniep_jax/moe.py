@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from uniep_jax import routing as routing_lib
 from uniep_jax.capacity import capacity_moe_shard
-from uniep_jax.combine import SlotOwners, weighted_topk_sum
+from uniep_jax.combine import SlotOwners, combine_sorted_rows, weighted_topk_sum
 from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
 from uniep_jax.config import TRANSPORTS
 from uniep_jax.dedup import combine_unique, dispatch_unique, plan_with_dedup
@@ -235,7 +235,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
         recv = dispatch_unique(x, plan, dplan, top_k, expert_axis, el, transport,
                                config.transfer)                          # [R*T*K, H]
       else:
-        recv = dispatch(x, plan, **kw)                                   # [R*T*K, H]
+        recv = dispatch(x, plan, **kw,                                   # [R*T*K, H]
+                        row_kernel=config.backend in ("pallas", "uniep"))
       if config.backend in ("pallas", "uniep"):
         # the receive layout holds the worst case (R*T*K rows); its dead rows are
         # never read back (collect takes the live rows only): the kernels skip them
@@ -249,6 +250,9 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       if dedup:   # its backward sends each (token, owner) pair's dy once
         y = combine_unique(y_recv, out.topk_weights, plan, dplan, top_k, expert_axis, el,
                            transport, config.transfer, x.dtype)
+      elif (transport == "local" and config.backend in ("pallas", "uniep") and owners is None
+            and recv_rows is None):   # one rank: its backward in one weighted row copy
+        y = combine_sorted_rows(y_recv, out.topk_weights, plan, top_k, x.dtype)
       else:
         y = weighted_topk_sum(collect(y_recv, plan, **kw), out.topk_weights,
                               out_dtype=x.dtype, owners=plan.slot_owners)  # [T, K, H] -> [T, H]
