@@ -435,6 +435,9 @@ def test_kernel_stages_reach_the_moe_layers():
   assert loop.moe_options(TrainConfig(backend="uniep")) == dict(
       swiglu_grad_in_kernel=True, kernel_stages=3, fused=False, dedup_tokens=True)   # auto: on
   assert loop.moe_options(TrainConfig(backend="xla_dropless")) == {}
+  # one rank on the expert axis: the one-rank form (no de-duplication, no fused kernels)
+  one = loop.moe_options(TrainConfig(backend="uniep", fused=True), expert_ranks=1)
+  assert (one["dedup_tokens"], one["fused"], one["one_rank"]) == (False, False, True)
 
 
 def test_fused_kernels_reach_the_moe_layers():

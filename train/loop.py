@@ -85,9 +85,11 @@ class Setup:
   lr: float  # peak learning rate (cfg.lr, else the model config's)
 
 
-def moe_options(cfg: TrainConfig) -> dict:
+def moe_options(cfg: TrainConfig, expert_ranks: Optional[int] = None) -> dict:
   """The Pallas expert FFN's options this run resolves to (defaults included), for
-  the log and summary.json: a resumed or compared run shows what produced its bits."""
+  the log and summary.json: a resumed or compared run shows what produced its bits.
+  expert_ranks: the mesh's expert axis size; with one rank the layer runs its one-rank
+  form (`UniEPConfig.one_rank_form`: no transfer, no de-duplication, no fused kernels)."""
   if cfg.backend not in ("pallas", "uniep"):
     return dict(dedup_tokens=True) if cfg.dedup_tokens else {}
   from models.transformer import TRAIN_FUSED
@@ -96,8 +98,14 @@ def moe_options(cfg: TrainConfig) -> dict:
   c = UniEPConfig(backend=cfg.backend, swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
                   dedup_tokens=cfg.dedup_tokens,
                   fused=TRAIN_FUSED if cfg.fused else None)
-  return dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, kernel_stages=stages,
-              fused=cfg.fused, dedup_tokens=c.use_dedup_tokens)
+  one_rank = expert_ranks == 1
+  if one_rank:
+    c = c.one_rank_form()
+  out = dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, kernel_stages=stages,
+             fused=c.fused is not None, dedup_tokens=c.use_dedup_tokens)
+  if one_rank:
+    out["one_rank"] = True   # the local transport: nothing moves between GPUs
+  return out
 
 
 def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
@@ -436,7 +444,7 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   procs = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
   _log(f"mesh {dict(s.mesh.shape)} on {len(s.mesh.devices.flat)} {jax.devices()[0].platform} devices{procs}; "
        f"backend {cfg.backend}; batch {cfg.batch}x{cfg.seq} tokens; aux-free bias rate {s.bias_rate}")
-  moe = moe_options(cfg)
+  moe = moe_options(cfg, s.mesh.shape.get("expert"))
   if moe:
     _log("expert FFN: " + ", ".join(f"{k} {v}" for k, v in moe.items()))
   _log(f"data: {data.description}; train {len(data.train)} / held-out {len(data.heldout)} tokens; "
