@@ -38,16 +38,19 @@ def _inputs(seed, dtype=jnp.bfloat16, bias=None):
           make_params(kp, experts=E, hidden=H, ffn=F, dtype=dtype, bias=bias))
 
 
-@pytest.mark.parametrize("bound", [None, 0.5])
-def test_local_transport_equals_padded_bitwise(bound):
+@pytest.mark.parametrize("bound,reduction", [(None, "slot_order"), (0.5, "slot_order"),
+                                             (None, "owner_partials")])
+def test_local_transport_equals_padded_bitwise(bound, reduction):
   """transport None on an expert axis of size 1 picks "local"; its outputs, aux values
   and gradients are the padded transport's bit for bit, with a receive bound that drops
-  (0.5: the tail of the sorted order) too."""
+  (0.5: the tail of the sorted order) too, and in the owner-partials numerics mode."""
   mesh = make_mesh(2, 1)
   bias = jnp.zeros(E).at[0].set(100.0) if bound else None   # every token to expert 0
   x, p = _inputs(3, bias=bias)
-  local = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound)
-  padded = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound, transport="padded")
+  local = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound,
+                      slot_reduction=reduction)
+  padded = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound, transport="padded",
+                       slot_reduction=reduction)
   got, want = _grads(local, mesh, x, p), _grads(padded, mesh, x, p)
   chex.assert_trees_all_equal(got, want)
   assert (int(got[0][1][1]["dropped"]) > 0) == (bound is not None)
