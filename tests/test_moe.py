@@ -383,7 +383,8 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
                     dedup_tokens=dedup, dedup_send_groups=2 if overlap else 1)
   text = lower_uniep_layer_for_cuda(cfg, hidden, grad=grad)
   # v1: 2 transfers forward + 2 backward, and the grouped GEMM kernels of both passes
-  # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads);
+  # (10 Mosaic GPU custom calls: forward gate/up, down; backward da, dx and 2 wgrads), and
+  # without de-duplication the live-rows copy that gathers x's rows into sorted order;
   # fused: Kernels A and B forward (or A, v1's down GEMM and return), then v1's backward
   # (2 transfers + 4 GEMM kernels) or the fused one (dy dispatch + da in one launch, dx,
   # 2 wgrads, the return; with wgrad_return_ctas the return rides in the dw_gate_up launch);
@@ -394,8 +395,8 @@ def test_uniep_layer_lowers_for_cuda(bound, fused, kernel, dedup, grad):
   # v1's gate/up launch in its place (+3 with the send buffer's gather); Kernel D: those
   # three launches as one, forward and backward (the dy transfer, weighted copy and da)
   send_buffer = 0 if cfg.transfer.gather_rows else 1
-  if fused is None:
-    expected = 10
+  if fused is None:   # v1's dispatch gathers x's rows into sorted order by the live-rows copy
+    expected = 10 + (0 if cfg.use_dedup_tokens else 1)
   else:
     forward = ((1 if fused.dispatch_in_kernel else 3 + send_buffer)
                + (1 if fused.return_in_kernel or fused.down_return_ctas else 2))

@@ -94,13 +94,15 @@ def test_uniep_at_one_rank_runs_as_pallas():
   x = make_x(kx, TOKENS, PH, jnp.bfloat16)
   p = make_params(kp, experts=PE, hidden=PH, ffn=PF, dtype=jnp.bfloat16)
   want = _grads(UniEPConfig(backend="pallas", transport="padded", kernel=kernel), mesh, x, p)
-  for cfg in (UniEPConfig(backend="uniep", kernel=kernel),
-              UniEPConfig(backend="uniep", kernel=kernel, dedup_tokens=True, dedup_send_groups=2,
-                          transfer=TransferConfig(expand_in_transfer=True),
-                          fused=FusedConfig(n_comm=4, recv_chunk_rows=64,
-                                            return_in_kernel=False, down_return_ctas=4,
-                                            wgrad_return_ctas=4, dispatch_in_kernel=False))):
-    chex.assert_trees_all_equal(_grads(cfg, mesh, x, p), want)
+  cfg = UniEPConfig(backend="uniep", kernel=kernel, dedup_tokens=True, dedup_send_groups=2,
+                    transfer=TransferConfig(expand_in_transfer=True),
+                    fused=FusedConfig(n_comm=4, recv_chunk_rows=64, return_in_kernel=False,
+                                      down_return_ctas=4, wgrad_return_ctas=4,
+                                      dispatch_in_kernel=False))
+  chex.assert_trees_all_equal(_grads(cfg, mesh, x, p), want)
+  for c in (cfg, UniEPConfig(backend="uniep")):   # its settings all dropped at one rank
+    assert (c.one_rank_form().fused, c.one_rank_form().use_dedup_tokens) == (None, False)
+    assert not c.one_rank_form().transfer.expand_in_transfer
   assert UniEPConfig(backend="uniep").one_rank_form().backend == "pallas"
   assert UniEPConfig(backend="uniep").one_rank_form().transport == "local"
   # an explicit transport of a non-uniep backend is kept (the A/B against "local")
@@ -135,11 +137,40 @@ def test_sort_rows_is_the_permuted_slot_copies_bitwise():
   new = lambda x: dispatch_lib.sort_rows(x, plan, k)   # noqa: E731
   (y_new, vjp_new), (y_old, vjp_old) = jax.vjp(new, x), jax.vjp(old, x)
   chex.assert_trees_all_equal((y_new, vjp_new(ct)), (y_old, vjp_old(ct)))
-  # the Pallas backends' gather (the live-rows copy kernel; interpret mode here)
-  kern = lambda x: dispatch_lib.sort_rows(x, plan, k, row_kernel=True)   # noqa: E731
-  y_kern, vjp_kern = jax.vjp(kern, x)
-  chex.assert_trees_all_equal((y_kern, vjp_kern(ct)), (y_old, vjp_old(ct)))
   np.testing.assert_array_equal(np.asarray(y_new, np.float32),
                                 np.asarray(x, np.float32)[np.asarray(plan.sort_order) // k])
   bwd = jax.make_jaxpr(lambda x, ct: jax.vjp(new, x)[1](ct))(x, ct)
   assert not any(e.primitive.name.startswith("scatter") for e in all_eqns(bwd))
+  # the Pallas backends' gather on GPUs (the live-rows copy kernel; interpret mode here)
+  kern = lambda x: dispatch_lib.sort_rows(x, plan, k, row_kernel=True)   # noqa: E731
+  y_kern, vjp_kern = jax.vjp(kern, x)
+  chex.assert_trees_all_equal((y_kern, vjp_kern(ct)), (y_old, vjp_old(ct)))
+  assert not dispatch_lib.compiled_row_kernels()   # the CPU: the layer takes XLA's gather
+  from pallas_kernels import device as device_lib
+  with device_lib.lowering_for_gpu():
+    assert dispatch_lib.compiled_row_kernels()
+
+
+def test_combine_sorted_rows_is_the_plain_combine_bitwise():
+  """The one-rank combine on GPUs (`combine.combine_sorted_rows`: its backward forms each
+  sorted row's cotangent dtype(w * f32(dy)) with the weighted live-rows copy kernel,
+  interpret mode here) gives the plain combine's bits (`collect` over the local transport,
+  then `weighted_topk_sum`): y, the sorted rows' cotangent and d_weights."""
+  from uniep_jax.combine import combine_sorted_rows, weighted_topk_sum
+  t, k, h = 48, 4, 16
+  ky, ke, kw, kc = jax.random.split(jax.random.key(13), 4)
+  topk = jax.random.randint(ke, (t, k), 0, E)
+  plan = make_plan(topk, local_group_sizes(topk, E)[None], 0)
+  y_sorted = make_x(ky, t * k, h, jnp.bfloat16)
+  weights = jax.nn.softmax(jax.random.normal(kw, (t, k)), axis=-1)
+  dy = make_x(kc, t, h, jnp.bfloat16)
+
+  def plain(y, w):
+    rows = dispatch_lib.collect(y, plan, top_k=k, axis_name=None, num_local_experts=E,
+                                transport="local")
+    return weighted_topk_sum(rows, w, out_dtype=jnp.bfloat16)
+
+  fused = lambda y, w: combine_sorted_rows(y, w, plan, k, jnp.bfloat16)   # noqa: E731
+  (o_new, vjp_new), (o_old, vjp_old) = jax.vjp(fused, y_sorted, weights), jax.vjp(
+      plain, y_sorted, weights)
+  chex.assert_trees_all_equal((o_new, vjp_new(dy)), (o_old, vjp_old(dy)))

@@ -393,6 +393,15 @@ send_rows.defvjp(_send_fwd, _send_bwd)
 return_rows.defvjp(_return_fwd, _return_bwd)
 
 
+def compiled_row_kernels() -> bool:
+  """Whether the Pallas backends move rows with the live-rows copy kernel here: where
+  kernels compile for the GPU (a GPU, or `device.lowering_for_gpu()`). On the CPU the
+  interpret mode would run it slowly; XLA's gather there gives the same rows (moved, not
+  computed; tests/test_one_rank.py checks the kernel forms against it bit for bit)."""
+  from pallas_kernels import device as device_lib   # GPU kernels' helpers, lazy
+  return device_lib.default_interpret() is False
+
+
 def sort_rows(x, plan: DispatchPlan, top_k: int, row_kernel: bool = False) -> jax.Array:
   """x [T, H] -> its K slot copies in the plan's sorted order [T*K, H]: one gather of
   x's rows (sorted row i is token sort_order[i] // K). Backward: `sort_rows_transpose`

@@ -29,8 +29,8 @@ from uniep_jax.combine import SlotOwners, combine_sorted_rows, weighted_topk_sum
 from uniep_jax.config import BACKENDS, SCORE_FUNCTIONS, UniEPConfig
 from uniep_jax.config import TRANSPORTS
 from uniep_jax.dedup import combine_unique, dispatch_unique, plan_with_dedup
-from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, collect, default_transport, dispatch, sort_rows,
-                                unsort_rows)
+from uniep_jax.dispatch import (ZERO_WINDOW_ROWS, collect, compiled_row_kernels,
+                                default_transport, dispatch, sort_rows, unsort_rows)
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import local_group_sizes, make_plan
 from uniep_jax.ordered_reduce import ordered_allsum, stack_replicas, stacked_spec
@@ -202,6 +202,8 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       transport = "nvlink"
     dedup = config.use_dedup_tokens
     recv_rows = receive_rows(t, top_k, num_experts // el, config)
+    # the Pallas backends move rows with the live-rows copy where kernels compile
+    row_kernel = config.backend in ("pallas", "uniep") and compiled_row_kernels()
     kw = dict(top_k=top_k, axis_name=expert_axis, num_local_experts=el, transport=transport,
               transfer=config.transfer)
     if dedup:   # each (token, owner) pair sent once (uniep_jax/dedup.py)
@@ -235,8 +237,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
         recv = dispatch_unique(x, plan, dplan, top_k, expert_axis, el, transport,
                                config.transfer)                          # [R*T*K, H]
       else:
-        recv = dispatch(x, plan, **kw,                                   # [R*T*K, H]
-                        row_kernel=config.backend in ("pallas", "uniep"))
+        recv = dispatch(x, plan, **kw, row_kernel=row_kernel)           # [R*T*K, H]
       if config.backend in ("pallas", "uniep"):
         # the receive layout holds the worst case (R*T*K rows); its dead rows are
         # never read back (collect takes the live rows only): the kernels skip them
@@ -250,7 +251,7 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
       if dedup:   # its backward sends each (token, owner) pair's dy once
         y = combine_unique(y_recv, out.topk_weights, plan, dplan, top_k, expert_axis, el,
                            transport, config.transfer, x.dtype)
-      elif (transport == "local" and config.backend in ("pallas", "uniep") and owners is None
+      elif (transport == "local" and row_kernel and owners is None
             and recv_rows is None):   # one rank: its backward in one weighted row copy
         y = combine_sorted_rows(y_recv, out.topk_weights, plan, top_k, x.dtype)
       else:
