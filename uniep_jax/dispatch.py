@@ -413,12 +413,12 @@ def sort_rows(x, plan: DispatchPlan, top_k: int, row_kernel: bool = False) -> ja
   if plan.slot_owners is not None:   # owner_partials' backward sums per owner first
     return permute_rows(replicate_slots(x, top_k, plan.slot_owners), plan.sort_order,
                         plan.sorted_position)
-  return _gather_token_rows(x, plan.sort_order, plan.sorted_position, top_k, row_kernel)
+  return _gather_token_rows(x, plan, top_k, row_kernel)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gather_token_rows(x, sort_order, sorted_position, top_k, row_kernel):
-  tokens = sort_order // top_k
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gather_token_rows(x, plan: DispatchPlan, top_k, row_kernel):
+  tokens = plan.sort_order // top_k
   if row_kernel:
     from pallas_kernels.row_gather import gather_live_rows   # GPU kernels, lazy
     n = tokens.shape[0]
@@ -426,17 +426,13 @@ def _gather_token_rows(x, sort_order, sorted_position, top_k, row_kernel):
   return jnp.take(x, tokens, axis=0, mode="clip")
 
 
-def _gather_token_rows_fwd(x, sort_order, sorted_position, top_k, row_kernel):
-  return (_gather_token_rows(x, sort_order, sorted_position, top_k, row_kernel),
-          (x[:0], sorted_position))
+def _gather_token_rows_fwd(x, plan, top_k, row_kernel):
+  return _gather_token_rows(x, plan, top_k, row_kernel), (x[:0], plan)
 
 
 def _gather_token_rows_bwd(top_k, row_kernel, res, ct):
-  x_like, sorted_position = res
-  every = jnp.ones(sorted_position.shape, bool)
-  slots = sum_to_type_of(_take_rows(ct, sorted_position, every), x_like)
-  return (replicate_slots_transpose(slots, top_k), int_cotangent(sorted_position),
-          int_cotangent(sorted_position))
+  x_like, plan = res
+  return sort_rows_transpose(ct, plan, top_k, x_like), _zero_plan_cotangent(plan)
 
 
 _gather_token_rows.defvjp(_gather_token_rows_fwd, _gather_token_rows_bwd)

@@ -173,9 +173,9 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
     config = resolve_config(config, tokens=t, hidden=x.shape[1], ffn=params.ffn,
                             experts=num_experts, top_k=top_k, ep=ep, dtype=x.dtype)
   if ep == 1:   # every expert here: nothing to send (UniEPConfig.one_rank_form)
-    one = config.one_rank_form()
-    if one.transport == "local":
-      config, transport = one, "local"
+    config = config.one_rank_form()
+  if config.transport == "local":
+    transport = "local"
   out = routing_lib.route(x, params.router, top_k, config.routing, params.expert_bias)
 
   counts, prob_sum, z_sum = routing_lib.local_aux_sums(out, num_experts, config.routing)
@@ -301,13 +301,14 @@ def resolve_transport(config: UniEPConfig, platform: str, x, params: MoEParams,
   """The transport `moe_ffn` uses here, after checking what the backend and transport
   need of the devices and processes (ValueErrors). ep: the expert axis' size; with one
   rank nothing moves between devices (`UniEPConfig.one_rank_form`: "local")."""
-  if ep == 1 and config.one_rank_form().transport == "local":
+  if ep == 1:
     config = config.one_rank_form()
+  if config.transport == "local":
+    if ep is not None and ep != 1:
+      raise ValueError(f"config.transport='local' moves no row between ranks: it needs an "
+                       f"expert axis of size 1, got {ep}")
     check_kernel_dtypes(config.backend, platform, x, params)
     return "local"
-  if config.transport == "local" and ep is not None:
-    raise ValueError(f"config.transport='local' moves no row between ranks: it needs an expert "
-                     f"axis of size 1, got {ep}")
   if config.backend == "uniep" or config.transport == "nvlink":
     # The kernels address peer GPUs' buffers directly (one process drives every GPU it
     # addresses). Across processes that takes NVSHMEM, and jaxlib 0.11.2's XLA has no
