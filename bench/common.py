@@ -1,52 +1,23 @@
-"""Shared by the benchmarks: the target MoE shapes, timing, run metadata.
+"""Shared by the benchmarks: configuration names, timing, run metadata, plots.
 
-Timing (METHOD.md): jit, warm up, then `trials` batches of `reps` back-to-back
-calls with `block_until_ready` on the last result; the per-call median over
-trials is reported. `reps` adapts so that one batch lasts at least `min_batch_s`.
+The target shapes, the timing method and the run metadata live in `uniep_jax.measure`
+(the autotuner uses them too) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
-import time
 
 import jax
 
-
-@dataclasses.dataclass(frozen=True)
-class MoEShape:
-  """Per EP rank: T tokens, hidden H, expert FFN F, E experts, top-k K (targets.md)."""
-  name: str
-  tokens: int
-  hidden: int
-  ffn: int
-  experts: int
-  top_k: int
-
-  def fwd_flops_per_rank(self) -> float:
-    return 2.0 * self.tokens * self.top_k * self.hidden * self.ffn * 3
-
-  def dispatch_bytes_per_rank(self, ranks: int, itemsize: int = 2) -> float:
-    """Bytes one rank sends for one dispatch (no de-duplication); combine is the same."""
-    return self.tokens * self.top_k * self.hidden * itemsize * (ranks - 1) / ranks
-
-
-SHAPES = {
-    "mixtral-like": MoEShape("mixtral-like", 8192, 4096, 14336, 8, 2),
-    "deepseek-like": MoEShape("deepseek-like", 8192, 7168, 2048, 256, 8),
-    "qwen3-like": MoEShape("qwen3-like", 16384, 2048, 768, 128, 8),
-    "small-experts": MoEShape("small-experts", 8192, 1536, 480, 64, 8),
-}
-# Not a target: a shape small enough to smoke-test the benchmark scripts on the CPU.
-SMOKE_SHAPES = {"tiny": MoEShape("tiny", 256, 64, 96, 8, 2)}
+from uniep_jax.measure import (SHAPES, SMOKE_SHAPES, MoEShape, _batch_ms, block,  # noqa: F401
+                               git_commit, run_metadata, time_ms)
 
 
 def dump_stacks_on_usr1() -> None:
@@ -124,39 +95,6 @@ def skewed_topk(rng, experts: int, tokens: int, top_k: int, skew: float):
   return rng.choice(experts, size=(tokens, top_k), p=p / p.sum()).astype(np.int32)
 
 
-def block(tree):
-  return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
-
-
-def time_ms(fn, *args, trials: int = 7, min_batch_s: float = 0.05, max_reps: int = 50) -> dict:
-  """Median ms per call of `fn(*args)` (already jitted).
-
-  On the CPU every call is waited for: back-to-back collective programs over
-  virtual CPU devices can starve XLA:CPU's rendezvous on a 2-core machine."""
-  sync_each = jax.devices()[0].platform == "cpu"
-  block(fn(*args))                      # compile + warm-up
-  t0 = time.perf_counter()
-  block(fn(*args))
-  one = max(time.perf_counter() - t0, 1e-6)
-  reps = int(min(max_reps, max(1, min_batch_s / one)))
-  per_call = [_batch_ms(fn, args, reps, sync_each) for _ in range(trials)]
-  return dict(median_ms=statistics.median(per_call), min_ms=min(per_call),
-              max_ms=max(per_call), reps=reps, trials=trials)
-
-
-def _batch_ms(fn, args, reps: int, sync_each: bool) -> float:
-  """ms per call of one batch of `reps` back-to-back calls, waited for at its end (each
-  call waited for with sync_each)."""
-  t0 = time.perf_counter()
-  out = None
-  for _ in range(reps):
-    out = fn(*args)
-    if sync_each:
-      block(out)
-  block(out)
-  return (time.perf_counter() - t0) / reps * 1e3
-
-
 def time_interleaved_ms(fns: dict, *args, trials: int = 5) -> dict:
   """Median ms per call of each `fns[name] = (fn, reps)`, its batches of `reps` calls
   interleaved round robin over the names, trial by trial: a drift of the machine
@@ -170,36 +108,6 @@ def time_interleaved_ms(fns: dict, *args, trials: int = 5) -> dict:
       per_call[name].append(_batch_ms(fn, args, reps, sync_each))
   return {name: dict(median_ms=statistics.median(v), min_ms=min(v), max_ms=max(v),
                      reps=fns[name][1], trials=trials) for name, v in per_call.items()}
-
-
-def git_commit() -> str:
-  """The commit of the code that runs: $GIT_COMMIT, else the file BENCH_COMMIT at
-  the repository root (written by bench/stamp_commit.sh before a device call,
-  since .git does not travel), else `git rev-parse HEAD`."""
-  if os.environ.get("GIT_COMMIT"):
-    return os.environ["GIT_COMMIT"]
-  stamp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCH_COMMIT")
-  if os.path.exists(stamp):
-    return open(stamp).read().strip()
-  try:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True,
-                           cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-    if out.returncode == 0:
-      return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-  except Exception:  # noqa: BLE001 - metadata only
-    pass
-  return "unknown"
-
-
-def run_metadata() -> dict:
-  devs = jax.devices()
-  return dict(device_kind=devs[0].device_kind, device_count=len(devs),
-              platform=devs[0].platform, jax_version=jax.__version__,
-              git_commit=git_commit(), host=platform.node(),
-              date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 def device_tag(meta: dict) -> str:
@@ -252,3 +160,42 @@ def grouped_bars(path: str, cases: list, series: dict, *, ylabel: str, log: bool
   fig.savefig(path, dpi=120)
   plt.close(fig)
   print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------
+# Configuration names, one scheme for every benchmark:
+#   <backend>[:<option>]...   backend: a key of uniep_jax.BACKENDS
+# options:
+#   ragged | padded | local   the transport ("xla_dropless", "pallas")
+#   overlap[=D[,W]]           "uniep": OverlapConfig() (16 CTAs each), or D return CTAs
+#                             beside the down GEMM and W beside the wgrad (W = D if absent)
+#   auto                      kernel=None, transfer=None: the tune cache's point
+#   cf=F                      "xla_capacity": capacity_factor F (default 1.25)
+# e.g. "xla_capacity", "pallas:padded", "uniep", "uniep:overlap", "uniep:overlap=4"
+# ---------------------------------------------------------------------------
+def layer_config(name: str):
+  """The `UniEPConfig` a benchmark configuration name stands for."""
+  import uniep_jax
+  backend, *options = name.split(":")
+  if backend not in uniep_jax.BACKENDS:
+    raise ValueError(f"configuration {name!r}: unknown backend {backend!r}; expected one of "
+                     f"{tuple(uniep_jax.BACKENDS)}")
+  fields = {}
+  for opt in options:
+    key, _, value = opt.partition("=")
+    if key in ("ragged", "padded", "local") and not value:
+      fields["transport"] = key
+    elif key == "overlap":
+      ctas = [int(v) for v in value.split(",")] if value else []
+      if len(ctas) > 2:
+        raise ValueError(f"configuration {name!r}: overlap=D[,W] takes at most two counts")
+      fields["overlap"] = (uniep_jax.OverlapConfig() if not ctas else
+                           uniep_jax.OverlapConfig(ctas[0], ctas[-1]))
+    elif key == "auto" and not value:
+      fields.update(kernel=None, transfer=None)
+    elif key == "cf" and value:
+      fields["capacity_factor"] = float(value)
+    else:
+      raise ValueError(f"configuration {name!r}: unknown option {opt!r} (known: ragged, "
+                       f"padded, local, overlap[=D[,W]], auto, cf=F)")
+  return uniep_jax.UniEPConfig(backend=backend, **fields)

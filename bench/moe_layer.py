@@ -12,9 +12,10 @@ every token's top-k), it times each backend and, in the same run:
     off-rank rows sent or received; rank_rows has the whole [src][dst] matrix): a
     dropless layer waits for that rank, so under the skewed routing these are its
     bound (x_over_hot_rank_floor), while x_over_floor keeps the balanced work split.
-Backends: "xla_capacity" (cf 1.25; dropped assignments reported), "xla_dropless"
-(ragged_all_to_all), "xla_dropless_padded" (all_to_all of worst-case buffers),
-"pallas" (XLA collectives + our grouped GEMM), and "uniep" once it exists.
+Configurations by name (bench/common.py, `layer_config`), e.g. "xla_capacity" (cf 1.25;
+dropped assignments reported), "xla_dropless" (ragged_all_to_all), "xla_dropless:padded"
+(all_to_all of worst-case buffers), "pallas" (XLA collectives + our grouped GEMM),
+"uniep", "uniep:overlap".
 
   python -m bench.moe_layer [--shapes a,b] [--backends ...] [--budget-s 480] [--out DIR]
 
@@ -22,22 +23,18 @@ Cases run in priority order and stop when the time budget is spent; skipped
 cases are listed in the JSON. Median ms per call; ratios are same-run ratios.
 After a case's backends are timed one after another, --interleaved-trials (default 5)
 rounds time one batch of each in turn (interleaved_median_ms, and its ratio to
-xla_capacity): in 2x H200 runs 41, 42 and 44 the backend timed last in a qwen3-like case
-read 0.3-0.4 ms slower in its median than profiles and short batches showed, a drift over
-the run that the interleaved rounds spread over every backend alike.
+xla_capacity): a drift of the machine over the run (the backend timed last reading
+slower) then reaches every backend alike.
 --compile-workers N > 1: each shape's programs are compiled ahead (`compile_ahead`: the
 xla_* baselines first and alone, then the rest in N threads), then timed one at a time
-(compile_s: a program's own lower + compile; the uniep programs take 50-130 s each at
-EP 4, and the layer phase of a device call was mostly compiles, one after another).
+(compile_s: a program's own lower + compile).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import os
-import re
 import sys
 import threading
 import time
@@ -49,177 +46,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import uniep_jax
 from bench import common
-from uniep_jax.tune import tree_checksum
-
-BACKEND_CONFIGS = {
-    "xla_capacity": uniep_jax.UniEPConfig(backend="xla_capacity", capacity_factor=1.25),
-    "xla_dropless": uniep_jax.UniEPConfig(backend="xla_dropless", transport="ragged"),
-    "xla_dropless_padded": uniep_jax.UniEPConfig(backend="xla_dropless", transport="padded"),
-    "pallas": uniep_jax.UniEPConfig(backend="pallas", transport="padded"),
-    "uniep": uniep_jax.UniEPConfig(backend="uniep"),
-    # EXPERIMENTAL v2 forward (uniep_jax/fused.py): Kernels A and B, v1's backward
-    "uniep_fused": uniep_jax.UniEPConfig(
-        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=2048)),
-    # EXPERIMENTAL: Kernel A, v1's down GEMM and return, and the fused backward (the dy
-    # dispatch with the da GEMM in one launch)
-    "uniep_fused_bwd": uniep_jax.UniEPConfig(
-        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=32, recv_chunk_rows=2048,
-                                                     return_in_kernel=False, backward=True)),
-    # EXPERIMENTAL v2.2: Kernel A with items dealt round robin over 16 transfer CTAs and
-    # only the live chunks walked; v1's down GEMM and return; the backward fused (dy
-    # dispatch + da) and/or the dX return on 16 CTAs beside the dw_gate_up wgrad
-    "uniep_fa_bwd": uniep_jax.UniEPConfig(
-        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
-                                                     return_in_kernel=False, backward=True)),
-    "uniep_fa_bwd_rbw": uniep_jax.UniEPConfig(
-        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
-                                                     return_in_kernel=False, backward=True,
-                                                     wgrad_return_ctas=16)),
-    "uniep_fa_rbw": uniep_jax.UniEPConfig(
-        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
-                                                     return_in_kernel=False,
-                                                     wgrad_return_ctas=16)),
-    # EXPERIMENTAL v2.2: Kernel A, Kernel C (the down GEMM with each finished chunk sent
-    # back beside it), v1's dy dispatch and da, the dX return beside the dw_gate_up wgrad
-    "uniep_fac_rbw": uniep_jax.UniEPConfig(
-        backend="uniep", fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048,
-                                                     return_in_kernel=False,
-                                                     down_return_ctas=16,
-                                                     wgrad_return_ctas=16)),
-    # token de-duplication: each (token, owner) pair sent once, the owner copies it to
-    # its experts' rows (uniep_jax/dedup.py); same bits as the plain dispatch
-    "uniep_dd": uniep_jax.UniEPConfig(backend="uniep", dedup_tokens=True),
-    # Kernel A (its own forward dispatch) + the de-duplicated backward dy dispatch
-    "uniep_fa_rbw_dd": uniep_jax.UniEPConfig(
-        backend="uniep", dedup_tokens=True,
-        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
-                                    wgrad_return_ctas=16)),
-    "uniep_fac_rbw_dd": uniep_jax.UniEPConfig(
-        backend="uniep", dedup_tokens=True,
-        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
-                                    down_return_ctas=16, wgrad_return_ctas=16)),
-    # the same with fewer transfer CTAs in each fused launch (n_comm, the down GEMM's and
-    # the wgrad's return CTAs): where the transfer is small next to the GEMM (mixtral-like:
-    # 101 MB against a 5.9 ms gate/up GEMM at EP 4), 4 or 8 CTAs may still hide it while
-    # the GEMM keeps 128 / 124 of 132 SMs (NOTES_fused.md, "EP 4, all three big shapes")
-    **{f"uniep_fac_rbw_dd_c{n}": uniep_jax.UniEPConfig(
-        backend="uniep", dedup_tokens=True,
-        fused=uniep_jax.FusedConfig(n_comm=n, recv_chunk_rows=2048, return_in_kernel=False,
-                                    down_return_ctas=n, wgrad_return_ctas=n))
-       for n in (4, 8)},
-    # no Kernel A: the forward's dispatch de-duplicated too (v1's transfer of one row per
-    # (token, owner), the live-rows copy, v1's gate/up launch on every SM), then v1's down
-    # GEMM and return (d_rbw) or Kernel C (dc_rbw), the dX return beside the wgrad
-    "uniep_d_rbw_dd": uniep_jax.UniEPConfig(
-        backend="uniep", dedup_tokens=True,
-        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
-                                    wgrad_return_ctas=16, dispatch_in_kernel=False)),
-    # _w8: 8 return CTAs beside the wgrad, 16 in Kernel C: at deepseek-like EP 4 the dX
-    # return needs ~105 GB/s over the 6.7 ms wgrad, Kernel C's ~250 over its down GEMM
-    # (NOTES_fused.md, "The router as shipped, timed"), so the wgrad may keep 8 more SMs
-    **{f"uniep_dc_rbw_dd{tag}": uniep_jax.UniEPConfig(
-        backend="uniep", dedup_tokens=True,
-        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
-                                    down_return_ctas=down, wgrad_return_ctas=wgrad,
-                                    dispatch_in_kernel=False))
-       for tag, down, wgrad in (("", 16, 16), ("_c4", 4, 4), ("_w8", 16, 8))},
-    # EXPERIMENTAL Kernel D (pallas_kernels/dedup_dispatch_gemm.py): uniep_dc_rbw_dd with
-    # each de-duplicated dispatch, its expansion and the gate/up (da) GEMM in one launch,
-    # 16 transfer CTAs, 16 (forward) / 32 (backward, the weighted copy) copy CTAs, the
-    # unique rows sent in 8 groups of local experts (@sg<N> other counts, @ov<N> / @ovb<N>
-    # other copy CTAs; @ovb0: the backward's three launches as before)
-    "uniep_dc_rbw_dd_ov": uniep_jax.UniEPConfig(
-        backend="uniep", dedup_tokens=True, dedup_send_groups=8,
-        fused=uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
-                                    down_return_ctas=16, wgrad_return_ctas=16,
-                                    dispatch_in_kernel=False, overlap_copy_ctas=16,
-                                    overlap_copy_ctas_bwd=32)),
-    "pallas_dd": uniep_jax.UniEPConfig(backend="pallas", transport="padded", dedup_tokens=True),
-    # EXPERIMENTAL: the backward's SwiGLU derivative in the da GEMM's epilogue
-    "uniep_xla_dswiglu": uniep_jax.UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False),
-}
-# The names without "_dd" are the v1 dispatch (dedup_tokens=False), as in the runs
-# before de-duplication became "uniep"'s default (UniEPConfig.dedup_tokens=None: auto)
-BACKEND_CONFIGS = {name: (dataclasses.replace(c, dedup_tokens=False)
-                          if c.backend == "uniep" and c.dedup_tokens is None else c)
-                   for name, c in BACKEND_CONFIGS.items()}
-
-
-# backend-name suffixes "<name><N>": (the UniEPConfig part, its field) set to N
-_NUMBERED_SUFFIXES = {"sm": ("kernel", "num_sms"), "rr": ("kernel", "raster_rows"),
-                      "wr": ("kernel", "wgrad_raster"), "chunk": ("transfer", "chunk_rows"),
-                      "inflight": ("kernel", "mma_in_flight"),
-                      "ctas": ("transfer", "num_ctas"), "dr": ("fused", "down_return_ctas"),
-                      "wrc": ("fused", "wgrad_return_ctas"),
-                      "ov": ("fused", "overlap_copy_ctas"),
-                      "ovb": ("fused", "overlap_copy_ctas_bwd"),
-                      "ovs": ("fused", "overlap_copy_stages"),
-                      "ovj": ("fused", "overlap_join_percent"),
-                      "tes": ("transfer", "copy_stages"),
-                      "sg": (None, "dedup_send_groups")}
-
-
-def _replace_in(cfg: uniep_jax.UniEPConfig, part: str, **fields) -> uniep_jax.UniEPConfig:
-  """cfg with fields of its sub-config `part` (kernel, transfer, routing, fused) replaced."""
-  if part is None:   # a field of UniEPConfig itself
-    return dataclasses.replace(cfg, **fields)
-  if getattr(cfg, part) is None:
-    raise ValueError(f"this backend has no {part} config to change {sorted(fields)} in")
-  return dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **fields)})
-
+from uniep_jax.measure import tree_checksum
 
 def backend_config(name: str) -> uniep_jax.UniEPConfig:
-  """`BACKEND_CONFIGS[base]` for a name "base[@suffix...]"; suffixes:
-  `@sm<N>` every persistent kernel on N SMs (`KernelConfig.num_sms`), e.g.
-  "uniep_dc_rbw_dd@sm131": one SM left to whatever runs beside the layer's kernels;
-  `@f32router` the router's logits as one float32 GEMM (`RoutingConfig.logits_matmul`,
-  the routing until 2026-11-27) instead of bf16 pieces; `@gx` the de-duplicated
-  dispatches' send rows read by index in the transfer's loads
-  (`TransferConfig.gather_rows`, the default since 2026-11-28), `@sb` gathered into a
-  contiguous send buffer first (gather_rows=False); `@te` the owner's expansion of the
-  unique rows inside the transfer's launch (`TransferConfig.expand_in_transfer`), `@tel`
-  and its last source's expansion on the transfer CTAs too (expand_last_on_all); `@op` slot_reduction="owner_partials" (other bits:
-  its checksums differ from slot order's); `@chunk<N>` the transfer's chunk_rows;
-  `@ga` row tiles cut from each expert's first row (`KernelConfig.group_aligned_tiles`,
-  the default since 2026-11-28), `@bt` block-aligned row tiles (the tiles before);
-  `@wr<N>` the wgrads' tiles walked in
-  bands of N k tiles (`KernelConfig.wgrad_raster`; @wr1: row-major, the order before
-  2026-11-28's 26th session); `@rr<N>` the row-tiled launches in bands of N row tiles
-  (`KernelConfig.raster_rows`; default auto: 4 where a group's weight is >= 96 MiB, 8
-  from 16 MiB, else row-major); `@inflight<N>` N wgmma groups kept in flight per
-  compute warpgroup (`KernelConfig.mma_in_flight`, 0 or 1); `@ctas<N>` the v1 transfers'
-  CTAs (`TransferConfig.num_ctas`); `@dr<N>`, `@wrc<N>` (fused points) the return CTAs
-  beside the down GEMM (Kernel C, `FusedConfig.down_return_ctas`) and beside the
-  dw_gate_up wgrad (`FusedConfig.wgrad_return_ctas`); `@ov<N>`, `@ovb<N>` Kernel D's copy
-  CTAs forward / backward (`FusedConfig.overlap_copy_ctas[_bwd]`), `@ovs<N>` their SMEM
-  stages (`FusedConfig.overlap_copy_stages`), `@ovj<P>` its transfer CTAs copying the
-  chunks from P% on (`FusedConfig.overlap_join_percent`), `@tes<N>` those of `@te`'s copy CTAs
-  (`TransferConfig.copy_stages`); `@sg<N>` the unique
-  rows' send groups (`UniEPConfig.dedup_send_groups`)."""
-  base, *suffixes = name.split("@")
-  if base not in BACKEND_CONFIGS:
-    raise ValueError(f"unknown backend {base!r}; known: {', '.join(BACKEND_CONFIGS)}")
-  cfg = BACKEND_CONFIGS[base]
-  for suffix in suffixes:
-    m = re.fullmatch(r"([a-z]+)(\d+)", suffix)
-    if m is not None and m.group(1) in _NUMBERED_SUFFIXES:
-      part, field = _NUMBERED_SUFFIXES[m.group(1)]
-      cfg = _replace_in(cfg, part, **{field: int(m.group(2))})
-    elif suffix == "f32router":
-      cfg = _replace_in(cfg, "routing", logits_matmul="float32")
-    elif suffix in ("ga", "bt"):
-      cfg = _replace_in(cfg, "kernel", group_aligned_tiles=suffix == "ga")
-    elif suffix == "op":
-      cfg = dataclasses.replace(cfg, slot_reduction="owner_partials")
-    elif suffix in ("te", "tel"):
-      cfg = _replace_in(cfg, "transfer", gather_rows=True, expand_in_transfer=True,
-                        expand_last_on_all=suffix == "tel")
-    elif suffix in ("gx", "sb"):
-      cfg = _replace_in(cfg, "transfer", gather_rows=suffix == "gx")
-    else:
-      raise ValueError(f"backend {name!r}: unknown suffix @{suffix} "
-                       f"(known: @sm<N>, @f32router, @gx, @sb, @te, @tel, @op, @chunk<N>, @ga, @bt, @wr<N>, @rr<N>, @inflight<N>, @ctas<N>, @dr<N>, @wrc<N>, @ov<N>, @ovb<N>, @ovs<N>, @ovj<P>, @tes<N>, @sg<N>)")
-  return cfg
+  """The configuration a name stands for (`bench.common.layer_config`)."""
+  return common.layer_config(name)
 
 
 def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):
@@ -289,7 +120,7 @@ def layer_fns(mesh, shape, cfg):
 
 
 # Mosaic GPU's Python lowering keeps module-global state: lowerings one at a time, XLA's
-# compiles in parallel (as uniep_jax.tune's and bench/determinism_sweep.py's workers)
+# compiles in parallel (as uniep_jax.autotune's and bench/determinism_sweep.py's workers)
 _LOWER_LOCK = threading.Lock()
 
 
@@ -346,7 +177,8 @@ def all_to_all_gbps(mesh, shape: common.MoEShape) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--shapes", default=",".join(common.SHAPES))
-  ap.add_argument("--backends", default=",".join(BACKEND_CONFIGS))
+  ap.add_argument("--backends", default="xla_capacity,xla_dropless,pallas,uniep,uniep:overlap",
+                  help="comma list of configuration names (bench/common.py, layer_config)")
   ap.add_argument("--directions", default="fwd,fwdbwd")
   ap.add_argument("--routings", default="balanced,skewed")
   ap.add_argument("--ep", type=int, default=0, help="GPUs to use (default: all)")
@@ -429,7 +261,7 @@ def main(argv=None):
             continue
           cfg = backend_config(backend)
           row = dict(row_base, backend=backend)
-          if cfg.use_dedup_tokens:   # de-duplication's unique receive buffer, on top
+          if cfg.backend == "uniep" and ep > 1:   # de-duplication's unique receive buffer
             row["unique_receive_bytes"] = uniep_jax.unique_receive_bytes(shape.tokens,
                                                                          shape.hidden, ep)
           try:

@@ -23,16 +23,10 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
-from uniep_jax.config import FusedConfig, KernelConfig, UniEPConfig
+from uniep_jax.config import KernelConfig, OverlapConfig, UniEPConfig
 from uniep_jax.module import SwiGLU, UniEPMoE, fan_in_normal, sharding_metadata
 
 AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped")
-# `Transformer(fused=True)` (backend "uniep"; EXPERIMENTAL): the fastest fused point of the
-# layer runs (4x H200, pallas_kernels/NOTES_fused.md, v2.2): Kernel A forward (dispatch +
-# gate/up in one launch, 16 transfer CTAs) with v1's down GEMM and return, v1's backward
-# with the dX return on 16 CTAs of the dw_gate_up wgrad's launch; the bits are v1's.
-TRAIN_FUSED = FusedConfig(n_comm=16, recv_chunk_rows=2048, return_in_kernel=False,
-                          wgrad_return_ctas=16)
 
 
 class RMSNorm(nnx.Module):
@@ -204,16 +198,13 @@ class Transformer(nnx.Module):
 
   def __init__(self, c: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
                backend: str = "xla_dropless", capacity_factor: float = 1.25,
-               swiglu_grad_in_kernel: Optional[bool] = None,
-               kernel_stages: Optional[int] = None, fused: bool = False,
-               dedup_tokens: Optional[bool] = None, rngs: nnx.Rngs):
+               kernel_stages: Optional[int] = None, overlap: bool = False, rngs: nnx.Rngs):
     self.c, self.mesh = c, mesh
     self.dtype = jnp.dtype(c.dtype)
     kernel = (KernelConfig() if kernel_stages is None
               else KernelConfig(max_concurrent_steps=kernel_stages))
     moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor,
-                             swiglu_grad_in_kernel=swiglu_grad_in_kernel, kernel=kernel,
-                             fused=TRAIN_FUSED if fused else None, dedup_tokens=dedup_tokens)
+                             kernel=kernel, overlap=OverlapConfig() if overlap else None)
     kw = sharding_metadata((None, None), mesh)
     self.embed = nnx.Param(fan_in_normal(rngs.params(), (c.vocab_size, c.d_model), c.d_model,
                                           jnp.float32), **kw)

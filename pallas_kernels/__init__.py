@@ -1,29 +1,15 @@
-"""Pallas Mosaic GPU kernels of UniEP-JAX."""
+"""Pallas Mosaic GPU kernels of UniEP-JAX: the bottom layer (imports nothing from
+`uniep_jax`). One kernel per module, each opening with its tiling, buffers and
+synchronisation contract (SYNC.md collects the communicating ones):
 
-from pallas_kernels import device
-from pallas_kernels.grouped_gemm import (
-    gmm,
-    gmm_dgrad,
-    gmm_wgrad,
-    grouped_matmul,
-    grouped_swiglu_ffn,
-    reference_gmm,
-    reference_gmm_dgrad,
-    reference_gmm_wgrad,
-    reference_swiglu_ffn,
-    smem_bytes,
-)
-
-__all__ = [
-    "device",
-    "gmm",
-    "gmm_dgrad",
-    "gmm_wgrad",
-    "grouped_matmul",
-    "grouped_swiglu_ffn",
-    "reference_gmm",
-    "reference_gmm_dgrad",
-    "reference_gmm_wgrad",
-    "reference_swiglu_ffn",
-    "smem_bytes",
-]
+  grouped_gemm      the grouped GEMM (forward, dgrad, wgrad) and the SwiGLU expert FFN
+                    with its VJP; owns `KernelConfig`
+  ep_transfer       row segments pushed over NVLink into peers' buffers; owns
+                    `TransferConfig`
+  row_gather        rows gathered by index into consecutive rows (live rows only)
+  down_gemm_return  the down GEMM with the return of finished chunks beside it
+  wgrad_return      the dX return transfer beside the dw_gate_up wgrad
+  tma               TMA copy loops and the ragged store ladder shared by them
+  ragged            index arithmetic on ragged runs shared by every work list
+  device            device facts (SM count, shared memory, peak rates)
+"""

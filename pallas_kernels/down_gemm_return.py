@@ -1,27 +1,23 @@
-"""EXPERIMENTAL (v2.2, "Kernel C"): the down GEMM with the return of finished chunks beside it.
+"""The down GEMM with the return of finished chunks beside it, in one launch.
 
-In `moe_ffn` as `UniEPConfig(backend="uniep", fused=FusedConfig(return_in_kernel=False,
-down_return_ctas=N))` (uniep_jax/fused.py). The mirror of Kernel A
-(fused_dispatch_gemm.py): there the transfer fills chunks that the GEMM waits for;
-here the GEMM fills chunks of its output that the transfer sends back as soon as they
-are complete, while the GEMM computes the next ones. Kernel B (fused_gemm_return.py)
-stored each tile straight to the peer from the GEMM's epilogue, which stalled the GEMM
-CTAs; v1 runs the whole down GEMM, then the whole return.
+In `moe_ffn` as the "uniep" backend's overlap point
+`UniEPConfig(overlap=OverlapConfig(down_return_ctas=N))` (uniep_jax/overlap.py). Without
+it the forward's tail is two launches:
 
-  v1:  y = grouped_gemm plain(a, w_down)                       (launch 1)
-       y_sorted = ep_transfer.transfer_segments(y -> sources)   (launch 2)
-  C:   one launch; chunk k of y is pushed to the sources once every tile of it is
-       stored, while the GEMM CTAs compute later chunks.
+  y = grouped_gemm plain(a, w_down)                       (launch 1)
+  y_sorted = ep_transfer.transfer_segments(y -> sources)   (launch 2)
+
+Here one launch computes y and pushes chunk k of it to the sources as soon as every
+tile of chunk k is stored, while the GEMM CTAs compute later chunks.
 
 Roles (by CTA index c on "sm", grid = num_sms, 3 warpgroups each)
 ------------------------------------------------------------------
-  c >= n_comm   GEMM CTAs: `grouped_gemm._row_tiled_kernel`, mode "plain" (v1's down
-                GEMM body, same tile plan and block_k, so y has v1's bits) on CTAs
-                [n_comm, num_sms), row-major; after each tile's epilogue stores, each
-                compute warpgroup waits for its stores and signals done[k] (local)
-                for the chunk k of its rows [lo, hi) (k = lo // B; with
-                KernelConfig.group_aligned_tiles a tile's rows may span two chunks:
-                then it signals both).
+  c >= n_comm   GEMM CTAs: `grouped_gemm._row_tiled_kernel`, mode "plain" (the down
+                GEMM's own body, same tile plan and block_k, so y has its bits) on CTAs
+                [n_comm, num_sms); after each tile's epilogue stores, each compute
+                warpgroup waits for its stores and signals done[k] (local) for the
+                chunk k of its rows [lo, hi) (k = lo // B; a tile's rows may span two
+                chunks: then it signals both).
   c <  n_comm   transfer CTAs, warpgroup 0:
                   for k in range(own_live_chunks):          # dynamic
                     wait done[k] >= expected[k]              (no decrement: many waiters)
@@ -32,18 +28,20 @@ Roles (by CTA index c on "sm", grid = num_sms, 3 warpgroups each)
 
 Chunks and work lists
 ---------------------
-y (this rank's receive layout) is cut into C = cdiv(M_p, B) chunks of B =
-`FusedConfig.recv_chunk_rows` rows (a multiple of block_m: a block-aligned row tile
-lies in one chunk, a group-aligned one in at most two). The return segments (receive
-rows -> the sources' sorted rows) are cut at the SOURCE's (this rank's) chunk
-boundaries: `fused_dispatch_gemm.chunk_work_lists` with the roles of the two row
-columns swapped. expected[k] = 2 x n_tiles x (row tiles of the plan that run, compute
-or zero, with rows in chunk k), the signals of chunk k's tiles (`chunk_signals`).
-own_live_chunks = cdiv(rows this rank received, B): later chunks return nothing.
+y (this rank's receive layout) is cut into C = cdiv(M_p, B) chunks of B = chunk_rows
+rows (a multiple of block_m: a row tile lies in at most two chunks). The return
+segments (receive rows -> the sources' sorted rows) are cut at the SOURCE's (this
+rank's) chunk boundaries (`source_chunk_work_lists`: `chunk_work_lists` with the roles
+of the two row columns swapped). Items are dealt round robin over the whole walk
+(chunk-major, peer offsets in `transfer_order` inside a chunk), so every transfer CTA
+has work whatever a chunk holds. expected[k] = 2 x n_tiles x (row tiles of the plan
+that run, compute or zero, with rows in chunk k), the signals of chunk k's tiles
+(`chunk_signals`). own_live_chunks = cdiv(rows this rank received, B): later chunks
+return nothing.
 
 Buffers
 -------
-  a [M_p, K], w_down [El, K, H]   the GEMM's operands (as v1's down GEMM)
+  a [M_p, K], w_down [El, K, H]   the GEMM's operands (as the down GEMM's)
   y [M_p, H]                      output (local; the transfer's source)
   y_sorted [out_rows, H]          output; PEERS write into it. Rows no peer returns
                                   (dropped by a receive bound) are undefined.
@@ -62,10 +60,10 @@ Synchronisation contract
       complete). Consumers: transfer CTAs, `decrement=False`. Invariant when the wait
       returns: every row of chunk k that a running tile covers (every live row) is
       written; rows past the dead-row window are never written (and never sent).
-  Open point (as Kernel A's): the transfer reads chunk k with TMA loads (async proxy)
-      after an acquire in the generic proxy (`fence.acquire.sys` in the semaphore
-      wait), with no proxy fence between them; the layer checksums (bitwise = v1 on
-      4x H200, run 10) are what test that this ordering suffices.
+  Open point: the transfer reads chunk k with TMA loads (async proxy) after an acquire
+      in the generic proxy (`fence.acquire.sys` in the semaphore wait), with no proxy
+      fence between them; bench/check_moe_gpu.py's bitwise comparison with the
+      two-launch form is what tests that this ordering suffices.
   done_sem[c]: as ep_transfer's (one waiter each): when every transfer CTA is past its
       wait, every peer's writes into this rank's y_sorted have landed.
   Deadlock freedom: GEMM CTAs never wait; transfer CTAs wait only on local GEMM tiles
@@ -85,27 +83,118 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels import ep_transfer
-from pallas_kernels import fused_dispatch_gemm as fdg
 from pallas_kernels import grouped_gemm as gg
-from uniep_jax.config import KernelConfig, TransferConfig
+from pallas_kernels.ep_transfer import TransferConfig
+from pallas_kernels.grouped_gemm import KernelConfig
+from pallas_kernels.ragged import SEARCH_METHOD, block_pieces, enumerate_runs
+
+
+# ----------------------------------------------------------------------------
+# Work lists (plain JAX, before the launch)
+# ----------------------------------------------------------------------------
+
+
+def num_items(src_rows: int, num_local_experts: int, num_chunks: int, item_rows: int) -> int:
+  """W: static bound on the items of one peer offset (see the module doc)."""
+  return -(-src_rows // item_rows) + num_local_experts + num_chunks
+
+
+def transfer_order(num_peers: int) -> list:
+  """The static order in which a transfer CTA visits the peer offsets inside a chunk:
+  remote peers first, its own rows last."""
+  return list(range(1, num_peers)) + [0]
+
+
+def work_row_length(w: int, num_chunks: int) -> int:
+  """Entries of one peer offset's row of the work table (see `chunk_work_lists`)."""
+  return 3 * w + 2 * num_chunks + 2
+
+
+def chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, item_rows: int,
+                     chunk_rows: int, num_chunks: int, live_rows=None):
+  """Per peer offset j (row j: peer (rank + j) mod R), the items in chunk order.
+
+  seg_*: [R, El] int32 indexed by (peer, local expert); segment e of peer p
+  copies src[seg_src : + seg_len] to peer p's recv[seg_dst : + seg_len].
+  live_rows: the most live receive-layout rows any rank has (the same value on every
+  rank, from the count matrix; None: all C chunks). Returns int32
+  [R, 3 * W + 2 * C + 2] (`work_row_length`):
+    src_row[W], dst_row[W], rows[W]   the items, chunk by chunk
+    chunk_start[C + 1]                items of destination chunk k are
+                                      [chunk_start[k], chunk_start[k + 1]); no item
+                                      crosses a chunk boundary; chunk_start[C] = live
+                                      item count
+    deal_start[C]                     the rank of item chunk_start[k] in the sender's
+                                      whole walk (chunk-major, peer offsets in
+                                      `transfer_order` inside a chunk): items are dealt
+                                      to the transfer CTAs round robin over that walk,
+                                      so every CTA has work whatever a chunk holds
+    live_chunks[1]                    cdiv(live_rows, B): chunks any rank can wait on
+  """
+  _, el = seg_len.shape
+  b = chunk_rows
+  w = num_items(src_rows, el, num_chunks, item_rows)
+  num_pieces = el + num_chunks
+  rot = lambda a: jnp.roll(a.astype(jnp.int32), -rank, axis=0)  # noqa: E731  row j: peer rank+j
+  seg_src, seg_dst, seg_len = rot(seg_src), rot(seg_dst), rot(seg_len)
+
+  def one(src, dst, length):                                        # [El] each
+    # segments -> pieces cut at destination chunk boundaries
+    first, pieces = block_pieces(dst, length, b)                    # [El]
+    seg, piece, p_valid = enumerate_runs(pieces, num_pieces)
+    p_chunk = first[seg] + piece                                    # [P]
+    d_lo = jnp.maximum(dst[seg], p_chunk * b)
+    d_hi = jnp.minimum(dst[seg] + length[seg], (p_chunk + 1) * b)
+    p_len = jnp.where(p_valid, d_hi - d_lo, 0)
+    s_lo = src[seg] + (d_lo - dst[seg])
+    # pieces -> items of at most item_rows rows
+    items = (p_len + item_rows - 1) // item_rows                    # [P]
+    pc, jj, i_valid = enumerate_runs(items, w)
+    z = lambda a: jnp.where(i_valid, a, 0).astype(jnp.int32)  # noqa: E731
+    rows = z(jnp.minimum(item_rows, p_len[pc] - jj * item_rows))
+    i_src = z(s_lo[pc] + jj * item_rows)
+    i_dst = z(d_lo[pc] + jj * item_rows)
+    i_chunk = jnp.where(i_valid, p_chunk[pc], num_chunks).astype(jnp.int32)
+    order = jnp.argsort(i_chunk, stable=True)                       # chunk k before k + 1
+    i_chunk = i_chunk[order]
+    chunk_start = jnp.searchsorted(i_chunk, jnp.arange(num_chunks + 1, dtype=jnp.int32),
+                                   side="left", method=SEARCH_METHOD).astype(jnp.int32)  # [C + 1]
+    return jnp.concatenate([i_src[order], i_dst[order], rows[order], chunk_start])
+
+  lists = jax.vmap(one)(seg_src, seg_dst, seg_len)                  # [R, 3W + C + 1]
+  r = seg_len.shape[0]
+  starts = lists[:, 3 * w:]
+  counts = starts[:, 1:] - starts[:, :-1]                           # [R, C] items per (j, k)
+  walk = jnp.array(transfer_order(r), jnp.int32)
+  in_walk = counts[walk].T.reshape(-1)                              # (k, position in walk)
+  dealt = (jnp.cumsum(in_walk) - in_walk).reshape(num_chunks, r).T  # [R (walk position), C]
+  deal_start = jnp.zeros_like(dealt).at[walk].set(dealt)            # back to rows j
+  if live_rows is None:
+    live = jnp.int32(num_chunks)
+  else:
+    live = jnp.minimum((jnp.asarray(live_rows, jnp.int32) + b - 1) // b, num_chunks)
+  live = jnp.broadcast_to(live, (r, 1)).astype(jnp.int32)
+  return jnp.concatenate([lists, deal_start.astype(jnp.int32), live], axis=1)
+
+
 
 
 def source_chunk_work_lists(seg_src, seg_dst, seg_len, *, rank, rows: int, item_rows: int,
                             chunk_rows: int, num_chunks: int, live_rows=None):
-  """`fdg.chunk_work_lists`' table, but the items cut and ordered by the chunks of the
+  """`chunk_work_lists`' table, but the items cut and ordered by the chunks of the
   SOURCE rows (seg_src), not the destination's. rows: a bound on the rows of either
   side (sizes the table). Same layout: src_row[W] | dst_row[W] | rows[W] |
   chunk_start[C + 1] | deal_start[C] | live_chunks."""
-  work = fdg.chunk_work_lists(seg_dst, seg_src, seg_len, rank=rank, src_rows=rows,
-                              item_rows=item_rows, recv_chunk_rows=chunk_rows,
+  work = chunk_work_lists(seg_dst, seg_src, seg_len, rank=rank, src_rows=rows,
+                              item_rows=item_rows, chunk_rows=chunk_rows,
                               num_chunks=num_chunks, live_rows=live_rows)
-  w = fdg.num_items(rows, seg_len.shape[1], num_chunks, item_rows)
+  w = num_items(rows, seg_len.shape[1], num_chunks, item_rows)
   return jnp.concatenate([work[:, w:2 * w], work[:, :w], work[:, 2 * w:]], axis=1)
 
 
 def tile_chunks(lo, hi, chunk_rows: int):
   """(first, last) chunk of a tile's rows [lo, hi): one chunk for a block-aligned tile
-  (B is a multiple of block_m), up to two for a group-aligned one."""
+  (B is a multiple of block_m), up to two for one that starts inside a block."""
   return lo // chunk_rows, (hi - 1) // chunk_rows
 
 
@@ -140,13 +229,13 @@ def _kernel(plan_gmem, work_gmem, expected_gmem, a_gmem, w_gmem, y_gmem, back_gm
     def _(stage_smem, load_barrier):
       @pl.when(lax.axis_index("wg") == 0)
       def _():
-        stride = fdg.work_row_length(w, num_chunks)
+        stride = work_row_length(w, num_chunks)
         starts, deals = 3 * w, 3 * w + num_chunks + 1
         me = lax.axis_index(axis_name)
 
         def chunk_body(kc, carry):
           plgpu.semaphore_wait(done.at[kc], expected_gmem[kc], decrement=False)
-          for j in fdg.transfer_order(num_peers):   # static: host-computable TMA peer id
+          for j in transfer_order(num_peers):   # static: host-computable TMA peer id
             base = j * stride
             dst = back_gmem if j == 0 else plgpu.remote_ref(
                 back_gmem, {axis_name: lax.rem(me + j, num_peers)})
@@ -184,8 +273,8 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
                      live_rows, axis_name: str, kernel: KernelConfig = KernelConfig(),
                      transfer: TransferConfig = TransferConfig(), chunk_rows: int = 2048,
                      n_comm: int = 16, zero_window=None):
-  """(y, y_sorted): y = `grouped_gemm.down_projection(a, w_down, group_sizes, ...)` (v1's
-  bits) and y_sorted = v1's return of y's first H columns (`ep_transfer.transfer_segments`
+  """(y, y_sorted): y = `grouped_gemm.down_projection(a, w_down, group_sizes, ...)` (its
+  bits) and y_sorted = the return of y's first H columns (`ep_transfer.transfer_segments`
   with the return segments seg_*, [R, El]), in one launch, each chunk of B = chunk_rows
   rows sent as soon as it is computed. a [M_p, F_p] (the gate/up output), w_down
   [El, F, H], live_rows: rows this rank received (int32 scalar). Inside `shard_map` over
@@ -200,7 +289,7 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
     raise ValueError(f"{hidden=} must be divisible by the CTA tile width 2 * block_n = "
                      f"{cta_n} (the transfer sends y's columns as they are: no padding)")
   if chunk_rows % kernel.block_m:
-    raise ValueError(f"recv_chunk_rows={chunk_rows} must be a multiple of block_m="
+    raise ValueError(f"chunk_rows={chunk_rows} must be a multiple of block_m="
                      f"{kernel.block_m} (a GEMM row tile must lie in at most two chunks)")
   if m_p < transfer.chunk_rows:
     raise ValueError(f"a has {m_p} rows, fewer than one transfer item (TransferConfig."
@@ -213,8 +302,7 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
   smem = device_lib.smem_capacity()
   gemm_kw = gg.row_tiled_params(m_p, k, hidden, el, mode="plain", transpose_b=False,
                                 out_dtype=a.dtype, in_dtype=a.dtype, save_hu=False,
-                                config=kernel, smem=smem,
-                                group_aligned=kernel.group_aligned_tiles)
+                                config=kernel, smem=smem)
   col_tile = transfer.col_tile_for(hidden, itemsize=jnp.dtype(a.dtype).itemsize,
                                    smem_bytes=smem - gg._SMEM_RESERVE)
   item_rows = transfer.chunk_rows
@@ -223,9 +311,8 @@ def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_r
   work = source_chunk_work_lists(seg_src, seg_dst, seg_len, rank=lax.axis_index(axis_name),
                                  rows=rows, item_rows=item_rows, chunk_rows=chunk_rows,
                                  num_chunks=num_chunks, live_rows=live_rows)
-  w = fdg.num_items(rows, el, num_chunks, item_rows)
-  plan = gg._row_tile_plan(group_sizes, m_p, kernel.block_m, zero_window,
-                           group_aligned=kernel.group_aligned_tiles)
+  w = num_items(rows, el, num_chunks, item_rows)
+  plan = gg._row_tile_plan(group_sizes, m_p, kernel.block_m, zero_window)
   expected = chunk_signals(plan, num_tiles=gemm_kw["num_tiles"],
                            n_tiles=hidden // cta_n, chunk_rows=chunk_rows,
                            num_chunks=num_chunks)

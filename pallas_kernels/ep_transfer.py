@@ -2,7 +2,7 @@
 
 The transport of the `"uniep"` backend: each EP rank writes its token rows
 straight into the owner's buffer at the offsets of the deterministic receive
-layout (`uniep_jax/layout.py`), and the owners write the expert outputs straight
+layout (computed by the caller from the routing), and the owners write the expert outputs straight
 back. No staging buffer, no NCCL, and no atomics: every row's destination is
 computed from the routing before the launch, so arrival order cannot change
 where anything lands.
@@ -49,7 +49,7 @@ A chunk of `rows` < chunk_rows rows is stored with one TMA per set bit of
 `rows` (largest first), so rows outside the segment are never written: two
 sources write adjacent segments of one peer's buffer without overlap.
 
-Gathered sources (`src_index`, TransferConfig.gather_rows, the default): the segments
+Gathered sources (`src_index`: the de-duplicated dispatch's rows): the segments
 index positions of an int32 index (appended behind the work lists in the same GMEM
 array) and item row i is src[index[src_row + i]]. v3 tiling: src and out viewed 3-D,
 [rows, H / ct, ct] (ct <= col_tile, `row_gather.column_blocking`), items of
@@ -112,6 +112,7 @@ so the work lists, the pipelines and the store ladder are tested on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -121,10 +122,56 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
+from pallas_kernels.ragged import enumerate_runs
 from pallas_kernels.row_gather import column_blocking, scale_stage_rows
 from pallas_kernels.tma import copy_loop, ladder_store, load_rows_by_index
-from uniep_jax.config import TransferConfig  # noqa: F401  (re-exported)
-from uniep_jax.ragged import enumerate_runs
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+  """The in-kernel NVLink row transfer (the knobs the autotuner searches; no field
+  changes a bit: rows are moved, not computed).
+
+  chunk_rows: rows per work item, a power of two (the store ladder's largest step).
+    Larger: fewer, bigger TMAs; smaller: finer load balance over CTAs. Gathered
+    sources (`src_index`) take items of min(chunk_rows, GATHER_ITEM_ROWS) rows.
+  col_tile: columns per TMA box (<= 256, the TMA box limit); the widest divisor of H
+    that is at most this and fits the stages is used (`col_tile_for`).
+  num_ctas: CTAs that move rows. About half the SMs saturate NVLink; all of them must
+    be resident at once (the kernel's cross-rank waits), so leave room for kernels
+    that other streams run beside it.
+  """
+
+  chunk_rows: int = 128
+  col_tile: int = 256
+  num_ctas: int = 64
+
+  def __post_init__(self):
+    if self.chunk_rows < 1 or self.chunk_rows & (self.chunk_rows - 1):
+      raise ValueError(f"chunk_rows={self.chunk_rows} must be a power of two")
+    if not 8 <= self.col_tile <= 256 or self.col_tile % 8:
+      raise ValueError(f"col_tile={self.col_tile} must be a multiple of 8 in [8, 256] "
+                       f"(the TMA box limit)")
+    if self.num_ctas < 1:
+      raise ValueError(f"num_ctas={self.num_ctas} must be >= 1")
+
+  def smem_bytes(self, itemsize: int = 2) -> int:
+    return 2 * self.chunk_rows * self.col_tile * itemsize
+
+  def col_tile_for(self, hidden: int, itemsize: int = 2, smem_bytes: int | None = None) -> int:
+    """The widest column tile <= col_tile that divides `hidden`, is a multiple of 8 and,
+    with 2 stages of chunk_rows rows, fits in `smem_bytes` of shared memory (e.g. float32
+    rows get half the bf16 tile)."""
+    t = self.col_tile
+    while t >= 8:
+      fits = smem_bytes is None or 2 * self.chunk_rows * t * itemsize <= smem_bytes
+      if hidden % t == 0 and fits:
+        return t
+      t -= 8
+    raise ValueError(
+        f"no column tile fits: hidden={hidden} needs a divisor that is a multiple of 8 and "
+        f"<= col_tile={self.col_tile}, and 2 * chunk_rows={self.chunk_rows} * tile * "
+        f"{itemsize} B must fit in {smem_bytes} B of shared memory (lower chunk_rows)")
 
 
 # Gathered loads (`src_index`): rows per work item (the store ladder's largest step;

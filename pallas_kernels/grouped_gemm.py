@@ -12,7 +12,7 @@ Rows of `lhs` [M, K] are ordered by group: group g owns rows
   wgrad    drhs[g]         = lhs[rows of g]^T @ dout[rows of g]   -> [G, K, N]
 
 plus the SwiGLU expert FFN's fused variants, on its gate/up weights stored as one
-array w_gate_up [G, H, 2F] = [w_gate | w_up] (`uniep_jax.params`): "swiglu" (one
+array w_gate_up [G, H, 2F] = [w_gate | w_up] (`split_gate_up`): "swiglu" (one
 pass over the rows computes h = x @ w_gate[g] and u = x @ w_up[g] into two
 accumulators, the rhs read twice at column offsets 0 and F, and writes
 a = silu(h) * u, optionally h and u too) and "dswiglu" for the backward's
@@ -27,12 +27,9 @@ All products accumulate in float32 (wgmma); outputs are cast once at the end.
 Row-tiled kernel (forward, dgrad, swiglu, dswiglu)
 --------------------------------------------------
 Work list. Before the launch, plain JAX turns `group_sizes` into a static-size
-list of T row tiles (`_row_tile_plan`, T = `num_row_tiles`). With
-KernelConfig.group_aligned_tiles (the default) a group's rows are cut into tiles of
-block_m rows from its first row rounded down to 8, so only its last tile is partial;
-without it (and in Kernels A and B) a row tile is the intersection of one group with one
-block_m-aligned row block (a block straddling two groups is computed once for each,
-T = cdiv(M, block_m) + G). The dead rows (a pseudo-group G) always take block pieces.
+list of T row tiles (`_row_tile_plan`, T = `num_row_tiles`). A group's rows are cut
+into tiles of block_m rows from its first row rounded down to 8, so only its last tile
+is partial. The dead rows (a pseudo-group G) take block-aligned pieces.
 Fields:
   group     which rhs[g] to use,
   load_row  first row of the block_m rows loaded (the block start, or the group's
@@ -61,12 +58,10 @@ SMEM (bf16, defaults block_m = block_n = 128, block_k = 64, 3 stages; up to 4 fi
   per stage  A [block_m, block_k] per lhs operand (16 KiB) and
              B [block_k, 2 wg_n] per rhs operand (16 or 32 KiB), 128B swizzle;
              48 KiB;
-  epilogue   [2 warpgroups, slots, block_m, 64] in the output dtype, unswizzled so
-             a row range can start anywhere (16 KiB per warpgroup and slot in
-             bf16; slots = KernelConfig.epilogue_slots, 1 by default; "dswiglu"
-             has its own [2 warpgroups, 2 (h, u), block_m, 64]).
-  `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB); with
-  KernelConfig.mma_in_flight one more where that fits (else in flight is off).
+  epilogue   [2 warpgroups, 1, block_m, 64] in the output dtype, unswizzled so
+             a row range can start anywhere (16 KiB per warpgroup in bf16;
+             "dswiglu" has its own [2 warpgroups, 2 (h, u), block_m, 64]).
+  `stages` = min(max_concurrent_steps, k_iters, what fits in 227 KiB).
 
 Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
   produced[s]  (one barrier per stage, arrivals = number of operands): producer
@@ -80,22 +75,10 @@ Synchronisation (all inside emit_pipeline_warp_specialized, per CTA):
                end of each pipeline it waits the outstanding consumed barriers,
                so every tile starts with all stages free and barrier phases
                aligned (this is what makes back-to-back tiles race-free).
-               KernelConfig.mma_in_flight = 1 (off by default): `wgmma_wait(1)`
-               and delay_release=1, so the arrival for step s comes at step s + 1
-               and the pipeline never arrives for its last step; the compute
-               warpgroups then `wgmma_wait(0)` and arrive on that stage's
-               consumed barrier themselves (`_release_last_stage`), and the
-               memory warpgroup waits for it after the pipeline
-               (`_await_last_stage`), so the next tile still starts with every
-               stage free. The interpret mode runs a wgmma synchronously at its
-               issue, so it checks the arrivals' balance (a missing one hangs),
-               not the asynchronous read a late release protects.
-  epilogue     each compute warpgroup owns its own epilogue slot(s); before
-               writing one, `wait_smem_to_gmem(0, wait_read_only=True)` waits
-               until its previous TMA stores have read it (with 2 slots: each
-               chunk's stores are one bulk-async group and `wait_smem_to_gmem(1)`
-               before chunk i >= 2 waits for chunk i - 2's, `_store_epilogue`);
-               then `commit_smem()` (proxy fence) before the TMA store. No
+  epilogue     each compute warpgroup owns its own epilogue slot; before
+               writing it, `wait_smem_to_gmem(0, wait_read_only=True)` waits
+               until its previous TMA stores have read it; then `commit_smem()`
+               (proxy fence) before the TMA store. No
                barrier is shared between warpgroups in the epilogue.
 Partial row ranges are stored with a ladder of power-of-two-row TMA stores
 (block_m, block_m/2, ..., 1 rows; the bits of hi - lo), so rows outside
@@ -155,11 +138,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
+from pallas_kernels.ragged import block_pieces, enumerate_runs
 from pallas_kernels.tma import ladder_store
-from uniep_jax.config import KernelConfig
-from uniep_jax.experts import swiglu_grad
-from uniep_jax.params import split_gate_up
-from uniep_jax.ragged import block_pieces, enumerate_runs
 
 _NONE, _COMPUTE, _ZERO = 0, 1, 2
 _EPI_N = 64  # epilogue chunk width (columns)
@@ -167,6 +147,73 @@ _NUM_COMPUTE_WGS = 2
 _MEMORY_REGISTERS = 40
 _SMEM_RESERVE = 1024  # barriers and alignment slack
 _PLAN_FIELDS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tiling of the grouped GEMM (the knobs the autotuner searches).
+
+  block_m / block_n / block_k: the tile (rows of tokens, output columns, reduction
+    step). block_k is fixed per launch: a row's result never depends on which other
+    rows share the launch (no M-dependent split-K). Each CTA runs 2 compute
+    warpgroups: block_n is the width of ONE warpgroup's tile (CTA tile
+    block_m x 2 block_n for forward and dgrad; "swiglu" gives each warpgroup
+    block_n / 2 columns, so block_n must be a multiple of 128 there), and wgrad tiles
+    are 2 block_m (K) x block_n (N). block_m must be a power of two (the ragged row
+    stores' ladder).
+  max_concurrent_steps: TMA pipeline depth (shared-memory stages), clamped to what fits.
+  num_sms: persistent grid size; None reads the device's SM count.
+  raster_rows: the order in which the persistent CTAs walk a row-tiled launch's
+    (row tile, column tile) grid: bands of `raster_rows` row tiles, column tiles outer
+    and the band's row tiles inner, so the CTAs running at one time share a few weight
+    tiles instead of each reading its own. 1: row-major. None (default): per launch,
+    `RASTER_AUTO_ROWS_LARGE` if its weight per group is at least
+    `RASTER_AUTO_LARGE_BYTES`, `RASTER_AUTO_ROWS` from `RASTER_AUTO_MIN_BYTES`, else 1.
+  wgrad_raster: the same walk on a wgrad launch's (k tile, n tile) grid of each group
+    (bands of `wgrad_raster` k tiles, n tiles outer). None (default): bands of
+    `WGRAD_RASTER_AUTO`.
+  No field changes a bit of any result: every tile's sum runs whole on one CTA in a
+  fixed order; only block_k fixes the accumulation order.
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 3
+  num_sms: Optional[int] = None
+  raster_rows: Optional[int] = None
+  wgrad_raster: Optional[int] = None
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "block_k"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v <= 0 or v % 64:
+        raise ValueError(f"{name}={v} must be a positive multiple of 64")
+    if self.max_concurrent_steps < 1:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
+    if self.num_sms is not None and self.num_sms < 1:
+      raise ValueError(f"num_sms={self.num_sms} must be >= 1")
+    if self.raster_rows is not None and self.raster_rows < 1:
+      raise ValueError(f"raster_rows={self.raster_rows} must be >= 1 (or None: auto)")
+    if self.wgrad_raster is not None and self.wgrad_raster < 1:
+      raise ValueError(f"wgrad_raster={self.wgrad_raster} must be >= 1 (or None: auto)")
+
+
+def split_gate_up(w_gate_up):
+  """[..., 2F] -> (w_gate [..., F], w_up [..., F]): the two halves of the SwiGLU FFN's
+  gate/up weights, stored as one array [w_gate | w_up] along the last axis."""
+  two_f = w_gate_up.shape[-1]
+  if two_f % 2:
+    raise ValueError(f"w_gate_up's last axis ({two_f}) must be even: [w_gate | w_up]")
+  return w_gate_up[..., :two_f // 2], w_gate_up[..., two_f // 2:]
+
+
+def swiglu_grad(da, h, u):
+  """(dh, du) of a = silu(h) * u given da, all float32: s = sigmoid(h),
+  dh = da * u * s * (1 + h (1 - s)), du = da * h * s. The one formula of every
+  backend: the "dswiglu" epilogue and the XLA experts run these same ops."""
+  s = jax.nn.sigmoid(h)
+  return da * u * s * (1.0 + h * (1.0 - s)), da * h * s
 
 
 # ----------------------------------------------------------------------------
@@ -196,15 +243,13 @@ class _Launch:
   out_itemsize: int
   in_itemsize: int
   epi_buffers: int = 1  # epilogue buffers per warpgroup (2 in "dswiglu": h and u)
-  epi_slots: int = 1  # copies of them (KernelConfig.epilogue_slots; 1 in "dswiglu")
 
   def stage_bytes(self) -> int:
     return self.in_itemsize * (
         self.num_a * self.block_m * self.a_cols + self.num_b * self.block_k * self.b_cols)
 
   def epilogue_bytes(self, epi_rows: int) -> int:
-    return (_NUM_COMPUTE_WGS * self.epi_buffers * self.epi_slots * epi_rows * _EPI_N
-            * self.out_itemsize)
+    return _NUM_COMPUTE_WGS * self.epi_buffers * epi_rows * _EPI_N * self.out_itemsize
 
   def stages(self, requested: int, k_iters: int, epi_rows: int, smem: int) -> int:
     fit = (smem - _SMEM_RESERVE - self.epilogue_bytes(epi_rows)) // self.stage_bytes()
@@ -233,8 +278,7 @@ def _launch_of(config: KernelConfig, mode: str, in_dtype, out_dtype) -> "_Launch
   wg_n = config.block_n if num_b == 1 else config.block_n // 2
   return _Launch(config.block_m, config.block_k, wg_n, num_a, num_b, 2 * wg_n, config.block_k,
                  jnp.dtype(out_dtype).itemsize, jnp.dtype(in_dtype).itemsize,
-                 epi_buffers=2 if mode == "dswiglu" else 1,
-                 epi_slots=1 if mode == "dswiglu" else config.epilogue_slots)
+                 epi_buffers=2 if mode == "dswiglu" else 1)
 
 
 def _swizzle_transforms(dtype, minor: int):
@@ -271,35 +315,30 @@ def _group_bounds(group_sizes, m: int):
   return starts, ends
 
 
-# group-aligned row tiles (`KernelConfig.group_aligned_tiles`) start at a group's first
-# row rounded down to this many rows: the A operand's TMA tiling is (8, 64) (bf16)
+# row tiles start at a group's first row rounded down to this many rows: the A
+# operand's TMA tiling is (8, 64) (bf16)
 GROUP_TILE_ALIGN = 8
 
 
-def num_row_tiles(m: int, num_groups: int, block_m: int, group_aligned: bool = False) -> int:
-  """Static length of the row-tile work list: every row block once, plus one
-  extra tile per group boundary (G groups + the dead pseudo-group). Group-aligned
-  tiles: group g's live rows take cdiv(n_g + 7, block_m) <= n_g / block_m + 1 + 6 /
-  block_m tiles, the dead rows' block pieces one more than their blocks."""
-  extra = -(-(GROUP_TILE_ALIGN - 1) * num_groups // block_m) + 1 if group_aligned else 0
+def num_row_tiles(m: int, num_groups: int, block_m: int) -> int:
+  """Static length of the row-tile work list: group g's live rows take
+  cdiv(n_g + 7, block_m) <= n_g / block_m + 1 + 6 / block_m tiles, the dead rows'
+  block pieces one more than their blocks."""
+  extra = -(-(GROUP_TILE_ALIGN - 1) * num_groups // block_m) + 1
   return -(-m // block_m) + num_groups + extra
 
 
-def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int] = None,
-                   group_aligned: bool = False):
+def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int] = None):
   """Flat int32 [5 * T] work list: group, load_row, lo, hi, kind (see module doc).
   zero_window=None: every dead row gets a ZERO tile. zero_window=W: only the dead
   row blocks starting before round_up(sum(group_sizes), W) do; the later ones are
   NONE, so those rows of the outputs are left undefined (not written at all).
-  group_aligned=False: a tile is a block_m-aligned row block intersected with one
-  group, so a block that straddles a group boundary is computed twice, once per
-  group (each time all block_m rows: ~block_m wasted rows per boundary).
-  group_aligned=True: group g's rows are cut into tiles from its first row rounded
-  down to GROUP_TILE_ALIGN (at most 7 rows of the previous group loaded, not
-  stored), so only each group's last tile is partial (~block_m / 2 wasted rows per
-  group); load_row is clamped to m - block_m (the load box stays inside; the tile's
-  rows then sit further down it). The dead rows keep block-aligned pieces. A row's
-  bits do not depend on its position in the tile (row-split invariance)."""
+  Group g's rows are cut into tiles from its first row rounded down to
+  GROUP_TILE_ALIGN (at most 7 rows of the previous group loaded, not stored), so only
+  each group's last tile is partial (~block_m / 2 wasted rows per group); load_row is
+  clamped to m - block_m (the load box stays inside; the tile's rows then sit further
+  down it). The dead rows take block-aligned pieces. A row's bits do not depend on its
+  position in the tile (row-split invariance)."""
   g = group_sizes.shape[0]
   starts, ends = _group_bounds(group_sizes, m)
   total = ends[-1]
@@ -308,18 +347,18 @@ def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int]
   sizes = ends_x - starts_x
   first, count = block_pieces(starts_x, sizes, block_m)
   first_row = first * block_m
-  if group_aligned:   # live groups: tiles from the group's (aligned-down) first row
-    aligned = starts // GROUP_TILE_ALIGN * GROUP_TILE_ALIGN
-    live_count = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
-    count = jnp.concatenate([live_count.astype(jnp.int32), count[g:]])
-    first_row = jnp.concatenate([aligned, first_row[g:]])
-  gi, piece, valid = enumerate_runs(count, num_row_tiles(m, g, block_m, group_aligned))
+  # live groups: tiles from the group's (aligned-down) first row
+  aligned = starts // GROUP_TILE_ALIGN * GROUP_TILE_ALIGN
+  live_count = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
+  count = jnp.concatenate([live_count.astype(jnp.int32), count[g:]])
+  first_row = jnp.concatenate([aligned, first_row[g:]])
+  gi, piece, valid = enumerate_runs(count, num_row_tiles(m, g, block_m))
   row0 = first_row[gi] + piece * block_m   # gi in [0, G]
   lo = jnp.maximum(starts_x[gi], row0)
   hi = jnp.minimum(ends_x[gi], row0 + block_m)
-  # m is a multiple of block_m (the wrapper pads): block-aligned loads stay inside,
-  # group-aligned ones are clamped
-  load_row = jnp.minimum(row0, m - block_m) if group_aligned else row0
+  # m is a multiple of block_m (the wrapper pads): block-aligned loads (the dead rows')
+  # stay inside, group-aligned ones are clamped
+  load_row = jnp.minimum(row0, m - block_m)
   dead_kind = _ZERO
   if zero_window is not None:
     dead_kind = jnp.where(row0 < -(-total // zero_window) * zero_window, _ZERO, _NONE)
@@ -338,36 +377,21 @@ def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int]
 
 def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, rows: int,
                     col0, ragged: bool):
-  """Each compute warpgroup stores its [rows, wg_n] values through its own SMEM
-  slots (epi_smem [warpgroups, slots, rows, _EPI_N]), chunk by chunk (see the module
-  doc, "epilogue"). One slot: before each chunk, wait until every earlier TMA store
-  has read the slot. Two slots (KernelConfig.epilogue_slots=2): chunk i goes through
-  slot i % 2 and its stores are ONE bulk-async group, so chunk i is written while
-  chunk i - 1's store is still reading the other slot; before chunk i >= 2, wait
-  until at most one group (chunk i - 1's) is pending, i.e. chunk i - 2's store, the
-  last reader of this slot, is done; before the tile's first chunk wait for all (the
-  previous tile's stores, done long before after a whole mainloop)."""
-  wg = lax.axis_index("wg")
-  slots = epi_smem.shape[1]
-  per_store = slots == 1   # one slot: each store its own group (as measured before)
-  i = 0
+  """Each compute warpgroup stores its [rows, wg_n] values through its own SMEM slot
+  (epi_smem [warpgroups, 1, rows, _EPI_N]), chunk by chunk (see the module doc,
+  "epilogue"): before each chunk, wait until every earlier TMA store has read the
+  slot."""
+  slot = epi_smem.at[lax.axis_index("wg"), 0]
   for val, out_gmem in zip(vals, out_gmems):
     for c in range(val.shape[1] // _EPI_N):
-      slot = epi_smem.at[wg, i % slots]
-      if slots == 1 or i == 0:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
-      elif i >= slots:
-        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slot free again
       slot[...] = val[:, c * _EPI_N:(c + 1) * _EPI_N].astype(slot.dtype)
       plgpu.commit_smem()
       dst = out_gmem.at[:, pl.ds(col0 + c * _EPI_N, _EPI_N)]
       if ragged:
-        ladder_store(slot, dst, smem_row, gmem_row, count, rows, commit_group=per_store)
+        ladder_store(slot, dst, smem_row, gmem_row, count, rows, commit_group=True)
       else:
-        plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)], commit_group=per_store)
-      if not per_store:
-        plgpu.commit_smem_to_gmem_group()
-      i += 1
+        plgpu.copy_smem_to_gmem(slot, dst.at[pl.ds(gmem_row, rows)], commit_group=True)
 
 
 def _silu_mul(h, u):
@@ -411,57 +435,6 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load
 # ----------------------------------------------------------------------------
 
 
-def _last_stage_consumed(pipeline_allocs, steps, stages: int):
-  """The consumed barrier of the stage a pipeline of `steps` (traced, >= 1) steps used
-  last (the pipeline's slot of step s is s % stages)."""
-  # relies on the pipeline's automatic consumed barriers (one for all inputs) and on its
-  # slot numbering for a traced step count (step % max_concurrent_steps, never shrunk)
-  barriers = pipeline_allocs["flat_consumed_barrier_refs"]
-  if len(barriers) != 1 or isinstance(steps, int):
-    raise NotImplementedError("mma_in_flight needs the pipeline's one automatic consumed "
-                              "barrier and a traced step count")
-  return barriers[0].at[lax.rem(steps - 1, stages)]
-
-
-def _release_last_stage(pipeline_allocs, steps, stages: int, mma_in_flight: int):
-  """KernelConfig.mma_in_flight, compute warpgroups, after the pipeline: with one wgmma
-  group kept in flight (BlockSpec delay_release=1), the pipeline releases a step's stage
-  one step late, so it never releases its last step's stage; this waits for the MMAs
-  and releases it (the memory warpgroup waits for it in `_await_last_stage`, before the
-  next tile's pipeline refills the stages)."""
-  if not mma_in_flight:
-    return
-  plgpu.wgmma_wait(0)
-  pl.when(steps > 0)(
-      lambda: plgpu.barrier_arrive(_last_stage_consumed(pipeline_allocs, steps, stages)))
-
-
-def _await_last_stage(pipeline_allocs, steps, stages: int, mma_in_flight: int):
-  """KernelConfig.mma_in_flight, all warpgroups after the pipeline call: the memory
-  warpgroup waits for `_release_last_stage` (the pipeline's own end waits only for the
-  stages it released)."""
-  if not mma_in_flight:
-    return
-  pl.when((steps > 0) & (lax.axis_index("wg") == _NUM_COMPUTE_WGS))(
-      lambda: plgpu.barrier_wait(_last_stage_consumed(pipeline_allocs, steps, stages)))
-
-
-def _stages_and_in_flight(launch: "_Launch", config: KernelConfig, k_iters: int,
-                          epi_rows: int, smem: int) -> tuple[int, int]:
-  """(pipeline stages, wgmma groups kept in flight) of a launch. The MMAs in flight
-  hold one stage (delay_release), so KernelConfig.mma_in_flight asks for one stage
-  more than max_concurrent_steps; where the k-steps or the SMEM do not give that
-  stage, the launch keeps 0 in flight and its max_concurrent_steps stages. (In flight
-  at the cost of a prefetch stage was measured slower on every launch: 1x H200, run 9
-  of bench/epilogue_probe.py, NOTES_grouped_gemm.md.)"""
-  if config.mma_in_flight:
-    stages = launch.stages(config.max_concurrent_steps + config.mma_in_flight, k_iters,
-                           epi_rows, smem)
-    if stages > config.max_concurrent_steps:
-      return stages, config.mma_in_flight
-  return launch.stages(config.max_concurrent_steps, k_iters, epi_rows, smem), 0
-
-
 # KernelConfig.raster_rows=None: bands of RASTER_AUTO_ROWS row tiles for a launch whose
 # weight per group (K x N x rhs operands) is at least RASTER_AUTO_MIN_BYTES, bands of
 # RASTER_AUTO_ROWS_LARGE from RASTER_AUTO_LARGE_BYTES, else row-major. Measured on 1x H100
@@ -493,49 +466,25 @@ def _raster(s, num_tiles: int, n_tiles: int, rows: int):
 
 
 def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: bool,
-                      b_col_offsets: tuple = (), epi_slots: int = 1, raster_rows: int = 1,
-                      mma_in_flight: int = 0,
+                      b_col_offsets: tuple = (), raster_rows: int = 1,
                       m: int, k: int, n: int, num_tiles: int, block_m: int, load_align: int,
                       block_k: int,
                       wg_n: int, stages: int, in_dtype, cta_offset: int = 0,
                       num_ctas: Optional[int] = None,
-                      before_tile: Optional[Callable[[Any], None]] = None,
-                      after_tile: Optional[Callable[[Any, Any], None]] = None,
-                      walk: Optional[Callable[[Callable[..., None]], None]] = None,
-                      lhs_col_tile: Optional[int] = None):
+                      after_tile: Optional[Callable[[Any, Any], None]] = None):
   """The row-tiled body. Hooks for kernels that embed it (all default off, and
   then the traced program is exactly that of the standalone kernel):
     cta_offset, num_ctas  walk the tiles on CTAs [cta_offset, cta_offset +
         num_ctas) of the "sm" grid axis only (same interleaved order as
         `plgpu.nd_loop`: local CTA i takes schedule steps i, i + num_ctas, ...,
-        each mapped through the same `raster_rows` bands; bands still walk the rows
-        upward, band after band, which the fused kernels' per-chunk waits and
-        signals rely on); the caller must run this body only on those CTAs. None:
-        every CTA.
-    before_tile(load_row)  called by all three warpgroups before the pipeline of
-        every COMPUTE tile, i.e. before the first TMA load of its block_m rows
-        [load_row, load_row + block_m) of the lhs operands. When it returns, the
-        caller guarantees those rows are readable (e.g. a semaphore wait).
+        each mapped through the same `raster_rows` bands; bands walk the rows
+        upward, band after band); the caller must run this body only on those CTAs.
+        None: every CTA.
     after_tile(lo, hi)  called by each of the two COMPUTE warpgroups after it has
         issued the epilogue stores of a compute or zero tile (not "dswiglu"), e.g. to
         wait for them and signal that its columns of the tile's rows [lo, hi) are
         written (`down_gemm_return.py`).
-    walk(tile)  replaces the tile loop (cta_offset/num_ctas are then ignored):
-        called once by all three warpgroups inside the SMEM scope, it must call
-        `tile(lin, out_gmems=None, gmem_row=None)` for the linear tile indices
-        lin = t * n_tiles + nt this CTA runs, identically on every warpgroup.
-        out_gmems replaces the outputs the epilogue stores into (e.g. a peer's
-        `remote_ref`), gmem_row the first output row of the tile's rows
-        [lo, hi) (default lo). Used by `fused_gemm_return.py`.
-    lhs_col_tile  the lhs operands come as 3-D views [m, k / ct, ct] of the row-major
-        [m, k] (ct = lhs_col_tile, a multiple of block_k): each k-step's block is the
-        squeezed [block_m, 1, block_k] box of the same elements, so the bits are the
-        2-D form's. For kernels whose other roles store whole rows into the lhs as
-        [rows, k / ct, ct] boxes (`dedup_dispatch_gemm.py`: a GMEM ref cannot be
-        reshaped inside a Mosaic GPU kernel).
   """
-  if lhs_col_tile is not None and lhs_col_tile % block_k:
-    raise ValueError(f"lhs_col_tile={lhs_col_tile} must be a multiple of {block_k=}")
   if after_tile is not None and mode == "dswiglu":
     raise ValueError("after_tile: mode 'dswiglu' stores through its own epilogue, which "
                      "does not call the hook (a caller counting its signals would wait "
@@ -565,27 +514,16 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       else:
         b = b_smems[bi].at[:, wg_cols]
       plgpu.wgmma(accs[ci], a_smems[ai], b)
-    # the previous step's stage is released (consumed) after this step: with
-    # mma_in_flight 1 this step's MMAs still run (the pipeline releases a step late);
-    # each wgmma is a group of its own, so "swiglu" keeps its step's 2 groups in flight
-    plgpu.wgmma_wait(mma_in_flight * len(pairs))
+    # the step's stage is released (consumed) once its MMAs are done
+    plgpu.wgmma_wait(0)
     return accs
 
   def make_pipeline(compute_context, k_steps):
-    if lhs_col_tile is None:
-      a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms,
-                               delay_release=mma_in_flight)
-    else:   # [block_m, (1), block_k] of the [rows, k / ct, ct] view
-      per_box = lhs_col_tile // block_k
-      a_spec = plgpu.BlockSpec((block_m, None, block_k),
-                               lambda ki: (0, ki // per_box, ki % per_box),
-                               transforms=a_transforms, delay_release=mma_in_flight)
+    a_spec = plgpu.BlockSpec((block_m, block_k), lambda ki: (0, ki), transforms=a_transforms)
     if transpose_b:
-      b_spec = plgpu.BlockSpec((cta_n, block_k), lambda ki: (0, ki), transforms=b_transforms,
-                               delay_release=mma_in_flight)
+      b_spec = plgpu.BlockSpec((cta_n, block_k), lambda ki: (0, ki), transforms=b_transforms)
     else:
-      b_spec = plgpu.BlockSpec((block_k, cta_n), lambda ki: (ki, 0), transforms=b_transforms,
-                               delay_release=mma_in_flight)
+      b_spec = plgpu.BlockSpec((block_k, cta_n), lambda ki: (ki, 0), transforms=b_transforms)
     return plgpu.emit_pipeline_warp_specialized(
         mma_step,
         grid=(k_steps,),
@@ -598,8 +536,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
     )
 
   def operand_views(group, load_row, nt):
-    a_views = [a.at[pl.ds(load_row, block_m), :] if lhs_col_tile is None
-               else a.at[pl.ds(load_row, block_m), :, :] for a in a_gmems]
+    a_views = [a.at[pl.ds(load_row, block_m), :] for a in a_gmems]
     offsets = b_col_offsets or (0,) * num_b
     if transpose_b:
       b_views = [b.at[group, pl.ds(off + nt * cta_n, cta_n), :]
@@ -619,7 +556,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
                                       out_gmems[0].dtype),
                   hu_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=_NUM_COMPUTE_WGS))
   else:
-    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N),
+    scoped = dict(epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 1, block_m, _EPI_N),
                                       out_gmems[0].dtype))
 
   @functools.partial(
@@ -629,7 +566,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
       **scoped,
   )
   def _scope(pipeline_allocs, epi_smem, hu_barrier=None):
-    def tile(lin, out_gmems_=None, gmem_row=None):
+    def tile(lin):
       t = lin // n_tiles
       nt = lin % n_tiles
       group = plan_gmem[t]
@@ -640,33 +577,23 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
 
       @pl.when(kind != _NONE)
       def _live_tile():
-        if before_tile is not None:
-          @pl.when(kind == _COMPUTE)
-          def _wait_rows():
-            before_tile(load_row)
-
         k_steps = jnp.where(kind == _COMPUTE, k_iters, 0)
 
         def compute_context(eval_pipeline):
           def acc_scope(*accs):
             eval_pipeline(tuple(accs))
-            _release_last_stage(pipeline_allocs, k_steps, stages, mma_in_flight)
             vals = [acc[...] for acc in accs]
             if mode == "swiglu":
               outs = [_silu_mul(vals[0], vals[1])] + (vals if save_hu else [])
             else:
               outs = vals
             col0 = nt * cta_n + lax.axis_index("wg") * wg_n
-            if mode == "dswiglu":
-              if out_gmems_ is not None or gmem_row is not None:
-                raise ValueError("mode 'dswiglu' stores its own outputs: no walk() redirection")
-              # one [m, 2n] output [dh | du]
+            if mode == "dswiglu":   # one [m, 2n] output [dh | du]
               _dswiglu_epilogue(vals[0], *epi_in_gmems, out_gmems[0], epi_smem, hu_barrier,
                                 load_row=load_row, smem_row=lo - load_row, gmem_row=lo,
                                 count=hi - lo, rows=block_m, col0=col0)
               return
-            _store_epilogue(outs, out_gmems if out_gmems_ is None else out_gmems_, epi_smem,
-                            smem_row=lo - load_row, gmem_row=lo if gmem_row is None else gmem_row,
+            _store_epilogue(outs, out_gmems, epi_smem, smem_row=lo - load_row, gmem_row=lo,
                             count=hi - lo, rows=block_m, col0=col0, ragged=True)
             if after_tile is not None:
               after_tile(lo, hi)
@@ -674,16 +601,13 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
 
         a_views, b_views = operand_views(group, load_row, nt)
         make_pipeline(compute_context, k_steps)(*a_views, *b_views, allocations=pipeline_allocs)
-        _await_last_stage(pipeline_allocs, k_steps, stages, mma_in_flight)
 
-    if walk is not None:
-      walk(lambda lin, out_gmems=None, gmem_row=None: tile(lin, out_gmems, gmem_row))
-    elif num_ctas is None:
+    if num_ctas is None:
       @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
       def _tile_loop(loop_info):
         (s,) = loop_info.index
         tile(_raster(s, num_tiles, n_tiles, raster_rows))
-    else:   # the same banded walk on the subset (v2.2; was row-major)
+    else:   # the same banded walk on the subset
       _cta_subset_loop(num_tiles * n_tiles, cta_offset, num_ctas,
                        lambda s: tile(_raster(s, num_tiles, n_tiles, raster_rows)))
 
@@ -707,16 +631,12 @@ def _cta_subset_loop(total, cta_offset: int, num_ctas: int, body):
 def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: bool,
                      out_dtype, in_dtype, save_hu: bool, config: KernelConfig,
                      smem: int = device_lib.HOPPER_SMEM_BYTES,
-                     b_col_offsets: tuple = (), group_aligned: bool = False) -> dict:
+                     b_col_offsets: tuple = ()) -> dict:
   """Validates one row-tiled launch on operands padded to the tile grid and
   returns the static keyword arguments of `_row_tiled_kernel` (one source of
   truth for the standalone launch and for kernels that embed the body).
   b_col_offsets: per rhs operand, where its n output columns start in it (mode
   "swiglu" reads w_gate_up twice, at 0 and F); () = all 0.
-  group_aligned: the work list `_row_tile_plan(..., group_aligned=True)` (its longer
-  static length; load rows then multiples of GROUP_TILE_ALIGN, not of block_m). Kernels
-  A and B keep False (Kernel A's chunks hold whole block-aligned tiles); Kernel C passes
-  KernelConfig.group_aligned_tiles (its tiles signal the one or two chunks they touch).
   Raises ValueError if the tile does not fit in `smem` bytes."""
   if mode not in _MODE_OPERANDS:
     raise ValueError(f"unknown {mode=}; expected one of {tuple(_MODE_OPERANDS)}")
@@ -738,17 +658,15 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raise ValueError(f"{n=} must be divisible by the CTA tile width {cta_n}")
   if m % block_m:
     raise ValueError(f"{m=} must be divisible by {block_m=}")
-  stages, in_flight = _stages_and_in_flight(launch, config, k // block_k, block_m, smem)
+  stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
   raster = config.raster_rows
   if raster is None:   # auto: bands only where a group's weight leaves L2
     weight_bytes = k * n * launch.num_b * jnp.dtype(in_dtype).itemsize
     raster = (RASTER_AUTO_ROWS_LARGE if weight_bytes >= RASTER_AUTO_LARGE_BYTES
               else RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
-              epi_slots=launch.epi_slots, raster_rows=raster,
-              mma_in_flight=in_flight, m=m, k=k, n=n,
-              num_tiles=num_row_tiles(m, g, block_m, group_aligned), block_m=block_m,
-              load_align=GROUP_TILE_ALIGN if group_aligned else block_m, block_k=block_k,
+              raster_rows=raster, m=m, k=k, n=n, num_tiles=num_row_tiles(m, g, block_m),
+              block_m=block_m, load_align=GROUP_TILE_ALIGN, block_k=block_k,
               wg_n=wg_n, stages=stages, in_dtype=in_dtype)
 
 
@@ -778,10 +696,8 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
       raise ValueError(f"all operands must share one dtype, got {x.dtype} and {in_dtype}")
   params = row_tiled_params(m, k, n, g, mode=mode, transpose_b=transpose_b, out_dtype=out_dtype,
                             in_dtype=in_dtype, save_hu=save_hu, config=config,
-                            b_col_offsets=b_col_offsets,
-                            group_aligned=config.group_aligned_tiles)
-  plan = _row_tile_plan(group_sizes, m, config.block_m, zero_window,
-                        group_aligned=config.group_aligned_tiles)
+                            b_col_offsets=b_col_offsets)
+  plan = _row_tile_plan(group_sizes, m, config.block_m, zero_window)
   num_out = 3 if (mode == "swiglu" and save_hu) else 1
   for x in epi_inputs:
     if x.shape != (m, n) or x.dtype != out_dtype:
@@ -810,8 +726,7 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
 
 def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int,
                   block_m: int, block_n: int, block_k: int, stages: int, in_dtype,
-                  epi_slots: int = 1, raster_k: int = 1, mma_in_flight: int = 0,
-                  cta_offset: int = 0, num_ctas: Optional[int] = None):
+                  raster_k: int = 1, cta_offset: int = 0, num_ctas: Optional[int] = None):
   """The wgrad body. raster_k: each group's (k-tile, n-tile) grid walked in bands of
   raster_k k-tiles (`_raster`; 1: row-major). cta_offset, num_ctas (default off: the
   standalone kernel's program): walk the output tiles on CTAs [cta_offset, cta_offset +
@@ -841,7 +756,7 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
         plgpu.commit_smem()
 
       plgpu.wgmma(acc, a_wg.T, b_smem)
-      plgpu.wgmma_wait(mma_in_flight)   # as the row-tiled kernel's mma_step
+      plgpu.wgmma_wait(0)   # as the row-tiled kernel's mma_step
       return acc
 
     return plgpu.emit_pipeline_warp_specialized(
@@ -850,9 +765,9 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
             plgpu.BlockSpec((block_k, cta_k), lambda r: (first_block + r, 0),
-                            transforms=a_transforms, delay_release=mma_in_flight),
+                            transforms=a_transforms),
             plgpu.BlockSpec((block_k, block_n), lambda r: (first_block + r, 0),
-                            transforms=b_transforms, delay_release=mma_in_flight),
+                            transforms=b_transforms),
         ],
         wg_axis="wg",
         num_compute_wgs=_NUM_COMPUTE_WGS,
@@ -867,7 +782,7 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
       pl.run_scoped,
       pipeline_allocs=alloc_pipeline.get_allocations(
           lhs_gmem.at[:, pl.ds(0, cta_k)], dout_gmem.at[:, pl.ds(0, block_n)]),
-      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, epi_slots, block_m, _EPI_N), out_gmem.dtype),
+      epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, 1, block_m, _EPI_N), out_gmem.dtype),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epi_smem):
@@ -884,7 +799,6 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
       def compute_context(eval_pipeline):
         def acc_scope(acc):
           eval_pipeline(acc)
-          _release_last_stage(pipeline_allocs, num_blocks, stages, mma_in_flight)
           wg = lax.axis_index("wg")
           _store_epilogue([acc[...]], [out_gmem.at[g]], epi_smem, smem_row=0,
                           gmem_row=kt * cta_k + wg * block_m, count=block_m, rows=block_m,
@@ -895,7 +809,6 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
           lhs_gmem.at[:, pl.ds(kt * cta_k, cta_k)],
           dout_gmem.at[:, pl.ds(nt * block_n, block_n)],
           allocations=pipeline_allocs)
-      _await_last_stage(pipeline_allocs, num_blocks, stages, mma_in_flight)
 
     total = num_groups * k_tiles * n_tiles
     if num_ctas is None:
@@ -926,7 +839,7 @@ def wgrad_launch(config: KernelConfig, in_dtype, out_dtype) -> _Launch:
   """The static shape of a wgrad launch (its SMEM: `_Launch.stage_bytes`, `epilogue_bytes`)."""
   return _Launch(config.block_k, config.block_k, config.block_n // 2, 1, 1, config.block_n,
                  _NUM_COMPUTE_WGS * config.block_m, jnp.dtype(out_dtype).itemsize,
-                 jnp.dtype(in_dtype).itemsize, epi_slots=config.epilogue_slots)
+                 jnp.dtype(in_dtype).itemsize)
 
 
 def wgrad_params(m: int, num_groups: int, in_dtype, out_dtype, config: KernelConfig,
@@ -934,13 +847,10 @@ def wgrad_params(m: int, num_groups: int, in_dtype, out_dtype, config: KernelCon
   """The static keyword arguments of `_wgrad_kernel` for m padded rows (one source of
   truth for the standalone launch and for kernels that embed the body)."""
   launch = wgrad_launch(config, in_dtype, out_dtype)
-  stages, in_flight = _stages_and_in_flight(launch, config, m // config.block_k,
-                                            config.block_m, smem)
+  stages = launch.stages(config.max_concurrent_steps, m // config.block_k, config.block_m, smem)
   raster_k = WGRAD_RASTER_AUTO if config.wgrad_raster is None else config.wgrad_raster
   return dict(num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
-              block_k=config.block_k, stages=stages, in_dtype=in_dtype,
-              epi_slots=launch.epi_slots, raster_k=raster_k,
-              mma_in_flight=in_flight)
+              block_k=config.block_k, stages=stages, in_dtype=in_dtype, raster_k=raster_k)
 
 
 def wgrad_bounds(group_sizes, m: int):
@@ -1146,8 +1056,7 @@ def gate_up_projection(x, w_gate_up, group_sizes, *, config: KernelConfig, inter
   """The "swiglu" launch: h = x @ w_gate[g], u = x @ w_up[g], a = silu(h) * u for x
   [m_p, H] (rows already a multiple of block_m), w_gate_up [G, H, 2F] = [w_gate | w_up]
   read twice at column offsets 0 and F_p (no copy). Returns (a,) or (a, h, u) with
-  save_hu, each [m_p, F_p]. Also v1's gate/up in the fused kernels' GPU check and in
-  the CPU test's stand-in for Kernel A."""
+  save_hu, each [m_p, F_p]."""
   h_p = _round_up(x.shape[1], config.block_k)
   f_p = _swiglu_padded_f(w_gate_up.shape[2] // 2, config)
   wgu_p = _pad_axis(_pad_gate_up(w_gate_up, f_p), 1, h_p)
@@ -1160,8 +1069,7 @@ def gate_up_projection(x, w_gate_up, group_sizes, *, config: KernelConfig, inter
 def down_projection(a, w_down, group_sizes, *, config: KernelConfig, interpret=None,
                     zero_window: Optional[int] = None):
   """y = a @ w_down[g] for a [m_p, F_p] (the gate/up launch's output), w_down [G, F, H]:
-  [m_p, H padded to the CTA tile width]. Also the fused uniep forward's down GEMM when
-  its return is not in the kernel (uniep_jax/fused.py)."""
+  [m_p, H padded to the CTA tile width]."""
   h_out = _round_up(w_down.shape[2], _NUM_COMPUTE_WGS * config.block_n)
   wd_p = _pad_axis(_pad_axis(w_down, 1, a.shape[1]), 2, h_out)
   (y,) = _row_tiled_call([a], [wd_p], group_sizes, mode="plain", transpose_b=False,
@@ -1171,23 +1079,21 @@ def down_projection(a, w_down, group_sizes, *, config: KernelConfig, interpret=N
 
 
 def swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
-                    interpret=None, zero_window: Optional[int] = None,
-                    fuse_da_epilogue: bool = False):
+                    interpret=None, zero_window: Optional[int] = None):
   """The backward pass of `grouped_swiglu_ffn` (formulas in its docstring) from its
   saved residuals a, h, u ([m_p, F_p], the gate/up epilogue's outputs). Returns
-  (dx [M, H], dw_gate_up [G, H, 2F], dw_down). Also the backward pass of the fused
-  uniep forward (uniep_jax/fused.py), whose Kernel A writes the same a, h, u."""
+  (dx [M, H], dw_gate_up [G, H, 2F], dw_down)."""
   dhu = swiglu_dhu(x, w_down, group_sizes, h, u, dy, config=config, interpret=interpret,
-                   zero_window=zero_window, fuse_da_epilogue=fuse_da_epilogue)
+                   zero_window=zero_window)
   return swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, config=config,
                                   interpret=interpret, zero_window=zero_window)
 
 
 def swiglu_dhu(x, w_down, group_sizes, h, u, dy, *, config: KernelConfig, interpret=None,
-               zero_window: Optional[int] = None, fuse_da_epilogue: bool = False):
-  """The first half of `swiglu_backward`: da = dy @ w_down^T and the SwiGLU derivative,
-  [dh | du] ([m_p, 2 F_p] in x's dtype; h, u [m_p, F_p] the forward's residuals), in the
-  da launch's epilogue (fuse_da_epilogue) or by XLA over a float32 da."""
+               zero_window: Optional[int] = None):
+  """The first half of `swiglu_backward`: da = dy @ w_down^T and, in the da launch's
+  epilogue (mode "dswiglu", da never stored), the SwiGLU derivative [dh | du]
+  ([m_p, 2 F_p] in x's dtype; h, u [m_p, F_p] the forward's residuals)."""
   interpret = resolve_interpret(interpret)
   h_dim = x.shape[1]
   kw = dict(config=config, interpret=interpret)
@@ -1196,25 +1102,18 @@ def swiglu_dhu(x, w_down, group_sizes, h, u, dy, *, config: KernelConfig, interp
   m_p = h.shape[0]
   h_k = _round_up(h_dim, config.block_k)  # H as a contraction dim
   dy_p = _pad_axis(_pad_axis(dy.astype(x.dtype), 1, h_k), 0, m_p)
-  da_args = ([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes)
-  if fuse_da_epilogue:
-    # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, [dh | du]: [m_p, 2 f_p]
-    (dhu,) = _row_tiled_call(*da_args, mode="dswiglu", transpose_b=True, out_dtype=x.dtype,
-                             save_hu=False, zero_window=zero_window, epi_inputs=(h, u), **kw)
-    return dhu
-  # da = dy @ w_down^T, float32 out: [m_p, f_p]; dh, du by XLA over all m_p rows
-  (da,) = _row_tiled_call(*da_args, mode="plain", transpose_b=True, out_dtype=jnp.float32,
-                          save_hu=False, zero_window=zero_window, **kw)
-  dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
-  return jnp.concatenate([dh, du], axis=1).astype(x.dtype)
+  # da = dy @ w_down^T (f32 accumulator) and, in its epilogue, [dh | du]: [m_p, 2 f_p]
+  (dhu,) = _row_tiled_call([dy_p], [_pad_axis(wd_p, 2, h_k)], group_sizes, mode="dswiglu",
+                           transpose_b=True, out_dtype=x.dtype, save_hu=False,
+                           zero_window=zero_window, epi_inputs=(h, u), **kw)
+  return dhu
 
 
 def swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, *,
                              config: KernelConfig, interpret=None,
                              zero_window: Optional[int] = None):
   """The rest of `swiglu_backward` once [dh | du] ([m_p, 2 F_p], its "dswiglu" launch's
-  output) is known: dx and the two weight gradients. Also the tail of the fused
-  uniep backward (uniep_jax/fused.py), whose fused dy dispatch computes dhu."""
+  output) is known: dx and the two weight gradients."""
   kw = dict(config=config, interpret=interpret)
   dx = swiglu_dx_from_dhu(x, w_gate_up, group_sizes, dhu, zero_window=zero_window, **kw)
   m_p = a.shape[0]
@@ -1252,7 +1151,7 @@ def unpad_dw_gate_up(dw, ffn: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_epilogue: bool):
+def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool):
   # the wgrad reads up to block_k rows past a group's end: those stay zero
   zw = None if zero_dead_rows else config.block_k
 
@@ -1270,8 +1169,7 @@ def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_ep
   def bwd(res, dy):
     x, w_gate_up, w_down, group_sizes, a, h, u = res
     return swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, config=config,
-                           interpret=interpret, zero_window=zw,
-                           fuse_da_epilogue=fuse_da_epilogue) + (None,)
+                           interpret=interpret, zero_window=zw) + (None,)
 
   f.defvjp(fwd, bwd)
   return f
@@ -1279,7 +1177,7 @@ def _swiglu_fn(config: KernelConfig, interpret, zero_dead_rows: bool, fuse_da_ep
 
 def grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
                        config: KernelConfig = KernelConfig(), interpret=None,
-                       zero_dead_rows: bool = True, fuse_da_epilogue: bool = False):
+                       zero_dead_rows: bool = True):
   """SwiGLU expert FFN over grouped rows, differentiable (custom_vjp).
 
   x [M, H], w_gate_up [G, H, 2F] = [w_gate | w_up], w_down [G, F, H], group_sizes [G]
@@ -1299,9 +1197,8 @@ def grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
   epilogue; no recompute of the gate/up GEMMs). Backward (dh, du are cast to
   x.dtype before the GEMMs that consume them; h and u are the saved x.dtype values):
     da = dy @ w_down^T (f32);  s = sigmoid(h)
-    dh = da * u * s * (1 + h (1 - s)),  du = da * h * s   (XLA, over all rows; with
-        fuse_da_epilogue=True, measured faster, the MoE layer's default: in da's
-        epilogue, mode "dswiglu", da never stored), into one buffer [dh | du]
+    dh = da * u * s * (1 + h (1 - s)),  du = da * h * s   (in da's epilogue, mode
+        "dswiglu": da never stored), into one buffer [dh | du]
     dx = [dh | du] @ w_gate_up^T (one plain kernel over K = 2F)
     dw_gate_up = x^T [dh | du] (one wgrad over N = 2F), dw_down = a^T dy.
   """
@@ -1309,8 +1206,8 @@ def grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
   if w_gate_up.ndim != 3 or two_f % 2 or w_down.ndim != 3 or w_down.shape[1] != two_f // 2:
     raise ValueError(f"w_gate_up {w_gate_up.shape} must be [G, H, 2F] and w_down "
                      f"{w_down.shape} [G, F, H]")
-  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows,
-                    fuse_da_epilogue)(x, w_gate_up, w_down, group_sizes)
+  return _swiglu_fn(config, resolve_interpret(interpret), zero_dead_rows)(
+      x, w_gate_up, w_down, group_sizes)
 
 
 # ----------------------------------------------------------------------------

@@ -1,18 +1,17 @@
-"""EXPERIMENTAL (v2.2): the backward's dX return transfer beside a wgrad, one launch.
+"""The backward's dX return transfer beside a wgrad, in one launch.
 
-In `moe_ffn` as `UniEPConfig(backend="uniep", fused=FusedConfig(return_beside_wgrad=True))`
-(uniep_jax/fused.py). Why: in v1's backward the return of d_recv to the source ranks
-(an NVLink transfer, ~1.2 ms on qwen3-like at EP 4) and the two weight gradients
-(~1.75 ms) run one after the other on one stream although neither needs the other.
-Pallas kernels cannot run on a second stream, so this launch gives the transfer a
-few CTAs and the wgrad the rest: the transfer keeps ~90% of its 64-CTA rate on 16
-CTAs (bench/overlap_probe.py, 4x H200: 2.02 ms with 16 CTAs, 1.81 with 64, plan and
-sort included), and the wgrad loses ~12% of its SMs.
+In `moe_ffn` as the "uniep" backend's overlap point
+`UniEPConfig(overlap=OverlapConfig(wgrad_return_ctas=N))` (uniep_jax/overlap.py). Why:
+the return of d_recv to the source ranks (an NVLink transfer) and the dw_gate_up weight
+gradient run one after the other on one stream otherwise, although neither needs the
+other. Pallas kernels cannot run on a second stream, so this launch gives the transfer
+a few CTAs and the wgrad the rest (a transfer keeps most of its rate on a quarter of
+its CTAs; docs/performance.md has the measurements).
 
 Roles (by CTA index c on "sm", grid = num_sms, 3 warpgroups each)
 ------------------------------------------------------------------
-  c <  n_comm   transfer CTAs: warpgroup 0 runs `ep_transfer._transfer_body` (v1's
-                return: every (peer, local expert) segment of `rows` pushed into
+  c <  n_comm   transfer CTAs: warpgroup 0 runs `ep_transfer._transfer_body` (the
+                return's: every (peer, local expert) segment of `rows` pushed into
                 the source rank's sorted rows, remote peers first) on CTAs
                 [0, n_comm); the other two warpgroups idle.
   c >= n_comm   wgrad CTAs: `grouped_gemm._wgrad_kernel`'s body on CTAs
@@ -26,7 +25,7 @@ Buffers
   rows [Nr, H]                      what the transfer sends (d_recv, the receive layout)
   dw [G, K_p, N_p]                  output
   back [out_rows, H]                output; PEERS write into it (remote TMA stores).
-                                    Rows no segment covers are undefined (as v1's).
+                                    Rows no segment covers are undefined.
   SMEM: the transfer role's 2 stages [chunk_rows, col_tile] and the wgrad's pipeline
   and epilogue are `run_scoped` in sibling branches: each must fit alone.
 
@@ -38,7 +37,7 @@ Synchronisation contract
   When every transfer CTA is past its done wait, every peer's writes into this
   rank's `back` have landed. The wgrad CTAs neither signal nor wait: they share no
   buffer with the transfer (rows is read-only here; dw is local). All num_sms CTAs
-  must be resident at once (1 CTA per SM), as for the fused dispatch kernels.
+  must be resident at once (1 CTA per SM).
 """
 
 from __future__ import annotations
@@ -54,7 +53,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels import ep_transfer
 from pallas_kernels import grouped_gemm as gg
-from uniep_jax.config import KernelConfig, TransferConfig
+from pallas_kernels.ep_transfer import TransferConfig
+from pallas_kernels.grouped_gemm import KernelConfig
 
 
 def _kernel(bounds_gmem, work_gmem, lhs_gmem, dout_gmem, rows_gmem, dw_gmem, back_gmem, *,

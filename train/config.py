@@ -27,10 +27,8 @@ class TrainConfig:
   mesh: str = "data=2,expert=4"
   backend: str = "xla_dropless"
   capacity_factor: float = 1.25
-  swiglu_grad_in_kernel: Optional[bool] = None  # UniEPConfig.swiglu_grad_in_kernel (None: on for pallas/uniep)
   kernel_stages: Optional[int] = None  # KernelConfig.max_concurrent_steps (pallas/uniep; None: its default)
-  fused: bool = False  # uniep: the v2 fused kernels (models.transformer.TRAIN_FUSED; EXPERIMENTAL)
-  dedup_tokens: Optional[bool] = None  # UniEPConfig.dedup_tokens (None: auto, on for uniep)
+  overlap: bool = False  # uniep: transfers inside GEMM launches (UniEPConfig.overlap = OverlapConfig())
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -60,11 +58,10 @@ class TrainConfig:
   grad_reduction: str = "ordered"  # GRAD_REDUCTIONS
   # "ordered": the gradients summed in this many chained buckets (backward order); None:
   # DEFAULT_GRAD_BUCKETS with "ordered" (0.3-7% more tokens/s than 1 bucket on 4x H100,
-  # every backend, both meshes: README), 1 with "xla" and with --fused (its launches keep
-  # every CTA resident and wait on their peers: an NCCL kernel beside them holds an SM one
-  # of their CTAs needs while it waits for peers whose SMs their own launch holds, a
-  # circular wait; pallas_kernels/NOTES_fused.md, "Collectives beside persistent
-  # kernels"). The same bits for any count.
+  # every backend, both meshes), 1 with "xla" and with --overlap (its launches keep every
+  # CTA resident and wait on their peers: an NCCL kernel beside them holds an SM one of
+  # their CTAs needs while it waits for peers whose SMs their own launch holds, a circular
+  # wait; pallas_kernels/SYNC.md). The same bits for any count.
   grad_buckets: Optional[int] = None
   # multi-process runs (train/distributed.py); None: from the environment, else single-process
   coordinator: Optional[str] = None  # HOST:PORT of process 0's jax.distributed coordinator
@@ -76,18 +73,9 @@ class TrainConfig:
     parse_mesh(self.mesh)
     if self.backend not in BACKEND_CHOICES:
       raise ValueError(f"backend={self.backend!r} is unknown; expected one of {BACKEND_CHOICES}")
-    if self.swiglu_grad_in_kernel and self.backend not in ("pallas", "uniep"):
-      raise ValueError(f"swiglu_grad_in_kernel is only for --backend pallas or uniep, got "
-                       f"backend={self.backend!r}")
-    if self.fused and self.backend != "uniep":
-      raise ValueError(f"fused (the v2 fused kernels) is only for --backend uniep, got "
-                       f"backend={self.backend!r}")
-    if self.fused and self.swiglu_grad_in_kernel is False:
-      raise ValueError("fused (its backward computes dh, du in the da GEMM's epilogue) needs "
-                       "the SwiGLU derivative in the kernel: drop --no-swiglu-grad-in-kernel")
-    if self.dedup_tokens and self.backend not in ("xla_dropless", "pallas", "uniep"):
-      raise ValueError(f"dedup_tokens is only for the dropless backends (xla_dropless, pallas, "
-                       f"uniep), got backend={self.backend!r}")
+    if self.overlap and self.backend != "uniep":
+      raise ValueError(f"--overlap (transfers inside GEMM launches) is only for --backend "
+                       f"uniep, got backend={self.backend!r}")
     if self.n_layers is not None and self.n_layers < 1:
       raise ValueError(f"n_layers={self.n_layers} must be >= 1")
     if self.kernel_stages is not None:
@@ -124,11 +112,11 @@ class TrainConfig:
   @property
   def num_grad_buckets(self) -> int:
     """The buckets the gradients are summed in: grad_buckets, or by default
-    DEFAULT_GRAD_BUCKETS with the ordered sums and 1 with XLA's or with the fused
-    kernels (one bucket: every gradient collective after the whole backward pass)."""
+    DEFAULT_GRAD_BUCKETS with the ordered sums and 1 with XLA's or with --overlap (one
+    bucket: every gradient collective after the whole backward pass)."""
     if self.grad_buckets is not None:
       return self.grad_buckets
-    return DEFAULT_GRAD_BUCKETS if self.grad_reduction == "ordered" and not self.fused else 1
+    return DEFAULT_GRAD_BUCKETS if self.grad_reduction == "ordered" and not self.overlap else 1
 
   @property
   def last_step(self) -> int:
@@ -150,20 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                                   "device count (CPU: that many virtual devices are created)")
   a("--backend", default=d.backend, choices=BACKEND_CHOICES, help="moe_ffn backend")
   a("--capacity-factor", type=float, default=d.capacity_factor, help="for --backend xla_capacity")
-  a("--swiglu-grad-in-kernel", action=argparse.BooleanOptionalAction, default=None,
-    help="pallas/uniep: the backward's SwiGLU derivative in the da GEMM's epilogue "
-         "(UniEPConfig.swiglu_grad_in_kernel; default: on for pallas and uniep)")
   a("--kernel-stages", type=int, default=None,
     help="pallas/uniep: the grouped GEMM's TMA pipeline depth (KernelConfig.max_concurrent_steps)")
-  a("--fused", action="store_true",
-    help="uniep, EXPERIMENTAL: the v2 fused kernels (the dispatch inside the gate/up GEMM's "
-         "launch, the backward's dX return inside the dw_gate_up wgrad's; "
-         "models.transformer.TRAIN_FUSED)")
-  a("--dedup-tokens", action=argparse.BooleanOptionalAction, default=None,
-    help="dropless backends: the dispatches (x forward, dy backward) send each token once per "
-         "owner rank, not once per expert there (UniEPConfig.dedup_tokens; the same bits, fewer "
-         "bytes); with --fused, the backward's dy dispatch. Default: on for uniep, off for the "
-         "others")
+  a("--overlap", action="store_true",
+    help="uniep: the down GEMM's return and the backward's dX return run inside GEMM launches "
+         "(UniEPConfig.overlap = OverlapConfig(); the same bits; gradients are then summed "
+         "after the whole backward pass unless --grad-buckets says otherwise)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")

@@ -89,20 +89,17 @@ def moe_options(cfg: TrainConfig, expert_ranks: Optional[int] = None) -> dict:
   """The Pallas expert FFN's options this run resolves to (defaults included), for
   the log and summary.json: a resumed or compared run shows what produced its bits.
   expert_ranks: the mesh's expert axis size; with one rank the layer runs its one-rank
-  form (`UniEPConfig.one_rank_form`: no transfer, no de-duplication, no fused kernels)."""
+  form (`UniEPConfig.one_rank_form`: no transfer, no de-duplication, no overlap)."""
   if cfg.backend not in ("pallas", "uniep"):
-    return dict(dedup_tokens=True) if cfg.dedup_tokens else {}
-  from models.transformer import TRAIN_FUSED
-  from uniep_jax.config import KernelConfig, UniEPConfig
+    return {}
+  from uniep_jax.config import KernelConfig, OverlapConfig, UniEPConfig
   stages = KernelConfig().max_concurrent_steps if cfg.kernel_stages is None else cfg.kernel_stages
-  c = UniEPConfig(backend=cfg.backend, swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
-                  dedup_tokens=cfg.dedup_tokens,
-                  fused=TRAIN_FUSED if cfg.fused else None)
+  c = UniEPConfig(backend=cfg.backend, overlap=OverlapConfig() if cfg.overlap else None)
   one_rank = expert_ranks == 1
   if one_rank:
     c = c.one_rank_form()
-  out = dict(swiglu_grad_in_kernel=c.use_swiglu_grad_in_kernel, kernel_stages=stages,
-             fused=c.fused is not None, dedup_tokens=c.use_dedup_tokens)
+  out = dict(kernel_stages=stages, overlap=c.overlap is not None,
+             dedup_tokens=c.backend == "uniep")
   if one_rank:
     out["one_rank"] = True   # the local transport: nothing moves between GPUs
   return out
@@ -111,9 +108,8 @@ def moe_options(cfg: TrainConfig, expert_ranks: Optional[int] = None) -> dict:
 def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
   """The model that `cfg` trains (its MoE options), initialised from cfg.seed."""
   return Transformer(model_cfg, mesh=mesh, backend=cfg.backend, capacity_factor=cfg.capacity_factor,
-                     swiglu_grad_in_kernel=cfg.swiglu_grad_in_kernel,
-                     kernel_stages=cfg.kernel_stages, fused=cfg.fused,
-                     dedup_tokens=cfg.dedup_tokens, rngs=nnx.Rngs(cfg.seed))
+                     kernel_stages=cfg.kernel_stages, overlap=cfg.overlap,
+                     rngs=nnx.Rngs(cfg.seed))
 
 
 def make_setup(cfg: TrainConfig) -> Setup:

@@ -1,25 +1,28 @@
 """UniEP-JAX: expert-parallel Mixture-of-Experts for JAX.
 
     y, aux = uniep_jax.moe_ffn(x, params, mesh=mesh, top_k=2,
-                               config=uniep_jax.UniEPConfig(backend="xla_dropless"))
+                               config=uniep_jax.UniEPConfig(backend="uniep"))
+
+The data flow, one module per step: routing (1) -> layout, the plan (2) -> dispatch (3)
+-> experts (4) -> combine (5); transport moves rows between ranks, moe wires the steps.
 """
 
-from uniep_jax.config import (BACKENDS, FusedConfig, KernelConfig, RoutingConfig, TransferConfig,
-                              UniEPConfig)
-from uniep_jax.dedup import unique_receive_bytes
-from uniep_jax.layout import DispatchPlan, make_plan, sort_assignments
-from uniep_jax.moe import (moe_ffn, moe_ffn_shard, param_specs, receive_buffer_bytes,
-                           validate_inputs)
-from uniep_jax.params import MoEParams, join_gate_up, split_gate_up
+from uniep_jax.config import (BACKENDS, KernelConfig, OverlapConfig, RoutingConfig,
+                              TransferConfig, UniEPConfig)
+from uniep_jax.layout import (DedupPlan, DispatchPlan, make_plan, receive_buffer_bytes,
+                              sort_assignments, unique_receive_bytes)
 from uniep_jax.module import UniEPMoE
+from uniep_jax.moe import moe_ffn, moe_ffn_shard, param_specs
+from uniep_jax.params import MoEParams, join_gate_up, split_gate_up
 from uniep_jax.reference import dense_reference_moe
 from uniep_jax.routing import RouterOutput, route
-from uniep_jax.tune import TuneProblem, resolve_config
+from uniep_jax.tuning import TuneProblem, resolve_config
+from uniep_jax.validate import validate_inputs
 
 __all__ = [
-    "BACKENDS", "DispatchPlan", "FusedConfig", "KernelConfig", "MoEParams", "RouterOutput", "RoutingConfig",
-    "TransferConfig", "UniEPMoE",
-    "UniEPConfig", "dense_reference_moe", "make_plan", "moe_ffn", "moe_ffn_shard",
-    "param_specs", "receive_buffer_bytes", "route", "sort_assignments", "validate_inputs",
-    "TuneProblem", "resolve_config", "join_gate_up", "split_gate_up", "unique_receive_bytes",
+    "BACKENDS", "DedupPlan", "DispatchPlan", "KernelConfig", "MoEParams", "OverlapConfig",
+    "RouterOutput", "RoutingConfig", "TransferConfig", "TuneProblem", "UniEPConfig", "UniEPMoE",
+    "dense_reference_moe", "join_gate_up", "make_plan", "moe_ffn", "moe_ffn_shard",
+    "param_specs", "receive_buffer_bytes", "resolve_config", "route", "sort_assignments",
+    "split_gate_up", "unique_receive_bytes", "validate_inputs",
 ]

@@ -15,20 +15,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.dispatch import gather_rows, permute_rows, replicate_slots
 from uniep_jax.experts import swiglu_batched
 from uniep_jax.layout import sort_assignments
+from uniep_jax.rows import gather_rows, permute_rows, replicate_slots
 
 
 def capacity_per_expert(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
   return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
-def capacity_moe_shard(x, topk_experts, params, *, top_k, capacity_factor, axis_name,
-                       owners=None):
-  """Returns (y_assign [T, K, H] with dropped slots zero, dropped count (local)).
-  owners: a `combine.SlotOwners`; x's gradient then sums a token's slots by owner first
-  (`UniEPConfig.slot_reduction="owner_partials"`)."""
+def capacity_moe_shard(x, topk_experts, params, *, top_k, capacity_factor, axis_name):
+  """Returns (y_assign [T, K, H] with dropped slots zero, dropped count (local))."""
   t, h = x.shape
   e = params.router.shape[1]
   el = params.w_gate_up.shape[0]
@@ -39,7 +36,7 @@ def capacity_moe_shard(x, topk_experts, params, *, top_k, capacity_factor, axis_
   pos_in_group = jnp.arange(t * top_k, dtype=jnp.int32) - group_start[sorted_experts]
   keep = pos_in_group < cap                                         # [T*K] sorted order
 
-  rows = replicate_slots(x, top_k, owners)                          # [T*K, H]
+  rows = replicate_slots(x, top_k)                                  # [T*K, H]
   rows_sorted = permute_rows(rows, sort_order, sorted_position)
   c = jnp.arange(cap, dtype=jnp.int32)
   src = (group_start[:, None] + c[None, :]).reshape(-1)             # [E*cap]

@@ -1,10 +1,14 @@
-"""Step 3: the expert FFN (SwiGLU) over rows grouped by expert.
+"""Step 4, experts: the SwiGLU FFN over rows grouped by expert.
 
 Math, exactly (for every backend); w_gate_up[e] = [w_gate[e] | w_up[e]] ([H, 2F],
 `uniep_jax.params`):
     [h | u] = x @ w_gate_up[e]                         float32 accumulation
     a = silu(h) * u          in float32, then cast to x.dtype
     y = a @ w_down[e]        float32 accumulation, cast to x.dtype
+Three implementations: `swiglu_ragged_dot` ("xla_dropless"), `swiglu_batched`
+("xla_capacity": fixed-capacity batches) and `swiglu_pallas` ("pallas", "uniep": the
+grouped GEMM of pallas_kernels/grouped_gemm.py, whose SwiGLU derivative runs in the
+da GEMM's epilogue with the same formula, `swiglu_grad`).
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.dispatch import int_cotangent, sum_to_type_of
-from uniep_jax.params import split_gate_up
+from pallas_kernels.grouped_gemm import grouped_swiglu_ffn, split_gate_up, swiglu_grad
+from uniep_jax.rows import int_cotangent, sum_to_type_of
 
 
 def _precision(dtype):
@@ -25,21 +29,12 @@ def swiglu_activation(h: jax.Array, u: jax.Array, dtype) -> jax.Array:
   return (jax.nn.silu(h) * u).astype(dtype)
 
 
-def swiglu_grad(da, h, u):
-  """(dh, du) of a = silu(h) * u given da, all float32: s = sigmoid(h),
-  dh = da * u * s * (1 + h (1 - s)), du = da * h * s. The one formula of every
-  backend, the grouped GEMM's "dswiglu" epilogue included (same ops, same bits)."""
-  s = jax.nn.sigmoid(h)
-  return da * u * s * (1.0 + h * (1.0 - s)), da * h * s
-
-
 # ---------------------------------------------------------------------------
 # The XLA experts. Their backward pass is written out (custom_vjp) so that every
 # GEMM takes x.dtype operands with float32 accumulation, as the Pallas kernels'
 # backward does: JAX's own transpose of a dot with a float32 result feeds the
 # float32 cotangents (dh, du) straight into the backward GEMMs, which then run on
-# float32 operands (slower, and twice the bytes) -- our XLA baselines were twice as
-# slow as GShard's in fwd+bwd on mixtral-like (bench/results, targets.md).
+# float32 operands (slower, and twice the bytes).
 #   da = dy @ w_down^T (f32 out);  s = sigmoid(h)      (h, u: the f32 accumulators)
 #   dh = da * u * s * (1 + h (1 - s)),  du = da * h * s,  both cast to x.dtype
 #   dx = [dh | du] @ w_gate_up^T (one GEMM over K = 2F, cast);
@@ -139,11 +134,9 @@ swiglu_batched.defvjp(_batched_fwd, _batched_bwd)
 
 
 def swiglu_pallas(x, w_gate_up, w_down, group_sizes, *, kernel_config,
-                  zero_dead_rows: bool = True, grad_in_kernel: bool = False):
-  """Grouped FFN with our Pallas Mosaic GPU grouped GEMM (interpret mode on CPU).
+                  zero_dead_rows: bool = True):
+  """Grouped FFN with our Pallas Mosaic GPU grouped GEMM (interpret mode on the CPU).
   zero_dead_rows=False: rows of the output (and of dx) past the groups' rows plus a
-  block_k window are left undefined (see `grouped_swiglu_ffn`). grad_in_kernel: the
-  backward's SwiGLU derivative in the da GEMM's epilogue (`fuse_da_epilogue`)."""
-  from pallas_kernels.grouped_gemm import grouped_swiglu_ffn  # heavy import, lazy
+  block_k window are left undefined (see `grouped_swiglu_ffn`)."""
   return grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, config=kernel_config,
-                            zero_dead_rows=zero_dead_rows, fuse_da_epilogue=grad_in_kernel)
+                            zero_dead_rows=zero_dead_rows)

@@ -1,4 +1,4 @@
-"""The dispatch plan: where every token row goes, as a pure function of routing.
+"""Step 2, the plan: where every token row goes, as a pure function of routing.
 
 Notation (one shard of the expert axis, i.e. one EP rank `me`):
   T tokens on this shard, K slots (top-k), E experts, R = EP degree (size of the
@@ -43,6 +43,21 @@ Notation (one shard of the expert axis, i.e. one EP rank `me`):
    prefix of that block, so every transport just sends shorter blocks
    (`kept_counts`). Dropped assignments come back as zeros.
 
+6. De-duplication (`DedupPlan`, the "uniep" backend's dispatch): a token's K experts
+   often share an owner (K=8 over R=4 ranks: ~3.6 distinct ranks per token), and every
+   expert of one owner gets the same row x[t]. The dispatch then moves one copy per
+   (token, destination rank), and the owner copies it to the receive-layout rows of its
+   experts: the receive layout, and so every later step, is unchanged, row for row.
+   Unique send order (source): pairs (token t, destination d) with at least one of t's
+   experts on d, ordered by (d, t). U[s, d] (int32 [R, R]): rows source s sends to d,
+   all-gathered with every sorted row's position inside its (token, destination) block
+   and its slot's routing weight (float32 bits), in the same int32 all_gather as the
+   count matrix (`plan_with_dedup`: [E + R + 2*T*K] per rank). Unique receive buffer
+   (owner): source-major, packed (the block of s at sum_{s'<s} U[s', me]), rows from s
+   in token order. Expansion: receive-layout row p (local expert le, source s, token t,
+   slot k) copies unique row (s, expand_position[p]); the backward's weighted expansion
+   multiplies the copy by recv_weights[p] = w_s[t, k].
+
 Everything is int32 and computed with sorts, cumsums and searchsorted: no
 atomics, nothing that depends on arrival order, so every transport and every
 schedule lands each row at the same place.
@@ -50,11 +65,13 @@ schedule lands each row at the same place.
 
 from __future__ import annotations
 
+import math
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from uniep_jax.ragged import enumerate_runs
+from pallas_kernels.ragged import enumerate_runs
 
 
 @flax.struct.dataclass
@@ -83,13 +100,20 @@ class DispatchPlan:
   kept_counts: jax.Array         # [R, R, El] int32: rows (src, dst, le) that are sent;
                                  #   = C without a receive bound
   dropped: jax.Array             # int32: rows this rank did not receive (receive bound)
-  # --- how a token's slot rows are summed (UniEPConfig.slot_reduction) ---
-  slot_owners: object = None    # combine.SlotOwners ("owner_partials": each slot's
-                                 #   expert and E / R); None: slot order
+  top_k: int = flax.struct.field(pytree_node=False)   # K (static)
 
   @property
   def num_received(self) -> jax.Array:
     return jnp.sum(self.recv_group_sizes)
+
+  @property
+  def sorted_tokens(self) -> jax.Array:
+    """[T*K] int32: the token of each sorted row."""
+    return self.sort_order // self.top_k
+
+  @property
+  def num_local_experts(self) -> int:
+    return self.recv_group_sizes.shape[0]
 
 
 def _exclusive_cumsum(v: jax.Array, axis: int = -1) -> jax.Array:
@@ -176,7 +200,6 @@ def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank,
 
   # Receive layout: for each row p, its (local expert, source, index in source block).
   cap = r * rows if recv_rows is None else recv_rows
-  p = jnp.arange(cap, dtype=jnp.int32)
   # Block (le, s) sizes in (le, s) order, flattened; their starts in the layout.
   block_sizes = mine.T.reshape(-1)                                  # [El*R], index le*R + s
   block, within, valid = enumerate_runs(block_sizes, cap)           # within: index inside (le, s)
@@ -198,7 +221,8 @@ def make_plan(topk_experts: jax.Array, count_matrix: jax.Array, rank,
       output_offsets=output_offsets.astype(jnp.int32),
       return_offsets=return_offsets.astype(jnp.int32),
       recv_source=recv_source, recv_index_in_source=recv_index_in_source,
-      recv_valid=valid, kept_counts=kept.astype(jnp.int32), dropped=dropped.astype(jnp.int32))
+      recv_valid=valid, kept_counts=kept.astype(jnp.int32), dropped=dropped.astype(jnp.int32),
+      top_k=k)
 
 
 # ---------------------------------------------------------------------------
@@ -213,15 +237,6 @@ class Segments:
   src_start: jax.Array   # first row in this rank's source buffer
   dst_start: jax.Array   # first row in the peer's destination buffer
   rows: jax.Array        # number of rows (0 allowed)
-
-
-def max_received_rows(plan: DispatchPlan) -> jax.Array:
-  """The most live receive-layout rows of any rank (int32 scalar, within the receive
-  bound): the same value on every rank, since it comes from the count matrix alone."""
-  cm = plan.count_matrix
-  r, e = cm.shape
-  per_rank = jnp.sum(cm.reshape(r, r, e // r), axis=(0, 2))        # [R] rows each receives
-  return jnp.minimum(jnp.max(per_rank), plan.recv_valid.shape[0]).astype(jnp.int32)
 
 
 def dispatch_segments(plan: DispatchPlan, rank) -> Segments:
@@ -259,3 +274,145 @@ def return_segments(plan: DispatchPlan, rank) -> Segments:
   return Segments(src_start=src_start.astype(jnp.int32),
                   dst_start=dst_start.astype(jnp.int32),
                   rows=returned.astype(jnp.int32))
+
+
+# ---------------------------------------------------------------------------
+# Receive buffer sizes
+# ---------------------------------------------------------------------------
+def receive_rows(tokens_per_shard: int, top_k: int, ep: int,
+                 receive_capacity_factor: float | None) -> int | None:
+  """Rows of a rank's receive buffer: None (= R*T*K, the dropless worst case) unless
+  `receive_capacity_factor` bounds it (`UniEPConfig.receive_capacity_factor`)."""
+  worst = ep * tokens_per_shard * top_k
+  if receive_capacity_factor is None:
+    return None
+  need = math.ceil(receive_capacity_factor * tokens_per_shard * top_k)
+  granule = 128 if need >= 1024 else 8          # whole GEMM row tiles at real sizes
+  rows = -(-need // granule) * granule
+  return None if rows >= worst else rows
+
+
+def receive_buffer_bytes(tokens_per_shard: int, top_k: int, hidden: int, ep: int,
+                         itemsize: int = 2, receive_capacity_factor: float | None = None) -> int:
+  """Bytes of one rank's receive buffer (one [rows, H] activation buffer)."""
+  rows = (receive_rows(tokens_per_shard, top_k, ep, receive_capacity_factor)
+          or ep * tokens_per_shard * top_k)
+  return rows * hidden * itemsize
+
+
+def unique_receive_bytes(tokens_per_shard: int, hidden: int, ep: int, itemsize: int = 2) -> int:
+  """Bytes of the unique receive buffer that de-duplication ("uniep") adds per rank (R*T
+  rows of H: every token of every rank, once; dropless), besides the receive layout's
+  buffer (`receive_buffer_bytes`)."""
+  return ep * tokens_per_shard * hidden * itemsize
+
+
+# ---------------------------------------------------------------------------
+# De-duplication (module docstring, 6.)
+# ---------------------------------------------------------------------------
+@flax.struct.dataclass
+class DedupPlan:
+  # --- source side ---
+  unique_tokens: jax.Array        # [T*min(R,K)] int32: token of unique send row u (0 past the live)
+  unique_send_counts: jax.Array   # [R] int32: unique rows sent to each destination (U[me, :])
+  unique_send_offsets: jax.Array  # [R] int32: start of destination d's rows in unique_tokens
+  # --- global ---
+  unique_counts: jax.Array        # [R, R] int32: U[src, dst]
+  # --- destination side ---
+  unique_recv_offsets: jax.Array  # [R] int32: packed start of source s's rows (sum_{s'<s} U[s', me])
+  unique_output_offsets: jax.Array  # [R] int32: where my rows land in d's packed buffer
+  expand_position: jax.Array      # [recv_rows] int32: receive row p -> index inside its
+                                  #   source's unique block (0 for dead rows)
+  recv_weights: jax.Array         # [recv_rows] f32: routing weight of receive row p's
+                                  #   slot at its source (0 for dead rows)
+
+  def packed_index(self, plan: DispatchPlan) -> jax.Array:
+    """[recv_rows] int32: receive row p's row in the packed unique receive buffer (source
+    s's rows from unique_recv_offsets[s]); 0-based garbage past the live rows."""
+    return self.unique_recv_offsets[plan.recv_source] + self.expand_position
+
+
+def unique_send_rows(num_tokens: int, top_k: int, num_ranks: int) -> int:
+  """Static size of the unique send order: a token has at most min(R, K) owners."""
+  return num_tokens * min(num_ranks, top_k)
+
+
+def token_destinations(topk_experts: jax.Array, num_ranks: int, num_local_experts: int):
+  """(present [T, R] bool: token t has an expert on rank d; position [T, R] int32: t's
+  row in d's unique block, in token order)."""
+  dest = topk_experts.astype(jnp.int32) // num_local_experts                   # [T, K]
+  on_rank = dest[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32)          # [T, K, R]
+  present = jnp.any(on_rank, axis=1)
+  position = jnp.cumsum(present, axis=0, dtype=jnp.int32) - present            # exclusive
+  return present, position
+
+
+def sorted_weight_bits(topk_weights: jax.Array, sort_order: jax.Array) -> jax.Array:
+  """[T*K] int32: each sorted row's routing weight (float32 bits; no gradient flows
+  through it: the weights' gradient is the combine's, at the source)."""
+  w = jax.lax.stop_gradient(topk_weights).astype(jnp.float32).reshape(-1)[sort_order]
+  return jax.lax.bitcast_convert_type(w, jnp.int32)
+
+
+def make_dedup_plan(present: jax.Array, gathered: jax.Array, plan: DispatchPlan,
+                    rank) -> DedupPlan:
+  """The `DedupPlan` of EP rank `rank` from `present` (`token_destinations`) and
+  `gathered` [R, R + 2*T*K] (every rank's unique counts U[s, :], the unique position of
+  each of its sorted rows, and `sorted_weight_bits`, all-gathered over the expert axis)."""
+  t, r = present.shape
+  n = plan.sort_order.shape[0]
+  el = plan.num_local_experts
+  rank = jnp.asarray(rank, jnp.int32)
+  u = gathered[:, :r]                                                         # [src, dst]
+  unique_position = gathered[:, r:r + n]                                      # [src, T*K]
+  weight_bits = gathered[:, r + n:]                                           # [src, T*K]
+  counts = present.sum(axis=0, dtype=jnp.int32)
+  send_offsets = _exclusive_cumsum(counts)
+  # unique_tokens: each sorted row q writes its token at its (token, destination) pair's
+  # slot (this rank's own gathered positions); the rows of one pair write the same token
+  size = unique_send_rows(t, plan.top_k, r)
+  own_position = jax.lax.dynamic_index_in_dim(unique_position, rank, axis=0, keepdims=False)
+  slot = send_offsets[plan.sorted_experts // el] + own_position
+  unique_tokens = jnp.zeros((size,), jnp.int32).at[slot].set(plan.sorted_tokens, mode="drop")
+  # owner side
+  incoming = jax.lax.dynamic_index_in_dim(u, rank, axis=1, keepdims=False)    # [src]
+  recv_offsets = _exclusive_cumsum(incoming)
+  before_me = jnp.sum(jnp.where(jnp.arange(r)[:, None] < rank, u, 0), axis=0)  # [dst]
+  # receive row p from source s, index i in s's block for me: s's sorted row
+  # (s's rows for ranks < me, = plan.return_offsets[s]) + i; its unique position
+  # was gathered
+  sorted_row = jnp.clip(plan.return_offsets[plan.recv_source] + plan.recv_index_in_source,
+                        0, n - 1)
+  expand_position = jnp.where(plan.recv_valid, unique_position[plan.recv_source, sorted_row],
+                              0).astype(jnp.int32)
+  recv_weights = jnp.where(
+      plan.recv_valid,
+      jax.lax.bitcast_convert_type(weight_bits[plan.recv_source, sorted_row], jnp.float32),
+      jnp.float32(0))
+  return DedupPlan(unique_tokens=unique_tokens, unique_send_counts=counts,
+                   unique_send_offsets=send_offsets.astype(jnp.int32),
+                   unique_counts=u.astype(jnp.int32),
+                   unique_recv_offsets=recv_offsets.astype(jnp.int32),
+                   unique_output_offsets=before_me.astype(jnp.int32),
+                   expand_position=expand_position, recv_weights=recv_weights)
+
+
+def plan_with_dedup(topk_experts: jax.Array, topk_weights: jax.Array, *, num_experts: int,
+                    axis_name, recv_rows: int | None = None):
+  """(DispatchPlan, DedupPlan) inside a shard_map over `axis_name`, from ONE int32
+  all_gather of [E + R + 2*T*K] per rank: the count matrix's row, this rank's unique
+  counts, the unique position of each sorted row, and the sorted rows' weights."""
+  r = jax.lax.axis_size(axis_name)
+  rank = jax.lax.axis_index(axis_name)
+  k = topk_experts.shape[1]
+  sort = sort_assignments(topk_experts, num_experts)
+  sort_order, _, sorted_experts, group_sizes = sort
+  present, position = token_destinations(topk_experts, r, num_experts // r)
+  unique_position = position[sort_order // k, sorted_experts // (num_experts // r)]  # [T*K]
+  gathered = jax.lax.all_gather(
+      jnp.concatenate([group_sizes, jnp.sum(present, axis=0, dtype=jnp.int32), unique_position,
+                       sorted_weight_bits(topk_weights, sort_order)]),
+      axis_name)                                                             # [R, E + R + 2TK]
+  plan = make_plan(topk_experts, gathered[:, :num_experts], rank, recv_rows=recv_rows,
+                   sort=sort)
+  return plan, make_dedup_plan(present, gathered[:, num_experts:], plan, rank)

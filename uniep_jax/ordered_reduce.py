@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from uniep_jax.dispatch import varying_axes, widen_varying
+from uniep_jax.rows import varying_axes, widen_varying
 from uniep_jax.params import place
 
 

@@ -10,11 +10,11 @@ Shapes (E experts, H hidden, F expert FFN width):
                                   by gradients (wrapped in stop_gradient).
 
 Why one gate/up array: the grouped GEMM's backward computes dx = [dh | du] @ w_gate_up^T
-as ONE launch over K = 2F and [dw_gate | dw_up] as one wgrad over N = 2F, which is
-~1.8x faster than the two-operand launch it replaces (pallas_kernels/NOTES_grouped_gemm.md);
-with two separate arrays each step would copy all expert weights into this layout and
-their gradients back (2 x 3.8 GB per layer on deepseek-like). Megatron's grouped MLP
-stores its gated fc1 the same way. `join_gate_up` / `split_gate_up` convert.
+as ONE launch over K = 2F and [dw_gate | dw_up] as one wgrad over N = 2F
+(docs/decisions.md has the measurement); with two separate arrays each step would copy
+all expert weights into this layout and their gradients back (2 x 3.8 GB per layer on
+deepseek-like). Megatron's grouped MLP stores its gated fc1 the same way.
+`join_gate_up` / `split_gate_up` convert.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+
+from pallas_kernels.grouped_gemm import split_gate_up  # noqa: F401  (the layout's inverse)
 
 
 @flax.struct.dataclass
@@ -52,14 +54,6 @@ def join_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
   if w_gate.shape != w_up.shape:
     raise ValueError(f"w_gate shape {w_gate.shape} must equal w_up shape {w_up.shape}")
   return jnp.concatenate([w_gate, w_up], axis=-1)
-
-
-def split_gate_up(w_gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """[..., 2F] -> (w_gate [..., F], w_up [..., F]): `w_gate_up`'s two halves (slices)."""
-  two_f = w_gate_up.shape[-1]
-  if two_f % 2:
-    raise ValueError(f"w_gate_up's last axis ({two_f}) must be even: [w_gate | w_up]")
-  return w_gate_up[..., :two_f // 2], w_gate_up[..., two_f // 2:]
 
 
 def place(a, sharding: NamedSharding):

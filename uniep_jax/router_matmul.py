@@ -1,14 +1,9 @@
-"""The router's float32 logits x @ router on bfloat16 tensor cores (`logits_matmul="bf16x3"`).
+"""The router's float32 logits x @ router on bfloat16 tensor cores.
 
 Why: the router multiplies in float32 (routing is discrete; a bfloat16 product would
-move near-ties), and XLA:GPU runs a float32 GEMM at `Precision.HIGHEST` on CUDA cores:
-4x H200, deepseek-like at EP 4 (T 8192, H 7168, E 256), the logits and their two
-gradients took 1.95 ms of a 39.7 ms layer fwd+bwd, where the same FLOPs in bfloat16
-take ~0.05 ms each (bench/results/profiles/profile_uniep_dc_rbw_dd_deepseek-like_*).
-Measured (one H100, bench/router_ab.py): route() forward + backward 2.41 -> 0.70 ms at
-deepseek-like sizes, 0.94 -> 0.41 at qwen3-like; logits 8.9e-6 / 2.3e-6 off float64 (the
-float32 GEMM 0.9e-6 / 1.5e-6: the tensor cores' float32 accumulation is the looser; a
-bf16 product is 1.7e-3 off).
+move near-ties), and XLA:GPU runs a float32 GEMM at `Precision.HIGHEST` on CUDA cores,
+several times slower than these bfloat16 GEMMs at the same accuracy within float32
+rounding (docs/decisions.md has the measurements).
 
 How: a float32 value a is the exact sum of three bfloat16 pieces a = a0 + a1 + a2
 (a0 = a truncated to bfloat16's 8 significant bits, a1 = (a - a0) truncated the same
@@ -45,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from uniep_jax.dispatch import varying_axes, widen_varying
+from uniep_jax.rows import varying_axes, widen_varying
 
 MAX_LEVEL = 2
 

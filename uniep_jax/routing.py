@@ -1,7 +1,7 @@
 """Step 1 of the MoE layer: the router.
 
     logits  = x @ router in float32                       [T, E] f32
-              (RoutingConfig.logits_matmul: bf16 pieces or one f32 GEMM)
+              (from bf16 tensor-core GEMMs: uniep_jax/router_matmul.py)
     scores  = softmax(logits) | sigmoid(logits)           [T, E] f32
     select  = scores + expert_bias (selection only)       [T, E] f32
     group-limited routing (optional): only the `topk_groups` best of `n_groups`
@@ -77,11 +77,7 @@ def route(
   if not 1 <= top_k <= eligible:
     raise ValueError(f"top_k={top_k} must be in [1, {eligible}] (the experts of the "
                      f"topk_groups={routing.topk_groups} eligible groups)")
-  if routing.logits_matmul == "float32":
-    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)           # [T, E]
-  else:  # "bf16x3": the same float32 logits from bf16 tensor-core GEMMs
-    logits = router_logits_bf16x3(x, router)                        # [T, E] f32
+  logits = router_logits_bf16x3(x, router)                          # [T, E] f32
   if routing.score_fn == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
   elif routing.score_fn == "sigmoid":
