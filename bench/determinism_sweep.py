@@ -1,37 +1,35 @@
-"""The UniEP guarantee on the GPU: every point of the parameter space gives the same bits.
+"""Every point of the "uniep" parameter space gives the same bits as backend "pallas".
 
-For one MoE shape over all local GPUs (mesh data=1, expert=R; bf16; skewed
-routing so that some experts are empty and one is hot), it computes the
-forward output and the gradients of x and every parameter with:
-  * the sequential reference: backend "pallas" (XLA collectives + our grouped GEMM),
-  * backend "uniep" at every point of a sweep over the transfer knobs
-    (chunk_rows, num_ctas, col_tile) for each grouped-GEMM tiling swept, and
-    with the v2 fused kernels (`FUSED`: n_comm, recv_chunk_rows; swept right after
-    the default transfer), and with the v1 dispatch (dedup_tokens=False; every other
-    point runs uniep's default, the de-duplicated dispatch, or the v1 one where a
-    fused backward moves dy itself), then the send-buffer dispatch (`SEND_BUFFER`:
-    TransferConfig.gather_rows=False, the send rows gathered into a buffer before the
-    transfer, the default until 2026-11-28; every other point reads them by index in the
-    transfer's loads; per tiling the point after the fused ones: at one tiling,
-    --start 8 begins with it), then the expansion inside the transfer's launch
-    (`EXPANDED`: TransferConfig.expand_in_transfer; --start 9 at one tiling; then
-    `EXPANDED_LAST_ON_ALL`, its last source's copies on the transfer CTAs too),
-  * each "uniep" point three times,
-and records a bitwise checksum of each (`uniep_jax.tune.tree_checksum`). The
-points go round-robin over the tilings (`sweep_order`), so that a run cut by
---budget-s has covered every tiling with its default transfer first.
-Points with the same KernelConfig must all agree with "pallas" of that
-KernelConfig (the transfer only moves rows). Across different block_k the
-accumulation order over K differs, so only equality within a tiling is required;
-the sweep also reports which tilings agree with each other.
+For one MoE shape over the local GPUs (mesh data=1, expert=R; bfloat16; a skewed
+routing where one expert is hot and one is empty) it computes the forward output and
+the gradients of x and of every parameter
+  * with backend "pallas" (XLA collectives + the grouped GEMM) for each grouped-GEMM
+    tiling of `TILINGS`, its tiles walked row-major (`tuning.reference_kernel`): the
+    reference of that tiling;
+  * with backend "uniep" at every point of TILINGS x TRANSFERS x OVERLAPS: the
+    grouped GEMM's tiling, the NVLink transfer's knobs (chunk_rows, num_ctas,
+    col_tile) and the transfers inside GEMM launches (`OverlapConfig`, or none);
+each "uniep" point three times, and records a bitwise checksum of each
+(`uniep_jax.measure.tree_checksum`). A point must be repeatable and equal its tiling's
+"pallas" reference: the transfer and overlap knobs only move rows, and the tile order
+changes no bit. Across different block_k the accumulation order over K differs, so only
+equality within a tiling is required; the JSON also says whether all tilings agree.
+
+Points run in priority order, round robin over the tilings (`sweep_order`): the
+default transfer without overlap, then the default transfer with each overlap point,
+then the other transfers without overlap, then the other transfers with each overlap
+point; so a run cut by --budget-s has covered every tiling at the most telling points
+first. --start N skips the first N points of that order (covered by an earlier run);
+--tilings / --transfers / --overlaps take the first few of each list.
 
   python -m bench.determinism_sweep [--shape tiny-gpu|qwen3-like|...] [--ep R] [--out DIR]
-                                   [--start N]
+                                   [--budget-s S] [--start N] [--compile-workers W]
 
-Each point is compiled once (ahead, in --compile-workers threads) and run three times.
-Writes determinism_sweep_<device>_ep<R>[_from<N>].json; exits 1 on any mismatch.
-Results: bench/results/determinism_sweep_*.json (2x H100: 38 of the 50 points, the v2
-fused ones not yet reached).
+Each point is compiled once (ahead, in --compile-workers threads; run with
+XLA_FLAGS=--xla_gpu_deterministic_ops=true so that XLA's GEMM autotuning does not time
+kernels while other compiles run) and run three times.
+Writes determinism_sweep_<device>_ep<R>[_from<N>].json (and a .partial.json after every
+point); exits 1 on any mismatch or error.
 """
 
 from __future__ import annotations
@@ -53,7 +51,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import uniep_jax
 from bench import common
-from uniep_jax.tune import reference_kernel, tree_checksum
+from uniep_jax.measure import tree_checksum
+from uniep_jax.tuning import Candidate, kernel_label, reference_kernel
 
 # A shape that compiles fast and still has many experts per rank and ragged groups.
 SWEEP_SHAPES = {"tiny-gpu": common.MoEShape("tiny-gpu", 2048, 1024, 512, 32, 4)}
@@ -62,35 +61,20 @@ TILINGS = [uniep_jax.KernelConfig(),                                  # 128/128/
            uniep_jax.KernelConfig(max_concurrent_steps=4),
            uniep_jax.KernelConfig(block_k=128, max_concurrent_steps=3),
            uniep_jax.KernelConfig(block_m=64),
-           uniep_jax.KernelConfig(epilogue_slots=2),
-           uniep_jax.KernelConfig(raster_rows=4),   # tiles in bands (auto is row-major here)
-           # block-aligned row tiles (the default cuts them from each expert's first row)
-           uniep_jax.KernelConfig(group_aligned_tiles=False)]
-TRANSFERS = [uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=t)
-             for c, n, t in itertools.product((32, 128), (16, 64), (128, 256))]
-# the de-duplicated dispatches' send rows gathered into a send buffer first (the other
-# points read them by index in the transfer's loads, TransferConfig's default)
-SEND_BUFFER = uniep_jax.TransferConfig(gather_rows=False)
-# the owner's expansion of the unique rows inside the transfer's launch (EXPERIMENTAL)
-EXPANDED = uniep_jax.TransferConfig(expand_in_transfer=True)
-EXPANDED_LAST_ON_ALL = uniep_jax.TransferConfig(expand_in_transfer=True, expand_last_on_all=True)
-# the v2 fused kernels (EXPERIMENTAL), with the default transfer: B a multiple of every
-# tiling's block_m
-FUSED = [uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512),
-         uniep_jax.FusedConfig(n_comm=48, recv_chunk_rows=2048),
-         # Kernel A with v1's down GEMM and return, and the fused backward (EXPERIMENTAL)
-         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
-                               backward=True),
-         # v2.2: the dX return beside the dw_gate_up wgrad; Kernel C (the down GEMM with
-         # its finished chunks sent back beside it)
-         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
-                               wgrad_return_ctas=16),
-         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
-                               down_return_ctas=8, wgrad_return_ctas=8),
-         # no Kernel A: the forward's dispatch de-duplicated (the point needs dedup_tokens)
-         uniep_jax.FusedConfig(n_comm=16, recv_chunk_rows=512, return_in_kernel=False,
-                               down_return_ctas=8, wgrad_return_ctas=8,
-                               dispatch_in_kernel=False)]
+           uniep_jax.KernelConfig(raster_rows=4, wgrad_raster=2)]   # tiles walked in bands
+# the default transfer first
+TRANSFERS = [uniep_jax.TransferConfig()] + [
+    t for t in (uniep_jax.TransferConfig(chunk_rows=c, num_ctas=n, col_tile=w)
+                for c, n, w in itertools.product((32, 128), (16, 64), (128, 256)))
+    if t != uniep_jax.TransferConfig()]
+# None: every transfer its own launch; then the down GEMM's return and the wgrad's dX
+# return inside the GEMM launches, together (16 CTAs each; 4 each in short chunks, chunk
+# rows a multiple of every tiling's block_m) and each alone
+OVERLAPS = [None,
+            uniep_jax.OverlapConfig(),
+            uniep_jax.OverlapConfig(down_return_ctas=4, wgrad_return_ctas=4, chunk_rows=512),
+            uniep_jax.OverlapConfig(down_return_ctas=16, wgrad_return_ctas=0),
+            uniep_jax.OverlapConfig(down_return_ctas=0, wgrad_return_ctas=16)]
 
 
 def _inputs(shape, mesh):
@@ -111,10 +95,20 @@ def _inputs(shape, mesh):
   return x, p
 
 
+def transfer_points(transfers: list, overlaps: list) -> list:
+  """(transfer, overlap) pairs in priority order: the first transfer (the default)
+  without overlap, then with each overlap point, then every other transfer without
+  overlap, then the other transfers with each overlap point."""
+  first, rest = transfers[:1], transfers[1:]
+  plain, over = overlaps[:1], overlaps[1:]
+  return ([(t, o) for t in first for o in plain] + [(t, o) for t in first for o in over]
+          + [(t, o) for t in rest for o in plain] + [(t, o) for o in over for t in rest])
+
+
 def sweep_order(tilings: list, points: list) -> list:
   """(tiling, point) pairs round-robin over the tilings: every tiling's first point
-  (the default transfer) before any tiling's second, so that a run cut by its time
-  budget has covered every tiling."""
+  before any tiling's second, so that a run cut by its time budget has covered every
+  tiling."""
   return [(t, pt) for pt in points for t in tilings]
 
 
@@ -125,8 +119,7 @@ def _compile(mesh, shape, cfg, x, p):
   """The forward output and the gradients of x and every parameter, compiled once:
   the three runs of a point are one program run three times (what arrival order
   could change), not three compilations. Lowerings run one at a time (Mosaic GPU's
-  Python lowering keeps module-global state, as in uniep_jax.tune), XLA's compiles
-  in parallel."""
+  Python lowering keeps module-global state), XLA's compiles in parallel."""
   def loss(x, p):
     y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=shape.top_k, config=cfg)
     w = jnp.cos(jnp.arange(y.shape[-1], dtype=jnp.float32))
@@ -142,6 +135,12 @@ def _checksums(compiled, x, p):
   return tree_checksum(y), tree_checksum(g)
 
 
+def _first(ap, flag: str, n: int, items: list) -> list:
+  if not 1 <= n <= len(items):
+    ap.error(f"{flag}={n} must be in [1, {len(items)}]")
+  return items[:n]
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,15 +150,19 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   ap.add_argument("--compile-workers", type=int, default=8)
   ap.add_argument("--start", type=int, default=0,
-                  help="skip the first START points of the sweep order (a run cut by its "
-                       "budget covered them; the pallas references are computed again)")
+                  help="skip the first START points of the sweep order (an earlier run "
+                       "covered them; the pallas references are computed again)")
   ap.add_argument("--tilings", type=int, default=len(TILINGS),
-                  help="sweep the first TILINGS tilings only (1: every transfer and fused "
-                       "point at the default tiling, the other tilings left to another run)")
+                  help="sweep the first TILINGS tilings only (1: the default tiling)")
+  ap.add_argument("--transfers", type=int, default=len(TRANSFERS),
+                  help="sweep the first TRANSFERS transfer points only (1: the default)")
+  ap.add_argument("--overlaps", type=int, default=len(OVERLAPS),
+                  help="sweep the first OVERLAPS overlap points only (1: no overlap)")
   args = ap.parse_args(argv)
-  if not 1 <= args.tilings <= len(TILINGS):
-    raise ValueError(f"--tilings={args.tilings} must be in [1, {len(TILINGS)}]")
-  tilings = TILINGS[:args.tilings]
+  tilings = _first(ap, "--tilings", args.tilings, TILINGS)
+  transfers = _first(ap, "--transfers", args.transfers, TRANSFERS)
+  overlaps = _first(ap, "--overlaps", args.overlaps, OVERLAPS)
+  common.dump_stacks_on_usr1()
   t0 = time.time()
   shape = {**common.SHAPES, **SWEEP_SHAPES}[args.shape]
   ep = args.ep or len(jax.devices())
@@ -169,49 +172,34 @@ def main(argv=None):
   x, p = _inputs(shape, mesh)
   points, mismatches, skipped = [], [], []
   reference = {}
-  tag_of = lambda kc: (f"{kc.block_m}/{kc.block_n}/{kc.block_k}/s{kc.max_concurrent_steps}"  # noqa: E731
-                       + ("/e2" if kc.epilogue_slots == 2 else "")
-                       + (f"/r{kc.raster_rows}" if kc.raster_rows is not None else "")
-                       + (f"/w{kc.wgrad_raster}" if kc.wgrad_raster is not None else "")
-                       + ("/f1" if kc.mma_in_flight else "")
-                       + ("" if kc.group_aligned_tiles else "/bt"))
+  subset = "".join(f"_{flag}{n}" for flag, n, full in (
+      ("tilings", args.tilings, TILINGS), ("transfers", args.transfers, TRANSFERS),
+      ("overlaps", args.overlaps, OVERLAPS)) if n < len(full))
 
   def write(partial=False):
     payload = dict(meta, benchmark="determinism_sweep", shape=shape.__dict__, ep=ep,
-                   start=args.start, tilings=len(tilings), pallas_reference=reference, points=points,
+                   start=args.start, tilings=len(tilings), transfers=len(transfers),
+                   overlaps=len(overlaps), pallas_reference=reference, points=points,
                    mismatches=mismatches, skipped=skipped,
                    all_tilings_agree=len(set(reference.values())) == 1,
                    swept=sum("checksums" in r for r in points), partial=partial)
     kind = common.device_tag(meta)
     common.write_json(os.path.join(common.out_dir(args.out),
                                    f"determinism_sweep_{kind}_ep{ep}"
-                                   + (f"_from{args.start}" if args.start else "")
-                                   + (f"_tilings{args.tilings}" if args.tilings < len(TILINGS) else "")
+                                   + (f"_from{args.start}" if args.start else "") + subset
                                    + (".partial" if partial else "") + ".json"), payload)
     return payload
 
-  # Compilation dominates (~20 s a point on 2x H100): compile ahead in threads, in
-  # sweep order, while earlier points run. Run it with XLA's deterministic ops (as
-  # device_session's sweep phase does): XLA's GEMM autotuning would otherwise time
-  # kernels while other compiles run, and could pick differently per program.
+  # Compilation dominates: compile ahead in threads, in sweep order, while earlier
+  # points run.
   pool = concurrent.futures.ThreadPoolExecutor(args.compile_workers)
   compile_ = lambda cfg: pool.submit(_compile, mesh, shape, cfg, x, p)  # noqa: E731
   # each tiling's reference walks its tiles row-major (`reference_kernel`): the tile
-  # order (raster_rows, wgrad_raster) and the MMA waits (mma_in_flight) must not change a
-  # bit either
-  ref_jobs = {tag_of(kc): compile_(uniep_jax.UniEPConfig(backend="pallas",
-                                                         kernel=reference_kernel(kc)))
+  # order (raster_rows, wgrad_raster) must not change a bit either
+  ref_jobs = {kernel_label(kc): compile_(uniep_jax.UniEPConfig(backend="pallas",
+                                                               kernel=reference_kernel(kc)))
               for kc in tilings}
-  default_t = uniep_jax.TransferConfig()
-  # the default transfer, then the v2 fused kernels (a different program, not only other
-  # knobs of the same one), then the other transfers
-  # (transfer, fused, dedup_tokens): None is uniep's default (auto: de-duplicated unless
-  # a fused backward moves dy), False the v1 dispatch
-  transfer_points = ([(default_t, None, None), (default_t, None, False)]
-                     + [(default_t, fc, None) for fc in FUSED] + [(SEND_BUFFER, None, None), (EXPANDED, None, None),
-                        (EXPANDED_LAST_ON_ALL, None, None)]
-                     + [(tc, None, None) for tc in TRANSFERS if tc != default_t])
-  order = sweep_order(tilings, transfer_points)[args.start:]
+  order = sweep_order(tilings, transfer_points(transfers, overlaps))[args.start:]
   # compiles run at most 2 x workers points ahead (a run cut by its budget then
   # waits for few compiles at exit)
   window = 2 * args.compile_workers
@@ -220,9 +208,9 @@ def main(argv=None):
   def submit_next():
     i = len(jobs) + done[0]
     if i < len(order):
-      kc, (tc, fc, dd) = order[i]
+      kc, (tc, oc) = order[i]
       jobs.append(compile_(uniep_jax.UniEPConfig(backend="uniep", kernel=kc, transfer=tc,
-                                                 fused=fc, dedup_tokens=dd)))
+                                                 overlap=oc)))
   done = [0]
   for _ in range(window):
     submit_next()
@@ -232,26 +220,22 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
       traceback.print_exc(limit=2)
       points.append(dict(kernel=tag, backend="pallas", error=repr(e)[:300]))
-  for kc, (tc, fc, dd) in order:
+  for kc, (tc, oc) in order:
     job = jobs.popleft() if jobs else None   # past the budget the queue runs dry
     done[0] += 1
-    tag = tag_of(kc)
+    tag = kernel_label(kc)
+    label = Candidate(kc, tc, oc).label()
     if time.time() - t0 > args.budget_s:   # past the budget: nothing more is compiled
       if job is not None:
         job.cancel()
-      skipped.append(dict(kernel=tag, transfer=str(tc), fused=str(fc), dedup_tokens=dd,
-                          why="time budget"))
+      skipped.append(dict(point=label, why="time budget"))
       continue
     submit_next()
     if tag not in reference:   # its pallas reference failed (recorded above)
       job.cancel()
       continue
-    row = dict(kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas, col_tile=tc.col_tile,
-               gather_rows=tc.gather_rows, expand_in_transfer=tc.expand_in_transfer,
-               expand_last_on_all=tc.expand_last_on_all,
-               fused=None if fc is None else dataclasses.asdict(fc),   # every field
-               dedup_tokens=uniep_jax.UniEPConfig(backend="uniep", fused=fc,
-                                                  dedup_tokens=dd).use_dedup_tokens)
+    row = dict(point=label, kernel=tag, chunk_rows=tc.chunk_rows, num_ctas=tc.num_ctas,
+               col_tile=tc.col_tile, overlap=None if oc is None else dataclasses.asdict(oc))
     try:
       compiled = job.result()
       runs = [_checksums(compiled, x, p) for _ in range(3)]
@@ -279,6 +263,5 @@ if __name__ == "__main__":
   sys.stdout.flush()
   sys.stderr.flush()
   # not sys.exit: the interpreter would join the compile threads, and a compile still
-  # running for a point past the budget would hold the exit (2x H100: 40 s past the
-  # phase's limit); everything is written by now
+  # running for a point past the budget would hold the exit; everything is written by now
   os._exit(code)

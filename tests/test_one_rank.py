@@ -3,9 +3,7 @@
 Nothing moves between devices then: the dropless backends take the "local" transport,
 whose receive layout is the sorted order itself (send and return are the identity; with
 a receive bound a gather and its transpose), and "uniep" runs as "pallas"
-(`UniEPConfig.one_rank_form`). On one H200 (2026-11-28) "uniep" failed there before
-("NVSHMEM is not supported in XLA": its transfer kernels had no peer), and the padded
-transport's copies cost more than the FFN's GEMMs leave to glue.
+(`UniEPConfig.one_rank_form`): its NVLink kernels would have no peer.
 """
 
 import chex
@@ -15,8 +13,10 @@ import numpy as np
 import pytest
 
 import uniep_jax
-from uniep_jax import FusedConfig, KernelConfig, TransferConfig, UniEPConfig
+from uniep_jax import KernelConfig, OverlapConfig, UniEPConfig
+from uniep_jax import combine as combine_lib
 from uniep_jax import dispatch as dispatch_lib
+from uniep_jax import rows as rows_lib
 from uniep_jax.layout import local_group_sizes, make_plan
 from conftest import make_mesh
 from moe_testlib import all_eqns, make_params, make_x
@@ -38,19 +38,16 @@ def _inputs(seed, dtype=jnp.bfloat16, bias=None):
           make_params(kp, experts=E, hidden=H, ffn=F, dtype=dtype, bias=bias))
 
 
-@pytest.mark.parametrize("bound,reduction", [(None, "slot_order"), (0.5, "slot_order"),
-                                             (None, "owner_partials")])
-def test_local_transport_equals_padded_bitwise(bound, reduction):
+@pytest.mark.parametrize("bound", [None, 0.5])
+def test_local_transport_equals_padded_bitwise(bound):
   """transport None on an expert axis of size 1 picks "local"; its outputs, aux values
   and gradients are the padded transport's bit for bit, with a receive bound that drops
-  (0.5: the tail of the sorted order) too, and in the owner-partials numerics mode."""
+  (0.5: the tail of the sorted order) too."""
   mesh = make_mesh(2, 1)
   bias = jnp.zeros(E).at[0].set(100.0) if bound else None   # every token to expert 0
   x, p = _inputs(3, bias=bias)
-  local = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound,
-                      slot_reduction=reduction)
-  padded = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound, transport="padded",
-                       slot_reduction=reduction)
+  local = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound)
+  padded = UniEPConfig(backend="xla_dropless", receive_capacity_factor=bound, transport="padded")
   got, want = _grads(local, mesh, x, p), _grads(padded, mesh, x, p)
   chex.assert_trees_all_equal(got, want)
   assert (int(got[0][1][1]["dropped"]) > 0) == (bound is not None)
@@ -86,23 +83,19 @@ PE, PH, PF = 4, 64, 128
 def test_uniep_at_one_rank_runs_as_pallas():
   """backend "uniep" with an expert axis of size 1 has no peer for its NVLink kernels: it
   runs as "pallas" over the "local" transport (on the CPU too, where "uniep" otherwise
-  needs GPUs), whatever its de-duplication, fused kernels or expansion-in-transfer
-  settings, with the bits of "pallas" over the padded transport."""
+  needs GPUs), whatever its overlap setting, with the bits of "pallas" over the padded
+  transport."""
   mesh = make_mesh(1, 1)
   kernel = KernelConfig(num_sms=2)
   kx, kp = jax.random.split(jax.random.key(7))
   x = make_x(kx, TOKENS, PH, jnp.bfloat16)
   p = make_params(kp, experts=PE, hidden=PH, ffn=PF, dtype=jnp.bfloat16)
   want = _grads(UniEPConfig(backend="pallas", transport="padded", kernel=kernel), mesh, x, p)
-  cfg = UniEPConfig(backend="uniep", kernel=kernel, dedup_tokens=True, dedup_send_groups=2,
-                    transfer=TransferConfig(expand_in_transfer=True),
-                    fused=FusedConfig(n_comm=4, recv_chunk_rows=64, return_in_kernel=False,
-                                      down_return_ctas=4, wgrad_return_ctas=4,
-                                      dispatch_in_kernel=False))
+  cfg = UniEPConfig(backend="uniep", kernel=kernel,
+                    overlap=OverlapConfig(down_return_ctas=4, wgrad_return_ctas=4, chunk_rows=64))
   chex.assert_trees_all_equal(_grads(cfg, mesh, x, p), want)
-  for c in (cfg, UniEPConfig(backend="uniep")):   # its settings all dropped at one rank
-    assert (c.one_rank_form().fused, c.one_rank_form().use_dedup_tokens) == (None, False)
-    assert not c.one_rank_form().transfer.expand_in_transfer
+  for c in (cfg, UniEPConfig(backend="uniep")):   # no overlap at one rank
+    assert c.one_rank_form().overlap is None
   assert UniEPConfig(backend="uniep").one_rank_form().backend == "pallas"
   assert UniEPConfig(backend="uniep").one_rank_form().transport == "local"
   # an explicit transport of a non-uniep backend is kept (the A/B against "local")
@@ -131,10 +124,10 @@ def test_sort_rows_is_the_permuted_slot_copies_bitwise():
   ct = make_x(kc, t * k, h, jnp.bfloat16)
 
   def old(x):
-    return dispatch_lib.permute_rows(dispatch_lib.replicate_slots(x, k), plan.sort_order,
-                                     plan.sorted_position)
+    return rows_lib.permute_rows(rows_lib.replicate_slots(x, k), plan.sort_order,
+                                 plan.sorted_position)
 
-  new = lambda x: dispatch_lib.sort_rows(x, plan, k)   # noqa: E731
+  new = lambda x: dispatch_lib.sort_rows(x, plan)   # noqa: E731
   (y_new, vjp_new), (y_old, vjp_old) = jax.vjp(new, x), jax.vjp(old, x)
   chex.assert_trees_all_equal((y_new, vjp_new(ct)), (y_old, vjp_old(ct)))
   np.testing.assert_array_equal(np.asarray(y_new, np.float32),
@@ -142,7 +135,7 @@ def test_sort_rows_is_the_permuted_slot_copies_bitwise():
   bwd = jax.make_jaxpr(lambda x, ct: jax.vjp(new, x)[1](ct))(x, ct)
   assert not any(e.primitive.name.startswith("scatter") for e in all_eqns(bwd))
   # the Pallas backends' gather on GPUs (the live-rows copy kernel; interpret mode here)
-  kern = lambda x: dispatch_lib.sort_rows(x, plan, k, row_kernel=True)   # noqa: E731
+  kern = lambda x: dispatch_lib.sort_rows(x, plan, row_kernel=True)   # noqa: E731
   y_kern, vjp_kern = jax.vjp(kern, x)
   chex.assert_trees_all_equal((y_kern, vjp_kern(ct)), (y_old, vjp_old(ct)))
   assert not dispatch_lib.compiled_row_kernels()   # the CPU: the layer takes XLA's gather
@@ -156,7 +149,6 @@ def test_combine_sorted_rows_is_the_plain_combine_bitwise():
   sorted row's cotangent dtype(w * f32(dy)) with the weighted live-rows copy kernel,
   interpret mode here) gives the plain combine's bits (`collect` over the local transport,
   then `weighted_topk_sum`): y, the sorted rows' cotangent and d_weights."""
-  from uniep_jax.combine import combine_sorted_rows, weighted_topk_sum
   t, k, h = 48, 4, 16
   ky, ke, kw, kc = jax.random.split(jax.random.key(13), 4)
   topk = jax.random.randint(ke, (t, k), 0, E)
@@ -166,11 +158,10 @@ def test_combine_sorted_rows_is_the_plain_combine_bitwise():
   dy = make_x(kc, t, h, jnp.bfloat16)
 
   def plain(y, w):
-    rows = dispatch_lib.collect(y, plan, top_k=k, axis_name=None, num_local_experts=E,
-                                transport="local")
-    return weighted_topk_sum(rows, w, out_dtype=jnp.bfloat16)
+    return combine_lib.combine(y, w, plan, axis_name=None, transport="local",
+                               out_dtype=jnp.bfloat16)
 
-  fused = lambda y, w: combine_sorted_rows(y, w, plan, k, jnp.bfloat16)   # noqa: E731
+  fused = lambda y, w: combine_lib.combine_sorted_rows(y, w, plan, jnp.bfloat16)   # noqa: E731
   (o_new, vjp_new), (o_old, vjp_old) = jax.vjp(fused, y_sorted, weights), jax.vjp(
       plain, y_sorted, weights)
   chex.assert_trees_all_equal((o_new, vjp_new(dy)), (o_old, vjp_old(dy)))

@@ -92,9 +92,9 @@ def _router_case(t=96, h=256, e=24, seed=11):
 
 
 def test_bf16x3_logits_and_gradients_are_float32_accurate():
-  """`logits_matmul="bf16x3"` against float64: forward and d_router within float32
-  accuracy (no worse than a few ulps of the largest value), d_x within its bfloat16
-  rounding; "float32" is still the one HIGHEST GEMM."""
+  """The router's logits from bf16 pieces against float64: forward and d_router within
+  float32 accuracy (no worse than a few ulps of the largest value), d_x within its
+  bfloat16 rounding; `route` computes its logits this way."""
   from uniep_jax.router_matmul import router_logits_bf16x3
   x, router, g = _router_case()
   x64, r64, g64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, router, g))
@@ -111,11 +111,7 @@ def test_bf16x3_logits_and_gradients_are_float32_accurate():
   # a bf16 product (one piece each) is far worse: the test can tell the two apart
   assert rel(jnp.dot(x, router.astype(jnp.bfloat16), preferred_element_type=jnp.float32),
              x64 @ r64) > 1e-4
-  out = route(x, router, 4, RoutingConfig(logits_matmul="float32"))
-  chex.assert_trees_all_equal(out.logits, jnp.dot(x.astype(jnp.float32), router,
-                                                  precision=jax.lax.Precision.HIGHEST))
-  with pytest.raises(ValueError, match="logits_matmul"):
-    RoutingConfig(logits_matmul="tf32")
+  chex.assert_trees_all_equal(route(x, router, 4, RoutingConfig()).logits, logits)
 
 
 def test_bf16x3_same_bits_for_bf16_and_float32_x():

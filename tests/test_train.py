@@ -430,64 +430,29 @@ def test_kernel_stages_reach_the_moe_layers():
   model = loop.build_model(cfg, s.model_cfg, s.mesh)
   configs = [m.config for m in model.moe_modules()]
   assert configs and all(c.kernel.max_concurrent_steps == 2 for c in configs)
-  assert loop.moe_options(cfg) == dict(swiglu_grad_in_kernel=True, kernel_stages=2, fused=False,
-                                       dedup_tokens=False)
+  assert loop.moe_options(cfg) == dict(kernel_stages=2, overlap=False, dedup_tokens=False)
   assert loop.moe_options(TrainConfig(backend="uniep")) == dict(
-      swiglu_grad_in_kernel=True, kernel_stages=3, fused=False, dedup_tokens=True)   # auto: on
+      kernel_stages=3, overlap=False, dedup_tokens=True)
   assert loop.moe_options(TrainConfig(backend="xla_dropless")) == {}
-  # one rank on the expert axis: the one-rank form (no de-duplication, no fused kernels)
-  one = loop.moe_options(TrainConfig(backend="uniep", fused=True), expert_ranks=1)
-  assert (one["dedup_tokens"], one["fused"], one["one_rank"]) == (False, False, True)
+  # one rank on the expert axis: the one-rank form (no de-duplication, no overlap)
+  one = loop.moe_options(TrainConfig(backend="uniep", overlap=True), expert_ranks=1)
+  assert (one["dedup_tokens"], one["overlap"], one["one_rank"]) == (False, False, True)
 
 
-def test_fused_kernels_reach_the_moe_layers():
-  from models.transformer import TRAIN_FUSED
+def test_overlap_reaches_the_moe_layers():
   from train.config import TrainConfig, parse_args
-  with pytest.raises(ValueError, match="fused .* is only for --backend uniep"):
-    TrainConfig(backend="pallas", fused=True)
-  with pytest.raises(ValueError, match="drop --no-swiglu-grad-in-kernel"):
-    TrainConfig(backend="uniep", fused=True, swiglu_grad_in_kernel=False)
-  cfg = parse_args(["--backend", "uniep", "--fused", "--mesh", "data=2,expert=4"])
+  from uniep_jax import OverlapConfig
+  with pytest.raises(ValueError, match="--overlap .* is only for --backend uniep"):
+    TrainConfig(backend="pallas", overlap=True)
+  cfg = parse_args(["--backend", "uniep", "--overlap", "--mesh", "data=2,expert=4"])
   s = loop.make_setup(cfg)
   configs = [m.config for m in loop.build_model(cfg, s.model_cfg, s.mesh).moe_modules()]
-  assert configs and all(c.fused == TRAIN_FUSED for c in configs)
-  assert TRAIN_FUSED.wgrad_return_ctas and not TRAIN_FUSED.return_in_kernel
-  assert loop.moe_options(cfg)["fused"] is True
-  # the gradient sums wait for the whole backward pass (no collective beside a fused
-  # launch) unless buckets are asked for
+  assert configs and all(c.overlap == OverlapConfig() for c in configs)
+  assert loop.moe_options(cfg)["overlap"] is True
+  # the gradient sums wait for the whole backward pass (no collective beside an
+  # overlapped launch) unless buckets are asked for
   assert cfg.num_grad_buckets == 1 and TrainConfig(backend="uniep").num_grad_buckets == 3
-  assert TrainConfig(backend="uniep", fused=True, grad_buckets=2).num_grad_buckets == 2
-
-
-def test_dedup_tokens_reaches_the_moe_layers():
-  from models.transformer import TRAIN_FUSED
-  from train.config import TrainConfig, parse_args
-  with pytest.raises(ValueError, match="dedup_tokens is only for the dropless backends"):
-    TrainConfig(backend="xla_capacity", dedup_tokens=True)
-  cfg = parse_args(["--dedup-tokens", "--mesh", "data=2,expert=4"])
-  s = loop.make_setup(cfg)
-  configs = [m.config for m in loop.build_model(cfg, s.model_cfg, s.mesh).moe_modules()]
-  assert configs and all(c.dedup_tokens for c in configs)
-  # with --fused (Kernel A moves the forward's rows): the backward's dy dispatch
-  both = parse_args(["--backend", "uniep", "--fused", "--dedup-tokens", "--mesh", "data=2,expert=4"])
-  configs = [m.config for m in loop.build_model(both, s.model_cfg, s.mesh).moe_modules()]
-  assert configs and all(c.dedup_tokens and c.fused == TRAIN_FUSED for c in configs)
-  assert loop.moe_options(cfg) == dict(dedup_tokens=True)
-  assert parse_args([]).dedup_tokens is None   # auto: on for uniep only
-  off = parse_args(["--backend", "uniep", "--no-dedup-tokens", "--mesh", "data=2,expert=4"])
-  configs = [m.config for m in loop.build_model(off, s.model_cfg, s.mesh).moe_modules()]
-  assert configs and all(c.dedup_tokens is False for c in configs)
-  assert loop.moe_options(off)["dedup_tokens"] is False
-
-
-def test_swiglu_grad_in_kernel_needs_a_pallas_backend():
-  from train.config import TrainConfig, parse_args
-  with pytest.raises(ValueError, match="swiglu_grad_in_kernel is only for --backend pallas"):
-    TrainConfig(backend="xla_dropless", swiglu_grad_in_kernel=True)
-  cfg = parse_args(["--backend", "uniep", "--swiglu-grad-in-kernel"])
-  assert cfg.swiglu_grad_in_kernel is True and cfg.backend == "uniep"
-  assert parse_args(["--backend", "uniep", "--no-swiglu-grad-in-kernel"]).swiglu_grad_in_kernel is False
-  assert parse_args(["--backend", "xla_dropless"]).swiglu_grad_in_kernel is None
+  assert TrainConfig(backend="uniep", overlap=True, grad_buckets=2).num_grad_buckets == 2
 
 
 def test_checkpoint_from_before_the_gate_up_array_restores_bitwise(tmp_path):

@@ -58,15 +58,18 @@ def test_unknown_backend_and_score_fn():
     uniep_jax.RoutingConfig(score_fn="tanh")
   with pytest.raises(ValueError, match="transport"):
     UniEPConfig(transport="pigeon")
-  with pytest.raises(ValueError, match="swiglu_grad_in_kernel.*backend='xla_dropless'"):
-    UniEPConfig(backend="xla_dropless", swiglu_grad_in_kernel=True)
-  with pytest.raises(ValueError, match="swiglu_grad_in_kernel must be None, True or False"):
-    UniEPConfig(backend="uniep", swiglu_grad_in_kernel="yes")
-  # None (the default): on for the Pallas backends, off for the XLA ones
-  assert UniEPConfig(backend="pallas").use_swiglu_grad_in_kernel
-  assert UniEPConfig(backend="uniep").use_swiglu_grad_in_kernel
-  assert not UniEPConfig(backend="uniep", swiglu_grad_in_kernel=False).use_swiglu_grad_in_kernel
-  assert not UniEPConfig(backend="xla_capacity").use_swiglu_grad_in_kernel
+  # each transport serves the backends that move rows that way
+  with pytest.raises(ValueError, match=r"transport='nvlink' serves backends \('uniep',\), not "
+                                       r"backend='pallas'"):
+    UniEPConfig(backend="pallas", transport="nvlink")
+  with pytest.raises(ValueError, match="transport='padded' serves .* not backend='uniep'"):
+    UniEPConfig(backend="uniep", transport="padded")
+  with pytest.raises(ValueError, match="transport='ragged' serves .* not backend='xla_capacity'"):
+    UniEPConfig(backend="xla_capacity", transport="ragged")
+  with pytest.raises(ValueError, match="receive_capacity_factor bounds the dropless"):
+    UniEPConfig(backend="xla_capacity", receive_capacity_factor=1.5)
+  with pytest.raises(ValueError, match="routing must be a RoutingConfig"):
+    UniEPConfig(routing="softmax")
 
 
 def test_dtype_mismatch(setup):
@@ -130,10 +133,18 @@ def test_more_bad_inputs(setup):
 def test_ragged_transport_refused_across_processes(setup, monkeypatch):
   """Between processes lax.ragged_all_to_all hung (NCCL fallback, jaxlib 0.11.2, 4x H200):
   asking for it there is an error, and the default picks the padded all_to_all."""
-  from uniep_jax.dispatch import default_transport
-  assert default_transport("gpu") == "ragged"
-  assert default_transport("gpu", process_count=4) == "padded"
-  assert default_transport("cpu") == "padded"
+  from uniep_jax.transport import resolve_transport
+  default = UniEPConfig(backend="pallas")
+  assert resolve_transport(default, platform="gpu", ep=4) == "ragged"
+  assert resolve_transport(default, platform="gpu", ep=4, process_count=4) == "padded"
+  assert resolve_transport(default, platform="cpu", ep=4) == "padded"
+  assert resolve_transport(default, platform="gpu", ep=1) == "local"
+  assert resolve_transport(UniEPConfig(backend="uniep"), platform="gpu", ep=4) == "nvlink"
+  assert resolve_transport(UniEPConfig(backend="uniep"), platform="gpu", ep=1) == "local"
+  with pytest.raises(ValueError, match="backend='uniep' .* needs GPUs; the mesh holds cpu"):
+    resolve_transport(UniEPConfig(backend="uniep"), platform="cpu", ep=4)
+  with pytest.raises(ValueError, match="backend='uniep' .* unsupported in multi-process runs"):
+    resolve_transport(UniEPConfig(backend="uniep"), platform="gpu", ep=4, process_count=2)
   x, p, mesh = setup
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(ValueError, match=r"transport='ragged' hangs in multi-process runs \(2 processes\)"):
@@ -148,7 +159,7 @@ def test_route_rejects_top_k_beyond_eligible_groups():
 
 
 def test_pallas_backends_need_16bit_operands_on_gpu():
-  from uniep_jax.moe import check_kernel_dtypes
+  from uniep_jax.validate import check_kernel_dtypes
   p32 = make_params(jax.random.key(0), experts=8, hidden=16, ffn=32)
   x32 = make_x(jax.random.key(1), 8, 16)
   p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
@@ -162,28 +173,21 @@ def test_pallas_backends_need_16bit_operands_on_gpu():
   check_kernel_dtypes("xla_dropless", "gpu", x32, p32)
 
 
-def test_fused_config_only_for_uniep():
-  fused = uniep_jax.FusedConfig(n_comm=8, recv_chunk_rows=256)
-  assert UniEPConfig(backend="uniep", fused=fused).fused == fused
+def test_overlap_config_only_for_uniep():
+  overlap = uniep_jax.OverlapConfig()
+  assert (overlap.down_return_ctas, overlap.wgrad_return_ctas, overlap.chunk_rows) == (16, 16, 2048)
+  assert UniEPConfig(backend="uniep", overlap=overlap).overlap == overlap
   for backend in ("pallas", "xla_dropless", "xla_capacity"):
-    with pytest.raises(ValueError, match=r"fused .* only for backend='uniep'"):
-      UniEPConfig(backend=backend, fused=fused)
-  with pytest.raises(ValueError, match="fused must be a FusedConfig"):
-    UniEPConfig(backend="uniep", fused=(8, 256))
-  with pytest.raises(ValueError, match="n_comm=0 must be >= 1"):
-    uniep_jax.FusedConfig(n_comm=0)
-  # the fused backward's GEMM is the da launch with the dswiglu epilogue
-  bwd = uniep_jax.FusedConfig(backward=True)
-  assert UniEPConfig(backend="uniep", fused=bwd).use_swiglu_grad_in_kernel
-  with pytest.raises(ValueError, match="fused.backward .* needs swiglu_grad_in_kernel"):
-    UniEPConfig(backend="uniep", fused=bwd, swiglu_grad_in_kernel=False)
-  # the forward's dispatch de-duplicated outside the fused launches needs the unique plan
-  unique = uniep_jax.FusedConfig(dispatch_in_kernel=False, return_in_kernel=False,
-                                 down_return_ctas=16)
-  assert UniEPConfig(backend="uniep", fused=unique).use_dedup_tokens
-  with pytest.raises(ValueError, match="dispatch_in_kernel=False .* needs dedup_tokens"):
-    UniEPConfig(backend="uniep", fused=unique, dedup_tokens=False)
-  with pytest.raises(ValueError, match="dispatch_in_kernel=False .* set backward=False"):
-    uniep_jax.FusedConfig(dispatch_in_kernel=False, backward=True)
-  with pytest.raises(ValueError, match="dispatch_in_kernel must be True or False"):
-    uniep_jax.FusedConfig(dispatch_in_kernel=0)
+    with pytest.raises(ValueError, match=r"overlap .* is for backend 'uniep'"):
+      UniEPConfig(backend=backend, overlap=overlap)
+  with pytest.raises(ValueError, match="overlap must be an OverlapConfig"):
+    UniEPConfig(backend="uniep", overlap=(16, 16))
+  with pytest.raises(ValueError, match="down_return_ctas=-1 must be an int >= 0"):
+    uniep_jax.OverlapConfig(down_return_ctas=-1)
+  with pytest.raises(ValueError, match="overlaps nothing: use overlap=None"):
+    uniep_jax.OverlapConfig(down_return_ctas=0, wgrad_return_ctas=0)
+  with pytest.raises(ValueError, match="chunk_rows=0 must be an int >= 1"):
+    uniep_jax.OverlapConfig(chunk_rows=0)
+  # one rank on the expert axis: nothing moves, no overlapped launch
+  one = UniEPConfig(backend="uniep", overlap=overlap).one_rank_form()
+  assert (one.backend, one.transport, one.overlap) == ("pallas", "local", None)

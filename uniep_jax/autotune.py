@@ -16,7 +16,7 @@ with the checksum of backend "pallas" (XLA collectives, the sequential path) wit
 SAME KernelConfig but for the tile orders (the reference walks its tiles row-major:
 the tile order must change no bit); a different block_k changes the accumulation
 order, so each tiling has its own reference. Transfer and overlap knobs only move rows,
-so all candidates sharing a KernelConfig must also agree with each other
+so all candidates sharing a tiling must also agree with each other
 (`transfer_consistency` in the report). A mismatch is a bug: it is printed to stderr,
 listed under "mismatches" in the JSON, never picked, and a run with any mismatch writes
 no cache entry.
@@ -24,22 +24,28 @@ no cache entry.
 Search. "staged" (default): stage 1 times every valid KernelConfig with the default
 TransferConfig; stage 2 every valid TransferConfig with the best verified KernelConfig
 of stage 1; stage 3 the best verified candidate so far with each overlap point
-(`SearchSpace.overlap`, "uniep" only). "grid": the whole kernel x transfer product.
+(`SearchSpace.overlap`, "uniep" only; `tuning.overlap_candidates`). "grid": the whole
+kernel x transfer product, no stage 3. `--stages` runs a subset: without "kernel",
+stage 1 is the default alone, so `--stages overlap` times the overlap points against
+the default in one short call.
 Within a stage the default comes first, then candidates by the number of knobs that
 differ from the default (one-knob neighbours first). Compile failures are recorded and
 counted, not fatal. A wall-clock budget (stage 1 gets `stage1_fraction` of it when a
 stage 2 follows) skips what is left when it is spent; skipped candidates are listed.
 `--resume DIR` reloads a previous report of the same problem and device and re-times
-only what it lacks, so a long search can run as several shorter calls.
+only what it lacks, so a long search can run as several shorter calls (a report of
+another format, or made with other XLA_FLAGS, is not resumed). `--record-from REPORT`
+rebuilds a saved report's result without a GPU (`replay`) and records its best.
 
 Cost: each timed candidate is one compile of the layer (tens of seconds at the target
 shapes, overlap points the longest) and each new tiling one more for its "pallas"
 reference (shared by the tile orders). `--compile-workers N` compiles the next 2N
 candidates in N threads while one is timed.
 
-The report (`--out`): tune_<device>_<shape>_ep<R>_<direction>.json (every trial,
-rejections with reasons, top 5, best vs default spread, mismatches) and a PNG of time
-against the main knobs.
+The report (`--out`): tune_<device>_<shape>_ep<R>_<direction>.json (format
+`tuning.CACHE_FORMAT`: every trial with its knobs, rejections with reasons, references,
+top 5, best vs default spread, mismatches, the stages and overlap points searched, run
+metadata) and a PNG of time against the kernel and transfer knobs.
 """
 
 from __future__ import annotations
@@ -54,15 +60,16 @@ import threading
 import time
 from typing import Callable, Optional, Protocol, Sequence
 
+from uniep_jax import tuning
 from uniep_jax.config import KernelConfig, TransferConfig, UniEPConfig
 from uniep_jax.measure import (SHAPES, SMOKE_SHAPES, block, git_commit, run_metadata, time_ms,
                                tree_checksum)
 from uniep_jax.tuning import (CACHE_ENV, CACHE_FORMAT, DEFAULT_CANDIDATE, DIRECTIONS,
-                              KERNEL_KNOBS, SHIPPED_CACHE, TRANSFER_KNOBS, Candidate,
-                              DeviceFacts, Enumeration, SearchSpace,
-                              TuneProblem, cache_key, candidate_from_knobs,
-                              enumerate_candidates, heuristic_config, kernel_label,
-                              overlap_candidates, reference_kernel, user_cache_path)
+                              KERNEL_KNOBS, TRANSFER_KNOBS, Candidate, DeviceFacts,
+                              Enumeration, SearchSpace, TuneProblem, cache_key,
+                              candidate_from_knobs, enumerate_candidates, heuristic_config,
+                              kernel_label, overlap_candidates, reference_kernel,
+                              user_cache_path)
 
 STAGES = ("kernel", "transfer", "overlap")   # the "staged" search's stages, in order
 
@@ -111,7 +118,7 @@ class LayerRunner:
   cost (~16-38 s at the target shapes, against ~2 s of timing). XLA:GPU's own GEMM
   autotuning would then time kernels while other compiles run: run it with
   XLA_FLAGS=--xla_gpu_deterministic_ops=true (no autotuning; the training CLI's
-  default), as bench/device_session.sh's tune phase does."""
+  default)."""
 
   def __init__(self, problem: TuneProblem, *, backend: str = "uniep", mesh=None,
                num_sms: Optional[int] = None, seed: int = 0, trials: int = 5,
@@ -452,7 +459,7 @@ class TuneResult:
     best = self.best
     consistency = self.transfer_consistency()
     return dict(
-        tuner="uniep_jax.tune", format=CACHE_FORMAT, key=cache_key(self.device.kind, self.problem),
+        tuner="uniep_jax.autotune", format=CACHE_FORMAT, key=cache_key(self.device.kind, self.problem),
         problem=dataclasses.asdict(self.problem), device=dataclasses.asdict(self.device),
         backend=self.backend, strategy=self.strategy, stages=list(self.stages),
         overlap_points=[list(p) for p in self.overlap_points],
@@ -514,6 +521,7 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
   enum = enumerate_candidates(space, problem, device, runner.uses_transfer)
   previous, references = {}, {}
   if resume:
+    check_report_format(resume)
     if resume.get("key") != cache_key(device.kind, problem):
       raise ValueError(f"resume report key {resume.get('key')!r} differs from "
                        f"{cache_key(device.kind, problem)!r}")
@@ -603,12 +611,16 @@ def cache_entry(result: TuneResult, commit: Optional[str] = None,
 
 
 def update_cache(path, key: str, entry: dict) -> None:
-  """Adds/replaces one entry of a cache file (atomic rewrite)."""
+  """Adds/replaces one entry of a cache file (atomic rewrite). A file of another
+  `CACHE_FORMAT` raises ValueError (its other entries would be unreadable with this one)."""
   path = os.fspath(path)
   data = dict(format=CACHE_FORMAT, entries={})
   if os.path.exists(path):
     with open(path) as f:
       data = json.load(f)
+    if data.get("format") != CACHE_FORMAT:
+      raise ValueError(f"{path}: tune cache format {data.get('format')}, this version writes "
+                       f"{CACHE_FORMAT}: not adding {key!r} to it")
   data.setdefault("entries", {})[key] = entry
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}"
@@ -635,6 +647,14 @@ def record(result: TuneResult, cache_path, commit: Optional[str] = None,
   return "written"
 
 
+def check_report_format(report: dict) -> None:
+  """Raises ValueError unless `report` (`TuneResult.to_json()`) is of this version's
+  format: the knobs of another format's trials are another parameter space."""
+  if report.get("format") != CACHE_FORMAT:
+    raise ValueError(f"tune report {report.get('key')!r}: format {report.get('format')}, this "
+                     f"version reads {CACHE_FORMAT} (its knobs are another parameter space)")
+
+
 class _ReplayRunner:
   """A Runner for `replay`: every trial and reference comes from the report."""
   prefetch_window = 0
@@ -656,7 +676,8 @@ def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
   every timed trial taken from the report, nothing measured (what the budget did not
   reach stays skipped), and the report's own default candidate (the dataclass
   defaults may have changed since). For a run killed after its last checkpoint,
-  before it recorded its cache entry."""
+  before it recorded its cache entry. A report of another format raises ValueError."""
+  check_report_format(report)
   problem = TuneProblem(**report["problem"])
   device = DeviceFacts(**report["device"])
   if "overlap_points" in report and space.overlap:
@@ -849,7 +870,7 @@ def main(argv=None) -> int:
                        f"measurement whose commit is unknown")
     result = replay(report, space)
     print(summary(result), flush=True)
-    cache = user_cache_path(args.cache) or os.fspath(SHIPPED_CACHE)
+    cache = user_cache_path(args.cache) or os.fspath(tuning.SHIPPED_CACHE)
     return 2 if record(result, cache, meta["git_commit"], meta["date"]) == "mismatch" else 0
 
   import jax
@@ -874,7 +895,11 @@ def main(argv=None) -> int:
         with open(prev) as fh:
           resume = json.load(fh)
         flags = os.environ.get("XLA_FLAGS", "")
-        if resume.get("meta", {}).get("xla_flags", "") != flags:
+        if resume.get("format") != CACHE_FORMAT:
+          print(f"NOT resuming from {prev}: report format {resume.get('format')}, this version "
+                f"reads {CACHE_FORMAT}", flush=True)
+          resume = None
+        elif resume.get("meta", {}).get("xla_flags", "") != flags:
           # other XLA flags: other glue kernels, other times (and maybe other bits)
           print(f"NOT resuming from {prev}: it ran with XLA_FLAGS="
                 f"{resume.get('meta', {}).get('xla_flags', '')!r}, this run has {flags!r}",

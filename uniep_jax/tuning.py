@@ -9,7 +9,7 @@ overlap: OverlapConfig | None)`:
                   inside GEMM launches; None: every transfer its own launch)
 `SearchSpace` lists the values of each knob. No knob changes a bit but block_k (the
 accumulation order): the autotuner (uniep_jax/autotune.py) checks every timed point
-bitwise against backend "pallas" with the same block_k.
+bitwise against backend "pallas" with the same tiling walked row-major.
 
 Pruning, before anything is compiled (`check_candidate`, raising `InvalidCandidate`
 with the reason): the dataclasses' own checks; block_m a power of two (the ragged TMA
@@ -17,8 +17,11 @@ store ladder); block_n a multiple of 128 (the SwiGLU launch gives each compute
 warpgroup block_n / 2 columns); every launch the layer makes fits the device's shared
 memory at one stage (the kernels' own SMEM functions; above one stage the kernel clamps
 its stage count, so two candidates whose per-launch stage counts come out equal compile
-the same kernels: the later one is a duplicate); the transfer's col_tile divides H, its
-stages fit, num_ctas <= SMs; an overlap point's CTA split and chunk rows.
+the same kernels: the later one is a duplicate); block_k within the rows the NVLink
+transport zeroes after the live ones; the transfer's col_tile divides H, its stages fit,
+num_ctas <= SMs; an overlap point's CTA split, chunk rows and H (the overlapped
+launches' own checks). A forward-only problem runs no wgrad: its overlap points keep
+down_return_ctas only.
 
 Cache and "auto". `UniEPConfig(kernel=None)` and/or `transfer=None` means auto:
 `moe_ffn` fills the None fields with `resolve_config`, which looks up the key (device
@@ -26,8 +29,9 @@ kind, T, H, F, E, K, dtype, EP, direction) - "bwd" first (training), then "fwd" 
 the user cache ($UNIEP_TUNE_CACHE, or an explicit path), then in the cache shipped
 with the package (uniep_jax/tuned_configs.json), and otherwise uses
 `heuristic_config`. Explicit configs are used exactly as given. A cached winner's
-overlap point is applied only when kernel and transfer are both None and the backend
-is "uniep". Cache entries are written only by the autotuner, from measurements.
+overlap point is applied only when kernel and transfer are both None, the config names
+no overlap and the backend is "uniep". Cache entries are written only by the autotuner,
+from measurements; a cache file of another `CACHE_FORMAT` is refused, not guessed at.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import jax.numpy as jnp
 from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax.config import KernelConfig, OverlapConfig, TransferConfig, UniEPConfig
+from uniep_jax.transport import ZERO_WINDOW_ROWS
 
 DIRECTIONS = ("fwd", "bwd")
 CACHE_ENV = "UNIEP_TUNE_CACHE"
@@ -54,7 +59,6 @@ SHIPPED_CACHE = Path(__file__).with_name("tuned_configs.json")
 CACHE_FORMAT = 2
 _TRANSFER_STAGES = 2  # ep_transfer.py: 2 SMEM stage buffers
 _TRANSFER_SMEM_SLACK = 1024  # barriers and alignment
-_ZERO_WINDOW_ROWS = 256   # transport.ZERO_WINDOW_ROWS (the wgrad reads up to block_k past a group)
 
 
 class InvalidCandidate(ValueError):
@@ -132,6 +136,10 @@ OVERLAP_KNOBS = ("down_return_ctas", "wgrad_return_ctas", "overlap_chunk_rows")
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
+  """One point of the space. `knobs()` flattens it (the reports' form; the overlap's
+  chunk_rows as overlap_chunk_rows, TransferConfig has a chunk_rows too);
+  `candidate_from_knobs` builds it back. overlap None: every transfer its own launch."""
+
   kernel: KernelConfig
   transfer: TransferConfig
   overlap: Optional[OverlapConfig] = None
@@ -177,8 +185,10 @@ def kernel_label(kernel: KernelConfig) -> str:
 
 
 def candidate_from_knobs(knobs: dict) -> Candidate:
-  """Builds a candidate; the dataclasses' own checks raise InvalidCandidate, as does a
-  knob this space does not have."""
+  """Builds a candidate (`Candidate.knobs()`'s inverse; a missing kernel or transfer
+  knob takes the dataclass default, the overlap knobs make an overlap point); the
+  dataclasses' own checks raise InvalidCandidate, as does a knob this space does not
+  have."""
   unknown = set(knobs) - set(KERNEL_KNOBS + TRANSFER_KNOBS + OVERLAP_KNOBS)
   if unknown:
     raise InvalidCandidate(f"knobs {sorted(unknown)} are not in the parameter space")
@@ -191,7 +201,7 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
   except ValueError as e:
     raise InvalidCandidate(f"TransferConfig: {e}") from None
   overlap = None
-  if knobs.get("down_return_ctas") or knobs.get("wgrad_return_ctas"):
+  if any(k in knobs for k in OVERLAP_KNOBS):   # (both CTA counts 0 is no point: raises)
     try:
       overlap = OverlapConfig(knobs.get("down_return_ctas", 0), knobs.get("wgrad_return_ctas", 0),
                               knobs.get("overlap_chunk_rows", OverlapConfig().chunk_rows))
@@ -217,8 +227,10 @@ class SearchSpace:
   # while other streams' kernels (NCCL) run (ep_transfer.py).
   num_ctas: Sequence[int] = (16, 32, 48, 64, 96)
   col_tile: Sequence[int] = (64, 128, 256)
-  # the overlap points measured fastest (docs/performance.md): 16 CTAs each where the
-  # transfers are long, 4 where they are short next to the GEMMs
+  # OverlapConfig(down_return_ctas, wgrad_return_ctas, chunk_rows) points: 16 CTAs each
+  # (measured fastest where the transfers are long: qwen3-like, deepseek-like), fewer
+  # where they are short next to the GEMMs (mixtral-like), and each overlap alone
+  # (docs/decisions.md, "Kernel C and the dX return beside the wgrad")
   overlap: Sequence[tuple] = ((16, 16, 2048), (8, 8, 2048), (4, 4, 2048), (16, 0, 2048),
                               (0, 16, 2048))
 
@@ -338,8 +350,8 @@ def check_candidate(cand: Candidate, problem: TuneProblem, device: DeviceFacts,
   sig = (k.block_m, k.block_n, k.block_k, kernel_launch_stages(k, problem, device.smem_bytes),
          k.raster_rows, k.wgrad_raster)
   if uses_transfer:
-    if k.block_k > _ZERO_WINDOW_ROWS:
-      raise InvalidCandidate(f"block_k={k.block_k} exceeds the {_ZERO_WINDOW_ROWS} zeroed rows "
+    if k.block_k > ZERO_WINDOW_ROWS:
+      raise InvalidCandidate(f"block_k={k.block_k} exceeds the {ZERO_WINDOW_ROWS} zeroed rows "
                              "after the live ones that the NVLink transport guarantees")
     check_transfer(cand.transfer, problem, device)
     t = cand.transfer
@@ -395,14 +407,26 @@ def enumerate_candidates(space: SearchSpace, problem: TuneProblem, device: Devic
 
 def overlap_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem,
                        device: DeviceFacts) -> tuple[list, list]:
-  """`base` with each overlap point of `space`: (valid, rejected with reasons)."""
+  """`base` with each overlap point of `space`: (valid, rejected with reasons).
+
+  A forward-only problem runs no wgrad: a point's wgrad_return_ctas is set to 0 there
+  (a cache entry names only what was timed), so a point without down_return_ctas
+  overlaps nothing and points that differ only in wgrad_return_ctas are duplicates."""
   valid, rejected = [], []
   for down, wgrad, chunk in space.overlap:
     knobs = dict(base.knobs(), down_return_ctas=down, wgrad_return_ctas=wgrad,
                  overlap_chunk_rows=chunk)
     try:
+      if problem.direction == "fwd":
+        knobs["wgrad_return_ctas"] = 0
+        if not down:
+          raise InvalidCandidate("overlap: the forward runs no wgrad, and down_return_ctas=0 "
+                                 "overlaps nothing there")
       cand = candidate_from_knobs(knobs)
       check_overlap(cand, problem, device)
+      if cand in valid:
+        raise InvalidCandidate(f"overlap: duplicate of {cand.label()}" + (
+            " (the forward runs no wgrad)" if problem.direction == "fwd" else ""))
     except InvalidCandidate as e:
       rejected.append(dict(knobs=knobs, reason=str(e)))
       continue
@@ -420,7 +444,7 @@ def _read_cache(path: str, mtime_ns: int, size: int) -> dict:
     data = json.load(f)
   if not isinstance(data, dict) or not isinstance(data.get("entries", {}), dict):
     raise ValueError(f"{path}: not a uniep_jax tune cache (expected {{'entries': {{...}}}})")
-  if data.get("format", CACHE_FORMAT) != CACHE_FORMAT:
+  if data.get("format") != CACHE_FORMAT:
     raise ValueError(f"{path}: tune cache format {data.get('format')}, this version reads "
                      f"{CACHE_FORMAT}: tune again (python -m uniep_jax.autotune)")
   return data.get("entries", {})
@@ -443,10 +467,15 @@ def user_cache_path(path=None) -> Optional[str]:
 
 
 def entry_candidate(entry: dict) -> Candidate:
-  """The candidate a cache entry names."""
+  """The candidate a cache entry names: kernel (`KERNEL_KNOBS`), transfer
+  (`TRANSFER_KNOBS`), overlap (OverlapConfig's fields, or None). Raises ValueError on a
+  field this version does not have."""
   overlap = entry.get("overlap")
-  return Candidate(KernelConfig(**entry["kernel"]), TransferConfig(**entry["transfer"]),
-                   OverlapConfig(**overlap) if overlap else None)
+  try:
+    return Candidate(KernelConfig(**entry["kernel"]), TransferConfig(**entry["transfer"]),
+                     OverlapConfig(**overlap) if overlap else None)
+  except TypeError as e:   # an unknown field
+    raise ValueError(f"tune cache entry: {e}") from None
 
 
 def lookup(problem: TuneProblem, device_kind: str, *, cache_path=None):
@@ -456,7 +485,10 @@ def lookup(problem: TuneProblem, device_kind: str, *, cache_path=None):
   for src in sources:
     entry = load_cache(src).get(key)
     if entry is not None:
-      return entry_candidate(entry), src
+      try:
+        return entry_candidate(entry), src
+      except ValueError as e:
+        raise ValueError(f"{src}, entry {key!r}: {e}") from None
   return None
 
 
@@ -471,7 +503,7 @@ def heuristic_config(problem: TuneProblem, device: DeviceFacts) -> Candidate:
             should not be much longer than a segment); num_ctas = min(64, SMs / 2)
             (about half the SMs saturate NVLink); col_tile = the widest tile <= 256
             dividing H.
-  No overlap. On the target shapes (docs/performance.md) this gives the defaults."""
+  No overlap. On the target shapes (uniep_jax.measure.SHAPES) this gives the defaults."""
   seg = max(1, problem.tokens * problem.top_k // problem.experts)
   chunk = min(128, max(16, 1 << (seg.bit_length() - 1)))
   t = TransferConfig(chunk_rows=chunk, num_ctas=max(1, min(64, device.num_sms // 2)))
@@ -512,7 +544,7 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
     cand = heuristic_config(dataclasses.replace(problem, direction="bwd"), facts)
   fully_auto = config.kernel is None and config.transfer is None
   overlap = config.overlap
-  if fully_auto and overlap is None and config.backend == "uniep":
+  if overlap is None and config.backend == "uniep":
     overlap = cand.overlap
   return dataclasses.replace(
       config,
