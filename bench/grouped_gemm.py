@@ -1,20 +1,22 @@
 """Benchmark and full-size check of the Pallas grouped GEMM (pallas_kernels.grouped_gemm).
 
-For the expert shapes of the four configs in shared/notes/targets.md (M = T * top_k
-rows over E / 4 local experts, EP = 4; balanced and skewed loads) it times, in one
-run on one device: our forward, dgrad and wgrad; a dense jnp.dot of the same FLOPs
-(cuBLAS); lax.ragged_dot; jax's ops.gpu.ragged_dot_mgpu (forward, where it runs);
-and the fused SwiGLU FFN forward and forward+backward. It checks every kernel
-against lax.ragged_dot at full size (bf16 inputs, relative Frobenius error).
+For the expert shapes of the target configurations (`uniep_jax.measure.SHAPES`: M =
+T * top_k rows over E / 4 local experts, EP = 4; balanced and skewed loads) it times,
+in one run on one device: our forward, dgrad and wgrad; a dense jnp.dot of the same
+FLOPs (cuBLAS); lax.ragged_dot; jax's ops.gpu.ragged_dot_mgpu (forward, where it runs);
+and the SwiGLU FFN forward and forward+backward. It checks every kernel against dense
+per-group products at full size (bf16 inputs, relative Frobenius error).
 
 Timing: each op is jitted and warmed up; then `reps` back-to-back calls are
 timed with block_until_ready around the batch, `trials` times; the median of
 the per-call times is reported.
 
-  python -m bench.grouped_gemm [--out DIR] [--configs a,b] [--reps N] [--quick]
+  python -m bench.grouped_gemm [--out DIR] [--configs a,b] [--loads balanced,skewed]
+      [--reps N] [--trials N] [--no-check] [--block-m M --block-n N --block-k K --stages S]
 
-Writes grouped_gemm_<device>.json into --out (default $OUT or bench/results).
-Importable on CPU (nothing runs at import).
+Writes grouped_gemm_<device>.json into --out (default $OUT or bench/results), rewritten
+after every shape. GPU only (the kernels are compiled for Mosaic GPU); importable on the
+CPU (nothing runs at import).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -36,7 +37,8 @@ import numpy as np
 
 from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
-from uniep_jax.config import KernelConfig
+from pallas_kernels.grouped_gemm import KernelConfig
+from uniep_jax.measure import SHAPES, git_commit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +60,8 @@ class MoeShape:
     return self.experts // self.ep
 
 
-CONFIGS = {
-    "mixtral-like": MoeShape("mixtral-like", 8192, 4096, 14336, 8, 2),
-    "deepseek-like": MoeShape("deepseek-like", 8192, 7168, 2048, 256, 8),
-    "qwen3-like": MoeShape("qwen3-like", 16384, 2048, 768, 128, 8),
-    "small-experts": MoeShape("small-experts", 8192, 1536, 480, 64, 8),
-}
+CONFIGS = {name: MoeShape(s.name, s.tokens, s.hidden, s.ffn, s.experts, s.top_k)
+           for name, s in SHAPES.items()}
 
 
 def group_sizes_for(rows: int, groups: int, load: str) -> np.ndarray:
@@ -98,14 +96,6 @@ def rel_err(x, ref) -> float:
   x = jnp.asarray(x, jnp.float32)
   ref = jnp.asarray(ref, jnp.float32)
   return float(jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
-
-
-def git_commit() -> str:
-  try:
-    return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
-                                   text=True).strip()
-  except Exception:  # the .git directory may not travel
-    return os.environ.get("GIT_COMMIT", "unknown")
 
 
 def _mgpu_ragged_dot():
@@ -215,15 +205,15 @@ def bench_shape(shape: MoeShape, load: str, config: KernelConfig, reps: int, tri
     record("lax_ragged_dot_fwd", ragged, x, w, gs)
   else:  # XLA's ragged_dot materialises [G, M, K]: out of memory at these sizes
     res["errors"]["lax_ragged_dot_fwd"] = (
-        f"skipped: G={g} > {lax_ragged_max_groups}; on an H100 it ran out of memory "
-        "(56 GiB allocation) for deepseek-like")
+        f"skipped: G={g} > {lax_ragged_max_groups} (XLA's ragged_dot materialises "
+        "[G, M, K]: 56 GiB for deepseek-like)")
   mgpu = _mgpu_ragged_dot()
   if mgpu is not None:
     mg = jax.jit(lambda a, b, s: mgpu(a, b, group_sizes=s, block_m=128, block_n=128, block_k=64,
                                        max_concurrent_steps=4, grid_block_n=1))
     record("ragged_dot_mgpu_fwd", mg, x, w, gs)
 
-  # The fused SwiGLU FFN (the FLOPs of 3 GEMMs forward, 6 backward) on
+  # The SwiGLU FFN, grouped_swiglu_ffn (the FLOPs of 3 GEMMs forward, 6 backward), on
   # w_gate_up = [w | wu]: one gate/up launch and the down GEMM forward; da, dx (K = 2F)
   # and 2 wgrads backward.
   wu = (jax.random.normal(ks[3], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
@@ -248,7 +238,8 @@ def bench_shape(shape: MoeShape, load: str, config: KernelConfig, reps: int, tri
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser()
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
   p.add_argument("--configs", default=",".join(CONFIGS))
   p.add_argument("--loads", default="balanced,skewed")
@@ -262,6 +253,9 @@ def main(argv=None):
   p.add_argument("--block-k", type=int, default=KernelConfig.block_k)
   p.add_argument("--stages", type=int, default=KernelConfig.max_concurrent_steps)
   args = p.parse_args(argv)
+  unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+  if unknown:
+    p.error(f"--configs {unknown}: one of {sorted(CONFIGS)}")
   config = KernelConfig(block_m=args.block_m, block_n=args.block_n, block_k=args.block_k,
                         max_concurrent_steps=args.stages)
   dev = jax.devices()[0]
@@ -298,6 +292,7 @@ def main(argv=None):
     print(f"{r['config'][:9]}/{r['load'][:4]} " +
           " ".join(f"{t[c]:14.1f}" if c in t else f"{'-':>14s}" for c in cols))
   print(f"wrote {path}")
+  return 0
 
 
 if __name__ == "__main__":

@@ -1,27 +1,30 @@
 """Where does one MoE layer call spend its time on the GPU? A kernel-level profile.
 
-Runs one case of bench/moe_layer.py (same inputs, `BACKEND_CONFIGS`, balanced or
-skewed routing) a few times under `jax.profiler.trace` and reduces the trace to a
-table per device: every kernel (Mosaic GPU kernels, XLA fusions, NCCL, cuBLAS) with
-its count, total and mean time, its share of the span of one call, and how much of
-it ran while another kernel was running on the same device (overlap). The first
-question it answers is pallas_kernels/NOTES_fused.md's: does Kernel A's transfer run
-under its GEMM, and what does the glue around the kernels cost?
+Runs one case of bench/moe_layer.py (same inputs, a configuration name of
+bench/common.py's `layer_config`, balanced or skewed routing) a few times under
+`jax.profiler.trace` and reduces the trace to a table per device: every kernel (Mosaic
+GPU kernels, XLA fusions, NCCL, cuBLAS) with its count, total and mean time, its share
+of the span of one call, and how much of it ran while another kernel was running on the
+same device on another stream (overlap): e.g. whether the NVLink transfers run under
+the grouped GEMMs, and what the glue around the kernels costs.
 
-  python -m bench.profile_layer [--shape deepseek-like] [--backend uniep_fused]
+  python -m bench.profile_layer [--shape deepseek-like] [--backend uniep:overlap]
       [--direction fwd] [--routing balanced] [--reps 3] [--top 25] [--out DIR]
   python -m bench.profile_layer --train-model mixtral-like --backend uniep [--mesh data=1,expert=4]
-      (the whole training step of bench/train_throughput.py's model instead of one layer)
+      (the whole training step of bench/train_throughput.py's model instead of one layer;
+      --backend is then a training configuration, bench/train_throughput.py's
+      `parse_backend`, e.g. uniep:overlap or pallas:stages=4)
 
 Mosaic GPU kernels all carry one name in the trace; the table names them by launch
 shape ("mosaic grid 132 block 384 smem 229440"). Each device also gets a timeline:
 its kernels of at least --min-us in start order (ms from the first, duration, stream),
 to read one call's sequence (e.g. which GEMM follows which transfer).
 
-Writes profile_<backend>_<shape>_<direction>.json (the table, metadata) and keeps the
-trace (trace.json.gz, viewable in Perfetto) under --out. On the CPU it runs on tiny
-shapes (`--shape tiny --backend xla_dropless_padded`: ragged_all_to_all does not
-compile there); the trace then holds XLA's CPU ops, enough to test the reduction.
+Writes profile_<configuration>_<shape>_<direction>.json (the table, metadata; the
+configuration name with ':' as '_', ',' as '-', '=' dropped) and keeps the trace
+(trace.json.gz, viewable in Perfetto) under --out. On the CPU it runs on tiny shapes
+(`--shape tiny --backend xla_dropless`, whose transport is "padded" there); the trace
+then holds XLA's CPU ops, enough to test the reduction.
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--shape", default="deepseek-like")
-  ap.add_argument("--backend", default="uniep_fused")
+  ap.add_argument("--backend", default="uniep",
+                  help="a configuration name (bench/common.py, layer_config; with "
+                       "--train-model a training configuration, train_throughput.parse_backend)")
   ap.add_argument("--direction", default="fwd", choices=("fwd", "fwdbwd"))
   ap.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
   ap.add_argument("--reps", type=int, default=3, help="profiled calls (after a warm-up call)")
@@ -139,7 +144,7 @@ def main(argv=None):
   ap.add_argument("--train-model", default=None,
                   help="profile the training step of this model (bench/train_throughput.py: "
                        "--layers, --max-experts, --batch, --seq, --mesh; --backend is a "
-                       "training backend, e.g. uniep, xla_capacity, uniep+xla_dswiglu)")
+                       "training configuration, e.g. uniep, xla_capacity, uniep:overlap)")
   ap.add_argument("--mesh", default=None, help="--train-model: default data=1,expert=<GPUs>")
   ap.add_argument("--layers", type=int, default=1)
   ap.add_argument("--max-experts", type=int, default=64)
@@ -147,6 +152,8 @@ def main(argv=None):
   ap.add_argument("--seq", type=int, default=2048)
   args = ap.parse_args(argv)
   if args.train_model:
+    from bench.train_throughput import parse_backend
+    parse_backend(args.backend)   # a bad name fails before anything runs
     from bench.common import start_training_process
     start_training_process(True)   # XLA deterministic, as the training CLI and its bench
   import jax
@@ -203,7 +210,7 @@ def _layer_fn(args, r):
     out = fn(x, p)
     return common.block(out) if sync else out
   b2b = "_b2b" if args.back_to_back else ""
-  return call, f"{args.backend}_{args.shape}_{args.direction}{b2b}"
+  return call, f"{file_part(args.backend)}_{args.shape}_{args.direction}{b2b}"
 
 
 def _train_step_fn(args, r):
@@ -224,8 +231,13 @@ def _train_step_fn(args, r):
     jax.block_until_ready(m)
     state[0] = (params, rest, opt_state)
 
-  backend = args.backend.replace("+", "_")
-  return step, f"train_{case.name}_{mesh.replace('=', '').replace(',', '_')}_{backend}"
+  return step, (f"train_{case.name}_{mesh.replace('=', '').replace(',', '_')}_"
+                f"{file_part(args.backend)}")
+
+
+def file_part(name: str) -> str:
+  """A configuration name as a file-name part: "uniep:overlap=4,2" -> "uniep_overlap4-2"."""
+  return name.replace(":", "_").replace("=", "").replace(",", "-")
 
 
 if __name__ == "__main__":

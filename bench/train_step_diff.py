@@ -1,17 +1,22 @@
-"""Where do two backends' training steps part bits? One step, every gradient leaf.
+"""Where do two configurations' training steps part bits? One step, every gradient leaf.
 
-GPU run 2 (2026-11-26, 4x H200) found 50-step training with "pallas" and "uniep"
-equal for two steps and different from step 2 on, though the MoE layer alone is
-bitwise equal between them (bench/check_moe_gpu.py). This takes ONE train step's
-loss and gradients (`train.loop.loss_fn`, same params, same batch) with each
-backend, twice each, and compares every leaf bit for bit:
+The MoE layer alone is bitwise equal between "pallas" and "uniep" (and "uniep:overlap")
+(bench/check_moe_gpu.py); whole training runs should be too (bench/train_throughput.py's
+determinism runs). When they are not, this takes ONE train step's loss and gradients
+(`train.loop.loss_fn`, or the per-shard gradients summed in rank order with
+--grad-reduction ordered; same params, same batch) with each configuration, twice each,
+and compares every leaf bit for bit:
 
-  * a backend against itself: run-to-run determinism of one compiled program;
-  * backend A against B: the same maths in two programs. Leaves that differ point
-    at the cause: only the parameters whose gradients are all-reduced across the
-    mesh (attention, norms, embedding, router) suggests the collectives (XLA
-    combines all-reduces differently in the two programs, and NCCL's reduction
-    order follows the buffer layout); expert weights too suggests the MoE layer.
+  * a configuration against itself: run-to-run determinism of one compiled program;
+  * configuration A against B: the same maths in two programs. Leaves that differ point
+    at the cause: only the parameters whose gradients are summed across the mesh
+    (attention, norms, embedding, router) suggests the collectives (XLA combines
+    all-reduces differently in the two programs, and NCCL's reduction order follows the
+    buffer layout); expert weights too suggests the MoE layer.
+
+--backends takes training configurations (bench/train_throughput.py, `parse_backend`:
+the names of bench/common.py's `layer_config` that TrainConfig can express, e.g.
+pallas,uniep,uniep:overlap).
 
   python -m bench.train_step_diff [--model mixtral-like] [--layers 1] [--mesh data=1,expert=4]
       [--backends pallas,uniep] [--batch 8] [--seq 2048] [--xla-deterministic] [--tag T] [--out DIR]
@@ -34,21 +39,20 @@ from train.config import GRAD_REDUCTIONS
 
 def _one_backend(model: str, layers, mesh: str, backend: str, batch: int, seq: int, data,
                  grad_reduction: str = "xla"):
-  """Two calls of one compiled step. Gradients stay on the devices (the comparisons
+  """Two calls of one compiled step of configuration `backend`. Gradients stay on the devices (the comparisons
   run there: a mixtral-like layer's gradients are ~7 GB in float32); the parameters
   are summarised by their bit checksum. grad_reduction "ordered": the training step's
   per-shard gradients summed in rank order (`train.loop.ordered_grads`; clipped, as
   that step applies them)."""
   import jax
-  from bench.train_throughput import _register_variant
+  from bench.train_throughput import _register_variant, train_config
   from train import loop
-  from train.config import TrainConfig
-  from uniep_jax.tune import tree_checksum
+  from uniep_jax.measure import tree_checksum
 
   name = _register_variant(model, layers)
-  cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq, steps=2,
-                    out="/tmp/train_step_diff", progress=False, plot=False,
-                    grad_reduction=grad_reduction)
+  cfg = train_config(backend, config=name, mesh=mesh, batch=batch, seq=seq, steps=2,
+                     out="/tmp/train_step_diff", progress=False, plot=False,
+                     grad_reduction=grad_reduction)
   s = loop.make_setup(cfg)
   params, rest, _ = loop.init_state(s)
   x, y = (jax.device_put(a, s.batch_sh) for a in data.batch(cfg.seed, 0, batch, seq))
@@ -99,7 +103,8 @@ def main(argv=None):
   ap.add_argument("--model", default="mixtral-like")
   ap.add_argument("--layers", type=int, default=1, help="0: the config's own")
   ap.add_argument("--mesh", default="")
-  ap.add_argument("--backends", default="pallas,uniep")
+  ap.add_argument("--backends", default="pallas,uniep",
+                  help="comma list of training configurations (train_throughput.parse_backend)")
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--xla-deterministic", action="store_true")
@@ -109,6 +114,13 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   from bench import common
+  from bench.train_throughput import train_config
+  backends = [b for b in args.backends.split(",") if b]
+  for backend in backends:   # a bad name fails before any step compiles
+    try:
+      train_config(backend, grad_reduction=args.grad_reduction)
+    except ValueError as e:
+      ap.error(f"--backends {backend!r}: {e}")
   common.start_training_process(args.xla_deterministic)
   import jax
 
@@ -117,7 +129,6 @@ def main(argv=None):
   mesh = args.mesh or f"data=1,expert={len(jax.devices())}"
   meta = common.run_metadata()
   data = make_dataset(None, max_bytes=4 << 20, heldout_fraction=0.05, seq=args.seq)
-  backends = args.backends.split(",")
   results, params0 = {}, None
   for backend in backends:
     params_checksum, runs = _one_backend(args.model, args.layers or None, mesh, backend,

@@ -1,11 +1,10 @@
 """End-to-end training throughput and determinism of the reference MoE transformer.
 
-For each model (default: mixtral-like and deepseek-like with `--layers` layers),
-each mesh (default data=1,expert=R and data=2,expert=R/2 over the R local GPUs)
-and each backend (xla_capacity, xla_dropless, pallas, uniep), it runs the real
-train step (train/loop.py: AdamW, aux losses; timed batches of uniform random token
-ids by default, `--tokens corpus` for the byte corpus) and
-reports, per case:
+For each model (default: mixtral-like and deepseek-like with `--layers` layers, at most
+`--max-experts` experts), each mesh (default data=1,expert=R and data=2,expert=R/2 over
+the R local GPUs) and each configuration of `--backends`, it runs the real train step
+(train/loop.py: AdamW, aux losses; timed batches of uniform random token ids by
+default, `--tokens corpus` for the byte corpus) and reports, per case:
   step_ms       median of timed steps (warm-up steps excluded)
   tokens_per_s  batch * seq / step time (global)
   mfu           model FLOPs per token (models/report.py, x3 for fwd+bwd) times
@@ -14,11 +13,20 @@ reports, per case:
   dropped       dropped assignments summed over the timed steps (0 = dropless), and
                 dropped_fraction of all the timed steps' assignments
   max_load      the most loaded expert's share over the mean (1 = balanced), mean of
-                the timed steps; the timed steps run at `--lr` (default 1e-5, see
-                TIMING_LR: the routing should stay close to initialisation)
-Then the determinism checks of the issue: the same `--det-steps` training steps
-with "pallas" and "uniep" give bitwise identical losses and parameters, and two
-"uniep" runs give identical checksums.
+                the timed steps; the timed steps run at `--lr` (default TIMING_LR, small:
+                the routing stays close to initialisation)
+Then the determinism checks, when "pallas" and "uniep" are both among --backends: the
+same `--det-steps` training steps with "pallas" and "uniep" give bitwise identical
+losses and parameters, two "uniep" runs give identical ones, and, when "uniep:overlap"
+is among them too, "uniep:overlap" gives those of "uniep".
+
+Configurations are named as everywhere in bench/ (bench/common.py, `layer_config`), as
+far as the training CLI's TrainConfig (train/config.py) can express them
+(`parse_backend`): a backend, ":overlap" (TrainConfig.overlap, OverlapConfig()),
+":cf=F" (capacity_factor), and two options of the training step: ":stages=N" (the
+grouped GEMM's pipeline depth, --kernel-stages) and ":buckets=N" (gradient buckets of
+the ordered sums, --grad-buckets); e.g. "uniep:overlap", "pallas:stages=4",
+"uniep:buckets=1".
 
   python -m bench.train_throughput [--models mixtral-like,deepseek-like] [--layers 1]
       [--batch 8] [--seq 2048] [--steps 8] [--backends ...] [--det-steps 50] [--out DIR]
@@ -40,10 +48,13 @@ import traceback
 import jax
 import numpy as np
 
+import uniep_jax
 from bench import common
 from train.config import GRAD_REDUCTIONS
 
-BACKENDS = ("xla_capacity", "xla_dropless", "pallas", "uniep")
+BACKENDS = ("xla_capacity", "xla_dropless", "pallas", "uniep", "uniep:overlap")
+# the options of the training step that are not the layer's (TrainConfig field)
+TRAIN_OPTIONS = {"stages": "kernel_stages", "buckets": "grad_buckets"}
 
 
 def _peak_mem_gib() -> float | None:
@@ -70,23 +81,20 @@ def uniform_tokens(vocab: int, n: int, seed: int = 0):
                  description=f"uniform random ids over {vocab} (seed {seed})")
 
 
-# The timed steps run at this learning rate. At the training default (3e-3, warm-up
-# of one step in a 10-step schedule) the first update blew the 4096-wide models up
-# (loss 10.7 -> 28.6 at step 2, bench/results/train_loop_probe_NVIDIA_H200_x4.log),
-# the router collapsed onto few experts and xla_capacity dropped 62-76% of the
-# assignments in the timed steps, skipping that work (runs 1 and 2). At a small rate
-# the timed steps keep the routing of initialisation: run 5 (4x H200, cd1ffb9) had
-# losses 10.77 -> 10.78 over the timed steps and the most loaded expert at 1.45x
-# (mixtral-like) and 2.17x (deepseek-like-E64) the mean; each row records it
-# (dropped_fraction, max_load, loss_first, loss_last).
+# The timed steps run at this learning rate. At the training default (3e-3 with a short
+# warm-up) the first updates blow the 4096-wide models up: the router collapses onto a
+# few experts and xla_capacity drops most assignments, skipping that work, so the
+# backends would not be timed on the same work. At a small rate the timed steps keep
+# the routing of initialisation; each row records it (dropped_fraction, max_load,
+# loss_first, loss_last).
 TIMING_LR = 1e-5
 
 
 def _register_variant(model: str, layers: int | None, max_experts: int | None = None) -> str:
   """Registers `model` with `layers` layers and at most `max_experts` experts ("sized
   to fit": deepseek-like's 256 experts of 7168 x 2048 need ~45 GB of float32
-  parameters and AdamW state per GPU at EP 4 before any activation, and ran out of
-  memory on 4x H200) and returns its name, e.g. "deepseek-like-L1-E64"."""
+  parameters and AdamW state per GPU at EP 4 before any activation) and returns its
+  name, e.g. "deepseek-like-L1-E64"."""
   from models.config import get_config
   import models.config as model_configs
 
@@ -115,47 +123,66 @@ class TrainCase:
   batches: list
 
 
-def parse_backend(backend: str) -> dict:
-  """"uniep+xla_dswiglu+s3+b4" -> the TrainConfig fields it sets: backend "uniep", then
-  swiglu_grad_in_kernel ('+dswiglu' True, '+xla_dswiglu' False), kernel_stages ('+sN':
-  KernelConfig.max_concurrent_steps=N), grad_buckets ('+bN'), fused ('+fused': the
-  v2 fused kernels, models.transformer.TRAIN_FUSED) and dedup_tokens ('+dd' on, '+nodd'
-  off: the v1 dispatch; default auto, on for uniep);
-  fields not named keep their defaults."""
-  base, *options = backend.split("+")
-  fields = dict(backend=base)
+def parse_backend(name: str) -> dict:
+  """A configuration name -> the TrainConfig fields it sets: "uniep:overlap:stages=3" ->
+  dict(backend="uniep", overlap=True, kernel_stages=3). The layer's part of the name goes
+  through `common.layer_config` (the one naming scheme of bench/); of what it can name,
+  TrainConfig expresses the backend, overlap at OverlapConfig() (TrainConfig.overlap)
+  and the capacity factor (cf=F); anything else raises ValueError. The training step's
+  own options: stages=N (kernel_stages) and buckets=N (grad_buckets). Fields not named
+  keep TrainConfig's defaults."""
+  backend, *options = name.split(":")
+  layer_options, fields = [], {}
   for option in options:
-    if option in ("dswiglu", "xla_dswiglu"):
-      fields["swiglu_grad_in_kernel"] = option == "dswiglu"
-    elif option == "fused":
-      fields["fused"] = True
-    elif option in ("dd", "nodd"):
-      fields["dedup_tokens"] = option == "dd"
-    elif option[:1] in "sb" and option[1:].isdigit():
-      fields["kernel_stages" if option[0] == "s" else "grad_buckets"] = int(option[1:])
+    key, _, value = option.partition("=")
+    if key in TRAIN_OPTIONS:
+      if not value.isdigit():
+        raise ValueError(f"configuration {name!r}: {key}=N takes an integer, got {option!r}")
+      fields[TRAIN_OPTIONS[key]] = int(value)
     else:
-      raise ValueError(f"backend {backend!r}: the options are '+dswiglu' / '+xla_dswiglu' "
-                       f"(UniEPConfig.swiglu_grad_in_kernel True / False; default: on), "
-                       f"'+sN' (KernelConfig.max_concurrent_steps=N), '+bN' (grad_buckets=N), "
-                       f"'+fused' (the v2 fused kernels) and '+dd' / '+nodd' (dedup_tokens "
-                       f"True / False)")
+      layer_options.append(option)
+  try:
+    cfg = common.layer_config(":".join([backend] + layer_options))
+  except ValueError as e:
+    raise ValueError(f"{e} (a training configuration takes the options overlap, cf=F, "
+                     f"{', '.join(k + '=N' for k in TRAIN_OPTIONS)})") from None
+  default = uniep_jax.UniEPConfig(backend=cfg.backend)
+  fields = dict(backend=cfg.backend, **fields)
+  if cfg.overlap is not None:
+    if cfg.overlap != uniep_jax.OverlapConfig():
+      raise ValueError(f"configuration {name!r}: the training step runs the overlap at "
+                       f"OverlapConfig() only (TrainConfig.overlap is on or off): name it "
+                       f"'overlap', without counts")
+    fields["overlap"] = True
+  if cfg.capacity_factor != default.capacity_factor:
+    fields["capacity_factor"] = cfg.capacity_factor
+  for field in ("transport", "kernel", "transfer"):
+    if getattr(cfg, field) != getattr(default, field):
+      raise ValueError(f"configuration {name!r}: TrainConfig has no {field} (the options "
+                       f"of a training configuration are overlap, cf=F, "
+                       f"{', '.join(k + '=N' for k in TRAIN_OPTIONS)})")
   return fields
+
+
+def train_config(name: str, **fields):
+  """TrainConfig of configuration `name` (`parse_backend`) and the other `fields`."""
+  from train.config import TrainConfig
+  return TrainConfig(**fields, **parse_backend(name))
 
 
 def build_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: int, seq: int,
                num_batches: int, data, max_experts: int | None = None,
                grad_reduction: str = "xla", lr: float = TIMING_LR) -> TrainCase:
   """The real train step (train/loop.py) of `model` (registered with `layers` and
-  `max_experts`) on `mesh` with `backend` and its options (`parse_backend`: e.g.
-  "uniep+xla_dswiglu+s4+b3"), and `num_batches` batches of `data` on the devices.
+  `max_experts`) on `mesh` with the configuration `backend` (`parse_backend`: e.g.
+  "uniep:overlap:stages=4"), and `num_batches` batches of `data` on the devices.
   Shared by this bench and bench/profile_layer.py --train-model."""
   from train import loop
-  from train.config import TrainConfig
 
   name = _register_variant(model, layers, max_experts)
-  cfg = TrainConfig(config=name, mesh=mesh, batch=batch, seq=seq,
-                    steps=max(num_batches, 2), out="/tmp/train_throughput", progress=False,
-                    plot=False, grad_reduction=grad_reduction, lr=lr, **parse_backend(backend))
+  cfg = train_config(backend, config=name, mesh=mesh, batch=batch, seq=seq,
+                     steps=max(num_batches, 2), out="/tmp/train_throughput", progress=False,
+                     plot=False, grad_reduction=grad_reduction, lr=lr)
   s = loop.make_setup(cfg)
   state = loop.init_state(s)
   step_fn = loop.make_train_step(s, jax.tree.map(lambda x: x.sharding, state[2]))
@@ -211,26 +238,33 @@ def run_case(model: str, mesh: str, backend: str, *, layers: int | None, batch: 
 
 
 def determinism(model: str, mesh: str, *, layers, batch: int, seq: int, steps: int,
-                max_experts: int | None = None, grad_reduction: str = "xla") -> dict:
-  """pallas vs uniep (bitwise losses and params) and uniep twice (checksums)."""
+                max_experts: int | None = None, grad_reduction: str = "xla",
+                overlap: bool = False) -> dict:
+  """pallas vs uniep (bitwise losses and params), uniep twice, and with `overlap`
+  uniep:overlap vs uniep."""
   from train import loop
-  from train.config import TrainConfig
 
   name = _register_variant(model, layers, max_experts)
+  runs = [("pallas", "pallas"), ("uniep", "uniep"), ("uniep_again", "uniep")]
+  if overlap:
+    runs.append(("uniep_overlap", "uniep:overlap"))
   out = {}
-  for tag, backend in (("pallas", "pallas"), ("uniep", "uniep"), ("uniep_again", "uniep")):
-    cfg = TrainConfig(config=name, mesh=mesh, backend=backend, batch=batch, seq=seq,
-                      steps=steps, eval_every=steps, eval_batches=1,
-                      out=f"/tmp/train_det_{tag}", progress=False, plot=False,
-                      grad_reduction=grad_reduction)
+  for tag, backend in runs:
+    cfg = train_config(backend, config=name, mesh=mesh, batch=batch, seq=seq,
+                       steps=steps, eval_every=steps, eval_batches=1,
+                       out=f"/tmp/train_det_{tag}", progress=False, plot=False,
+                       grad_reduction=grad_reduction)
     r = loop.train(cfg)
-    out[tag] = dict(losses=[float(r["losses"][k]) for k in sorted(r["losses"])],
+    out[tag] = dict(configuration=backend, losses=[float(r["losses"][k]) for k in sorted(r["losses"])],
                     checksum=r["summary"]["sha256"], param_sum=r["summary"]["param_sum"])
   same = lambda a, b: (out[a]["losses"] == out[b]["losses"]  # noqa: E731
                        and out[a]["checksum"] == out[b]["checksum"])
-  return dict(model=name, mesh=mesh, steps=steps, grad_reduction=grad_reduction,
-              pallas_equals_uniep=same("pallas", "uniep"),
-              uniep_repeatable=same("uniep", "uniep_again"), runs=out)
+  result = dict(model=name, mesh=mesh, steps=steps, grad_reduction=grad_reduction,
+                pallas_equals_uniep=same("pallas", "uniep"),
+                uniep_repeatable=same("uniep", "uniep_again"), runs=out)
+  if overlap:
+    result["uniep_overlap_equals_uniep"] = same("uniep_overlap", "uniep")
+  return result
 
 
 def main(argv=None):
@@ -240,11 +274,11 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=1, help="layers per model (0: the config's)")
   ap.add_argument("--meshes", default="", help="default: data=1,expert=R;data=2,expert=R/2")
   ap.add_argument("--backends", default=",".join(BACKENDS),
-                  help="comma list of backends with options (parse_backend): '+xla_dswiglu' the "
-                       "SwiGLU derivative by an XLA pass, '+sN' N pipeline stages, '+bN' N "
-                       "gradient buckets (default: TrainConfig's, 3 with ordered sums; '+b1' "
-                       "one sum after the backward pass), '+fused' the v2 fused kernels "
-                       "(EXPERIMENTAL), e.g. uniep,uniep+s4,uniep+b1,uniep+fused")
+                  help="comma list of configuration names (parse_backend): a backend, "
+                       "':overlap' the transfers inside GEMM launches (uniep), ':cf=F' the "
+                       "capacity factor (xla_capacity), ':stages=N' N pipeline stages, "
+                       "':buckets=N' N gradient buckets (default: TrainConfig's; 1: one sum "
+                       "after the backward pass), e.g. uniep,uniep:overlap,uniep:stages=4")
   ap.add_argument("--max-experts", type=int, default=64,
                   help="cap on each model's expert count, to fit (0: the config's)")
   ap.add_argument("--batch", type=int, default=8)
@@ -274,6 +308,13 @@ def main(argv=None):
   reductions = args.grad_reduction.split(",")
   if set(reductions) - set(GRAD_REDUCTIONS):
     ap.error(f"--grad-reduction {args.grad_reduction!r}: a comma list of {', '.join(GRAD_REDUCTIONS)}")
+  backends = [b for b in args.backends.split(",") if b]
+  for backend in backends:   # a bad name fails now, not after other cases ran
+    for reduction in reductions:
+      try:
+        train_config(backend, grad_reduction=reduction)
+      except ValueError as e:
+        ap.error(f"--backends {backend!r} with --grad-reduction {reduction}: {e}")
   common.start_training_process(args.xla_deterministic)  # before jax starts its backends
   from train.data import make_dataset
 
@@ -296,7 +337,7 @@ def main(argv=None):
   for model in (args.models.split(",") if not args.det_only else []):
     data = data_for(model)
     for mesh in meshes:
-      for backend in args.backends.split(","):
+      for backend in backends:
         for reduction in reductions:
           if time.time() - t_start > args.budget_s:
             skipped.append(dict(model=model, mesh=mesh, backend=backend, grad_reduction=reduction,
@@ -318,7 +359,7 @@ def main(argv=None):
           rows.append(row)
           print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
   det = []
-  if args.det_steps and {"pallas", "uniep"} <= set(args.backends.split(",")):
+  if args.det_steps and {"pallas", "uniep"} <= set(backends):
     for model in args.models.split(","):
       if time.time() - t_start > args.budget_s:
         skipped.append(dict(model=model, what="determinism", why="time budget"))
@@ -326,7 +367,8 @@ def main(argv=None):
       try:
         det.append(determinism(model, meshes[0], layers=layers, batch=args.batch, seq=args.seq,
                                steps=args.det_steps, max_experts=args.max_experts or None,
-                               grad_reduction=reductions[-1]))
+                               grad_reduction=reductions[-1],
+                               overlap="uniep:overlap" in backends))
       except Exception as e:  # noqa: BLE001
         traceback.print_exc(limit=3)
         det.append(dict(model=model, mesh=meshes[0], error=repr(e)[:500]))
@@ -342,13 +384,13 @@ def main(argv=None):
   kind = common.device_tag(meta)
   tag = "_det" if args.det_only else ""
   common.write_json(os.path.join(out, f"train_throughput_{kind}_x{r}{tag}.json"), payload)
-  print(f"{'model':22s} {'mesh':18s} {'backend':20s} {'step_ms':>9s} {'tok/s':>10s} "
+  print(f"{'model':22s} {'mesh':18s} {'configuration':28s} {'step_ms':>9s} {'tok/s':>10s} "
         f"{'MFU':>6s} {'GiB':>6s} {'dropped':>8s}")
   for row in rows:
     if "error" in row:
-      print(f"{row['model']:22s} {row['mesh']:18s} {_label(row):20s} ERROR {row['error'][:60]}")
+      print(f"{row['model']:22s} {row['mesh']:18s} {_label(row):28s} ERROR {row['error'][:60]}")
       continue
-    print(f"{row['model']:22s} {row['mesh']:18s} {_label(row):20s} {row['step_ms']:9.1f} "
+    print(f"{row['model']:22s} {row['mesh']:18s} {_label(row):28s} {row['step_ms']:9.1f} "
           f"{row['tokens_per_s']:10.0f} {row.get('mfu', float('nan')):6.3f} "
           f"{(row['peak_mem_gib'] or float('nan')):6.1f} {row['dropped']:8d}")
   try:
@@ -359,8 +401,8 @@ def main(argv=None):
 
 
 def _label(row) -> str:
-  """The backend, with "+ordered" for a run with --grad-reduction ordered."""
-  return row["backend"] + ("+ordered" if row.get("grad_reduction", "xla") == "ordered" else "")
+  """The configuration and the gradient reduction, e.g. "uniep:overlap/ordered"."""
+  return f"{row['backend']}/{row.get('grad_reduction', 'xla')}"
 
 
 def _plot(rows, path):
@@ -370,6 +412,7 @@ def _plot(rows, path):
                       and (r["model"], r["mesh"]) == c), 0) for c in cases]
             for b in sorted({_label(r) for r in rows})}
   common.grouped_bars(path, cases, series, ylabel="tokens / s")
+
 
 if __name__ == "__main__":
   sys.exit(main())

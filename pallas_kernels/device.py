@@ -12,9 +12,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import math
+import threading
 from typing import Optional
 
 import jax
+import numpy as np
 
 # H100 SXM / H200 have 132 SMs; used when the device cannot tell us (CPU interpret).
 DEFAULT_NUM_SMS = 132
@@ -103,3 +107,52 @@ def default_interpret():
   if jax.default_backend() == "cpu" and not _LOWER_FOR_GPU.get():
     return plgpu.InterpretGPUParams()
   return False
+
+
+# One interpreted kernel at a time in this process (`kernel`).
+_INTERPRET_LOCK = threading.Lock()
+
+
+def _spmd_devices() -> int:
+  """The devices the Mosaic GPU interpreter simulates for a kernel traced here: the
+  product of the manual (shard_map) mesh axes' sizes, 1 outside a shard_map (the
+  interpreter's `DeviceInfo.num_devices`, which reads the same axes)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in mesh.manual_axes)
+
+
+def kernel(body, *, out_type, interpret, **kwargs):
+  """`plgpu.kernel(body, out_type=..., interpret=..., **kwargs)` for kernels that touch
+  only their own device's memory (no remote refs, no cross-device semaphores).
+
+  Compiled (interpret=False) and outside a multi-device shard_map: `plgpu.kernel` as is.
+  In the CPU interpret mode inside a shard_map over 2 or more devices, the call becomes
+  a host callback that runs the kernel as a one-device program (`jax.jit` of the same
+  kernel, traced outside the shard_map), under a process-wide lock: one interpreted
+  kernel at a time. The interpreter keeps one global state for all the devices it
+  simulates and resets or checks parts of it for all of them when any one finishes a
+  grid point or a kernel (jax 0.11.2: `cluster_finished` -> `reset_per_cluster_state`,
+  `assert_no_barriers_allocated`), so the devices' concurrent runs of a kernel break
+  each other: "Barrier remains allocated" or a KeyError in `deallocate_buffer` (a REGS
+  accumulator id handed out twice). Run alone, each device's kernel computes the bits
+  it computes at one device. Cost: the devices' kernels run one after another.
+  """
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  fn = plgpu.kernel(body, out_type=out_type, interpret=interpret, **kwargs)
+  if not isinstance(interpret, plgpu.InterpretGPUParams):
+    return fn
+
+  @functools.wraps(fn)
+  def call(*args):
+    if _spmd_devices() <= 1:
+      return fn(*args)
+    one_device = jax.jit(fn)   # traced at its first run, in the callback: one device
+
+    def run_alone(*host_args):
+      with _INTERPRET_LOCK:
+        # np.asarray waits for the result: the lock covers the whole run
+        return jax.tree.map(np.asarray, one_device(*host_args))
+
+    return jax.pure_callback(run_alone, out_type, *args)
+
+  return call

@@ -705,7 +705,7 @@ def _row_tiled_call(a_list, b_list, group_sizes, *, mode: str, transpose_b: bool
   body = functools.partial(_row_tiled_kernel, **params)
   out_n = 2 * n if mode == "dswiglu" else n
   out_type = tuple(jax.ShapeDtypeStruct((m, out_n), out_dtype) for _ in range(num_out))
-  kernel = plgpu.kernel(
+  kernel = device_lib.kernel(
       body,
       kernel_name=f"grouped_gemm_{mode}{'_t' if transpose_b else ''}",   # names in profiles
       out_type=out_type,
@@ -876,7 +876,7 @@ def _wgrad_call(lhs, dout, group_sizes, *, out_dtype, config: KernelConfig, inte
   if dout.dtype != in_dtype:
     raise ValueError(f"lhs and dout must share one dtype, got {lhs.dtype} and {dout.dtype}")
   body = functools.partial(_wgrad_kernel, **wgrad_params(m, g, in_dtype, out_dtype, config))
-  kernel = plgpu.kernel(
+  kernel = device_lib.kernel(
       body,
       kernel_name="grouped_gemm_wgrad",
       out_type=jax.ShapeDtypeStruct((g, k_out, n_out), out_dtype),

@@ -201,7 +201,7 @@ def gather_live_rows(src, index, live, *, out_rows: int, scale=None,
   scaled = scale is not None
   body = functools.partial(_gather_body, rows_per_tile=rows_per_tile, n_blocks=boxes // nb,
                            num_ctas=num_ctas, scaled=scaled)
-  kernel = plgpu.kernel(
+  kernel = device_lib.kernel(
       body,
       kernel_name="gather_live_rows" + ("_scaled" if scaled else ""),
       out_type=jax.ShapeDtypeStruct((out_rows, boxes, ct), src.dtype),

@@ -107,3 +107,123 @@ def layer_runner(seed: int, *, data=1, ep=4, experts=8, hidden=32, ffn=48, top_k
     return out, g
 
   return run
+
+
+# ---------------------------------------------------------------------------
+# The grouped GEMM's launches (pallas_kernels/grouped_gemm.py) in XLA: `lax.ragged_dot`
+# with the kernels' casts, and their row contract (rows past the groups' end up to the
+# zero window come back zero, the rows after it are undefined: NaN here). Both the
+# layer's plain path (`grouped_swiglu_ffn`, whose custom VJP calls these module
+# functions) and the overlapped one call them, so the two can be compared bit for bit
+# at EP > 1 on the CPU. F and H must need no padding (multiples of 256 at the default
+# tiling): the simulations check it.
+# ---------------------------------------------------------------------------
+def _with_row_contract(out, group_sizes, zero_window):
+  m = out.shape[0]
+  total = jnp.sum(group_sizes)
+  rows = jnp.arange(m)[:, None]
+  out = jnp.where(rows < total, out, jnp.zeros((), out.dtype))
+  if zero_window is None:
+    return out
+  defined = -(-total // zero_window) * zero_window
+  return jnp.where(rows < defined, out, jnp.asarray(jnp.nan, out.dtype))
+
+
+def _ragged(lhs, rhs, group_sizes):
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                            preferred_element_type=jnp.float32)
+
+
+def _unpadded(config, f=None, h=None):
+  from pallas_kernels import grouped_gemm as gg
+  if f is not None and gg._swiglu_padded_f(f, config) != f:
+    raise ValueError(f"simulated grouped GEMM: F={f} would be padded; pick a multiple of 256")
+  if h is not None and h % (2 * config.block_n):
+    raise ValueError(f"simulated grouped GEMM: H={h} would be padded; pick a multiple of 256")
+
+
+def gate_up_projection(x, w_gate_up, group_sizes, *, config, interpret=None, save_hu=True,
+                       zero_window=None):
+  f = w_gate_up.shape[2] // 2
+  _unpadded(config, f=f)
+  hu = _ragged(x, w_gate_up, group_sizes)
+  h, u = hu[:, :f], hu[:, f:]
+  outs = ((jax.nn.silu(h) * u).astype(x.dtype),) + ((h.astype(x.dtype), u.astype(x.dtype))
+                                                    if save_hu else ())
+  return tuple(_with_row_contract(o, group_sizes, zero_window) for o in outs)
+
+
+def down_projection(a, w_down, group_sizes, *, config, interpret=None, zero_window=None):
+  _unpadded(config, h=w_down.shape[2])
+  return _with_row_contract(_ragged(a, w_down, group_sizes).astype(a.dtype), group_sizes,
+                            zero_window)
+
+
+def swiglu_dhu(x, w_down, group_sizes, h, u, dy, *, config, interpret=None, zero_window=None):
+  from pallas_kernels.grouped_gemm import swiglu_grad
+  m_p = h.shape[0]
+  dy_p = jnp.pad(dy.astype(x.dtype), ((0, m_p - dy.shape[0]), (0, 0)))
+  da = _ragged(dy_p, jnp.swapaxes(w_down, 1, 2), group_sizes)
+  dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
+  return _with_row_contract(jnp.concatenate([dh, du], axis=1).astype(x.dtype), group_sizes,
+                            zero_window)
+
+
+def swiglu_dx_from_dhu(x, w_gate_up, group_sizes, dhu, *, config, interpret=None,
+                       zero_window=None):
+  m, h = x.shape
+  _unpadded(config, h=h)
+  dx = _ragged(dhu, jnp.swapaxes(w_gate_up, 1, 2), group_sizes).astype(x.dtype)
+  return _with_row_contract(dx, group_sizes, zero_window)[:m]
+
+
+def gmm_wgrad(lhs, dout, group_sizes, *, out_dtype=None, config=None, interpret=None):
+  """drhs[g] = lhs[rows g]^T dout[rows g]; the kernel masks the lhs rows outside the
+  groups (a select) and needs the dout rows there finite, which this checks."""
+  m = lhs.shape[0]
+  live = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
+  lhs = jnp.where(live, lhs, jnp.zeros((), lhs.dtype))
+  dout = jnp.where(live | jnp.isfinite(dout), dout, jnp.asarray(jnp.nan, dout.dtype))
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[])
+  out = jax.lax.ragged_dot_general(lhs, jnp.where(live, dout, jnp.zeros((), dout.dtype)),
+                                   group_sizes.astype(jnp.int32), dims,
+                                   preferred_element_type=jnp.float32)
+  return out.astype(out_dtype or lhs.dtype)
+
+
+def swiglu_dw_down(a, dy, w_down, group_sizes, *, config, interpret=None):
+  dy_p = jnp.pad(dy.astype(a.dtype), ((0, a.shape[0] - dy.shape[0]), (0, 0)))
+  return gmm_wgrad(a, dy_p, group_sizes, out_dtype=w_down.dtype)[:, :w_down.shape[1], :]
+
+
+def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_rows, live_rows,
+                     axis_name, kernel, transfer, chunk_rows, n_comm, zero_window=None):
+  """`down_gemm_return`'s contract: the down GEMM's rows, and their return."""
+  y = down_projection(a, w_down, group_sizes, config=kernel, zero_window=zero_window)
+  back = globals()["transfer"](y[:, :w_down.shape[2]], seg_src, seg_dst, seg_len,
+                               out_rows=out_rows, config=transfer, axis_name=axis_name,
+                               garbage=jnp.nan)
+  return y, back
+
+
+def gmm_wgrad_with_return(lhs, dout, group_sizes, rows, seg_src, seg_dst, seg_len, *, out_rows,
+                          axis_name, out_dtype=None, config, transfer, n_comm):
+  """`gmm_wgrad_with_return`'s contract: the wgrad, and the return of `rows`."""
+  back = globals()["transfer"](rows, seg_src, seg_dst, seg_len, out_rows=out_rows,
+                               config=transfer, axis_name=axis_name, garbage=jnp.nan)
+  return gmm_wgrad(lhs, dout, group_sizes, out_dtype=out_dtype), back
+
+
+def patch_grouped_gemm(monkeypatch) -> None:
+  """The grouped GEMM's launches and the two overlapped launches replaced by their XLA
+  contracts (the layer's plumbing at EP > 1 on the CPU; the kernels themselves have their
+  own tests in the interpret mode)."""
+  import pallas_kernels.grouped_gemm as gg
+  import uniep_jax.overlap as overlap
+  for name in ("gate_up_projection", "down_projection", "swiglu_dhu", "swiglu_dx_from_dhu",
+               "gmm_wgrad", "swiglu_dw_down"):
+    monkeypatch.setattr(gg, name, globals()[name])
+  monkeypatch.setattr(overlap, "down_gemm_return", down_gemm_return)
+  monkeypatch.setattr(overlap, "gmm_wgrad_with_return", gmm_wgrad_with_return)

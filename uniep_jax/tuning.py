@@ -30,8 +30,8 @@ the user cache ($UNIEP_TUNE_CACHE, or an explicit path), then in the cache shipp
 with the package (uniep_jax/tuned_configs.json), and otherwise uses
 `heuristic_config`. Explicit configs are used exactly as given. A cached winner's
 overlap point is applied only when kernel and transfer are both None, the config names
-no overlap and the backend is "uniep". Cache entries are written only by the autotuner,
-from measurements; a cache file of another `CACHE_FORMAT` is refused, not guessed at.
+no overlap and the backend is "uniep". A cache entry holds only measured numbers (the
+autotuner writes them); a cache file of another `CACHE_FORMAT` is refused, not guessed at.
 """
 
 from __future__ import annotations
@@ -544,7 +544,7 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
     cand = heuristic_config(dataclasses.replace(problem, direction="bwd"), facts)
   fully_auto = config.kernel is None and config.transfer is None
   overlap = config.overlap
-  if overlap is None and config.backend == "uniep":
+  if fully_auto and overlap is None and config.backend == "uniep":
     overlap = cand.overlap
   return dataclasses.replace(
       config,
