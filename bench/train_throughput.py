@@ -393,10 +393,11 @@ def main(argv=None):
     print(f"{row['model']:22s} {row['mesh']:18s} {_label(row):28s} {row['step_ms']:9.1f} "
           f"{row['tokens_per_s']:10.0f} {row.get('mfu', float('nan')):6.3f} "
           f"{(row['peak_mem_gib'] or float('nan')):6.1f} {row['dropped']:8d}")
-  try:
-    _plot(rows, os.path.join(out, f"train_throughput_{kind}_x{r}.png"))
-  except Exception as e:  # noqa: BLE001
-    print("plot failed:", e)
+  if any("tokens_per_s" in row for row in rows):
+    try:
+      _plot(rows, os.path.join(out, f"train_throughput_{kind}_x{r}.png"))
+    except Exception as e:  # noqa: BLE001
+      print("plot failed:", e)
   return 0
 
 

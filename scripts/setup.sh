@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv with a Python >= 3.12 found on this machine and installs the project.
-# Idempotent: a second call only re-checks the install. Usage: bash scripts/setup.sh
+# Creates .venv with a Python >= 3.12 found on this machine and installs the project, with
+# JAX's CUDA 13 plugin (the optional group "gpu") where nvidia-smi finds an NVIDIA GPU
+# (UNIEP_GPU=0 or 1 overrides the detection). Idempotent: a second call only re-checks
+# the install. Usage: bash scripts/setup.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${UNIEP_VENV:-$ROOT/.venv}"
@@ -38,16 +40,23 @@ if [[ ! -x "$VENV/bin/python" ]] || ! is_ok "$VENV/bin/python"; then
   "$PY" -m venv "$VENV"
 fi
 
-STAMP="$VENV/.uniep-installed"
+GPU="${UNIEP_GPU:-}"
+if [[ -z "$GPU" ]]; then
+  GPU=0
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then GPU=1; fi
+fi
+EXTRAS="test"
+[[ "$GPU" == 1 ]] && EXTRAS="test,gpu"
+STAMP="$VENV/.uniep-installed-$EXTRAS"
 if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
-  echo "setup: installing uniep-jax and its dependencies into $VENV"
+  echo "setup: installing uniep-jax[$EXTRAS] and its dependencies into $VENV"
   # a current pip: the one fresh-clone CI run with the venv's own (23.2 with Python
   # 3.12.1) spent 92 s in set-up against 78 s the run before (2026-11-27)
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
   # pip byte-compiles every installed file on one core; compileall on every core instead
   # (2-core machine, 2026-11-28: 29.7 s -> 11.6 + 8.8 s). The .pyc files must exist: with
   # PYTHONDONTWRITEBYTECODE set (as here) every process would compile its imports again
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile -e "$ROOT[test]" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile -e "$ROOT[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
   "$VENV/bin/python" -c 'import jax, flax, optax, chex, orbax.checkpoint, pytest, xdist' \
     || { echo "setup: install failed" >&2; exit 1; }

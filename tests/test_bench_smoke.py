@@ -1,48 +1,48 @@
-"""The GPU scripts of bench/ on tiny CPU shapes: a script that breaks here would
-waste a device call (one did: train_throughput --det-only on 2026-11-26)."""
+"""The benchmark scripts of bench/ on tiny CPU shapes, and bench/run_gpu.sh: a script
+that breaks here would break on a GPU machine too, after its device time was spent."""
 
+import importlib
 import json
+import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import uniep_jax
 from bench import moe_layer, train_step_diff, train_throughput
+from conftest import subprocess_env
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RUN_GPU = ROOT / "bench" / "run_gpu.sh"
 
 
 def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatch):
-  """A bad suffix combination (owner_partials is not built into the fused kernels) fails
-  before the first backend compiles (on 4x H200 it failed after three had run)."""
+  """A bad configuration name (overlap is for backend "uniep") fails before the first
+  backend compiles, not after others ran."""
   monkeypatch.setattr(moe_layer.common, "dense_matmul_tflops",
                       lambda: pytest.fail("ran before the backends were checked"))
-  with pytest.raises(ValueError, match="slot_reduction"):
-    moe_layer.main(["--shapes", "tiny", "--backends", "xla_capacity,uniep_dc_rbw_dd@op",
+  with pytest.raises(ValueError, match="overlap"):
+    moe_layer.main(["--shapes", "tiny", "--backends", "xla_capacity,pallas:overlap",
                     "--out", str(tmp_path)])
   assert not list(tmp_path.iterdir())
-  # @gx / @sb: the transfer's gathered loads (the default) or the send buffer
-  assert moe_layer.backend_config("uniep_dd@sb").transfer.gather_rows is False
-  assert moe_layer.backend_config("uniep_dd@sb@gx").transfer.gather_rows is True
-  assert moe_layer.backend_config("uniep_dd@tel").transfer.expand_last_on_all is True
-  assert moe_layer.backend_config("uniep_dc_rbw_dd@bt").kernel.group_aligned_tiles is False
-  assert moe_layer.backend_config("uniep_dc_rbw_dd@bt@ga").kernel.group_aligned_tiles is True
-  assert moe_layer.backend_config("uniep_dd@wr1").kernel.wgrad_raster == 1
-  assert moe_layer.backend_config("uniep_dd@rr4@wr8").kernel.raster_rows == 4
-  assert moe_layer.backend_config("uniep_dd@rr4@wr8").kernel.wgrad_raster == 8
-  assert moe_layer.backend_config("uniep_dd@inflight1").kernel.mma_in_flight == 1
-  assert moe_layer.backend_config("uniep_dd@inflight1@inflight0").kernel.mma_in_flight == 0
-  # @ctas / @dr / @wrc: the v1 transfers' CTAs, the fused points' return CTAs
-  cfg = moe_layer.backend_config("uniep_dc_rbw_dd@dr32@wrc24@ctas96")
-  assert (cfg.fused.down_return_ctas, cfg.fused.wgrad_return_ctas) == (32, 24)
-  assert cfg.transfer.num_ctas == 96
-  with pytest.raises(ValueError, match="no fused config"):
-    moe_layer.backend_config("uniep_dd@dr32")
-  # Kernel D's knobs, and a field of UniEPConfig itself (@sg)
-  cfg = moe_layer.backend_config("uniep_dc_rbw_dd_ov@ov24@ovb0@ovs3@sg4")
-  assert (cfg.fused.overlap_copy_ctas, cfg.fused.overlap_copy_ctas_bwd,
-          cfg.fused.overlap_copy_stages, cfg.dedup_send_groups) == (24, 0, 3, 4)
-  assert moe_layer.backend_config("uniep_dc_rbw_dd@te@tes3").transfer.copy_stages == 3
-  assert moe_layer.backend_config("uniep_dc_rbw_dd_ov@ovj40").fused.overlap_join_percent == 40
+  # the one naming scheme (bench/common.py, layer_config)
+  cfg = moe_layer.backend_config
+  assert cfg("uniep") == uniep_jax.UniEPConfig(backend="uniep")
+  assert cfg("uniep:overlap").overlap == uniep_jax.OverlapConfig()
+  assert cfg("uniep:overlap=4").overlap == uniep_jax.OverlapConfig(4, 4)
+  assert cfg("uniep:overlap=8,0").overlap == uniep_jax.OverlapConfig(8, 0)
+  assert cfg("uniep:auto").kernel is None and cfg("uniep:auto").transfer is None
+  assert cfg("xla_dropless:padded").transport == "padded" and cfg("pallas").transport is None
+  assert cfg("xla_capacity:cf=2").capacity_factor == 2.0
+  with pytest.raises(ValueError, match="unknown option"):
+    cfg("uniep:dd")
+  with pytest.raises(ValueError, match="unknown backend"):
+    cfg("uniep_dd")
 
 
 def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):
@@ -50,7 +50,7 @@ def test_moe_layer_compiled_ahead_gives_the_same_bits(tmp_path):
   checksums as compiled at the first call, and the skewed routing reuses the
   executable."""
   def run(workers, out):
-    moe_layer.main(["--shapes", "tiny", "--backends", "xla_dropless_padded",
+    moe_layer.main(["--shapes", "tiny", "--backends", "xla_dropless:padded",
                     "--directions", "fwd", "--routings", "balanced,skewed",
                     "--out", str(out), "--min-batch-s", "0.01", "--max-reps", "1",
                     "--compile-workers", str(workers)])
@@ -92,14 +92,14 @@ def test_compile_ahead_compiles_the_xla_backends_first_and_alone():
 
 
 def test_moe_layer_records_times_and_checksums(tmp_path):
-  moe_layer.main(["--shapes", "tiny", "--backends", "xla_capacity,xla_dropless_padded",
+  moe_layer.main(["--shapes", "tiny", "--backends", "xla_capacity,xla_dropless:padded",
                   "--directions", "fwd", "--routings", "balanced,skewed", "--out", str(tmp_path),
                   "--min-batch-s", "0.01", "--max-reps", "2"])
   (path,) = [p for p in tmp_path.glob("moe_layer_*_ep*.json") if ".partial" not in p.name]
   all_rows = json.loads(path.read_text())["results"]
   rows = [r for r in all_rows if r["routing"] == "balanced"]
   skewed = {r["backend"]: r for r in all_rows if r["routing"] == "skewed"}
-  assert {r["backend"] for r in rows} == {"xla_capacity", "xla_dropless_padded"} == set(skewed)
+  assert {r["backend"] for r in rows} == {"xla_capacity", "xla_dropless:padded"} == set(skewed)
   for r in all_rows:
     assert r["median_ms"] > 0 and len(r["checksum"]) == 2 and "error" not in r
     # both backends of a case timed again, interleaved round robin
@@ -119,7 +119,7 @@ def test_moe_layer_records_times_and_checksums(tmp_path):
     assert hot["x_over_hot_rank_floor"] < hot["x_over_floor"]
   # expert 0 takes every token: the capacity backend drops more than when balanced
   cap, free = sorted(rows, key=lambda r: r["backend"] != "xla_capacity")
-  assert skewed["xla_capacity"]["dropped"] > cap["dropped"] and skewed["xla_dropless_padded"]["dropped"] == 0
+  assert skewed["xla_capacity"]["dropped"] > cap["dropped"] and skewed["xla_dropless:padded"]["dropped"] == 0
   assert free["dropped"] == 0 and cap["dropped"] > 0     # 8 ranks of 256 tokens overflow
   assert cap["checksum"] != free["checksum"] and cap["bitwise_equal_to"] == []
 
@@ -143,6 +143,15 @@ def test_train_step_diff_compares_every_leaf(tmp_path, grad_reduction):
   if grad_reduction == "xla":
     pair = report["pairs"]["xla_dropless_vs_xla_capacity"]
     assert set(pair["grads"]) >= {"embed", "layers.0.ffn.w_gate_up"}
+
+
+def test_train_step_diff_refuses_a_bad_configuration_first(tmp_path, monkeypatch):
+  monkeypatch.setattr(train_step_diff, "_one_backend",
+                      lambda *a, **k: pytest.fail("ran before the names were checked"))
+  with pytest.raises(SystemExit):
+    train_step_diff.main(["--model", "tiny", "--backends", "xla_dropless,pallas:padded",
+                          "--out", str(tmp_path)])
+  assert not list(tmp_path.iterdir())
 
 
 def test_compare_reports_bits_and_size():
@@ -171,10 +180,16 @@ def test_uniform_tokens_are_a_pure_dataset():
 
 
 def test_determinism_sweep_covers_every_tiling_first():
-  from bench.determinism_sweep import TILINGS, sweep_order
+  from bench.determinism_sweep import OVERLAPS, TILINGS, TRANSFERS, sweep_order, transfer_points
   order = sweep_order(TILINGS, ["default", "other"])
   assert [p for _, p in order[:len(TILINGS)]] == ["default"] * len(TILINGS)
   assert [t for t, _ in order[:len(TILINGS)]] == TILINGS
+  # the transfer x overlap points: every pair once, the default transfer without overlap
+  # first, then the default transfer with each overlap point
+  points = transfer_points(TRANSFERS, OVERLAPS)
+  assert len(points) == len(set(points)) == len(TRANSFERS) * len(OVERLAPS)
+  assert TRANSFERS[0] == uniep_jax.TransferConfig() and OVERLAPS[0] is None
+  assert points[:len(OVERLAPS)] == [(TRANSFERS[0], o) for o in OVERLAPS]
 
 
 def _fake_sweep(monkeypatch, checksum_of):
@@ -192,42 +207,85 @@ def test_determinism_sweep_runs_every_point_and_reports_a_mismatch(tmp_path, mon
   sweep = _fake_sweep(monkeypatch, lambda cfg: ("same",))
   assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--out", str(tmp_path)]) == 0
   got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.json")).read_text())
-  # per tiling: the default transfer de-duplicated and not, the fused points, the send
-  # buffer, the expansion in the transfer's launch (its last source on every CTA or
-  # not), the others
-  assert got["swept"] == len(sweep.TILINGS) * (5 + len(sweep.FUSED) + len(sweep.TRANSFERS) - 1)
-  assert sum(r["expand_in_transfer"] for r in got["points"]) == 2 * len(sweep.TILINGS)
-  assert sum(r["expand_last_on_all"] for r in got["points"]) == len(sweep.TILINGS)
-  assert sum(not r["gather_rows"] for r in got["points"]) == len(sweep.TILINGS)
-  dedup = [r["dedup_tokens"] for r in got["points"] if r["fused"] is None
-           and r["gather_rows"] and not r["expand_in_transfer"]
-           and (r["chunk_rows"], r["num_ctas"], r["col_tile"]) == (128, 64, 256)]
-  assert sorted(dedup) == [False] * len(sweep.TILINGS) + [True] * len(sweep.TILINGS)
+  # every tiling x transfer x overlap point, each once
+  n_points = len(sweep.TILINGS) * len(sweep.TRANSFERS) * len(sweep.OVERLAPS)
+  assert got["swept"] == n_points == len({r["point"] for r in got["points"]})
+  assert sum(r["overlap"] is None for r in got["points"]) == len(sweep.TILINGS) * len(sweep.TRANSFERS)
+  assert {r["kernel"] for r in got["points"]} == set(got["pallas_reference"])
+  assert len(got["pallas_reference"]) == len(sweep.TILINGS)
+  # first every tiling at the default transfer without overlap, then with each overlap
+  default = uniep_jax.TransferConfig()
+  first = got["points"][:len(sweep.TILINGS) * len(sweep.OVERLAPS)]
+  assert all((r["chunk_rows"], r["num_ctas"], r["col_tile"]) ==
+             (default.chunk_rows, default.num_ctas, default.col_tile) for r in first)
+  assert all(r["overlap"] is None for r in first[:len(sweep.TILINGS)])
   assert not got["mismatches"] and not got["skipped"]
   # rewritten after every point (a hang later keeps what ran): the last one has them all
   partial = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2.partial.json")).read_text())
   assert partial["partial"] and partial["points"] == got["points"]
   # a point whose bits differ from its "pallas" reference is reported and fails the run
-  bad = lambda cfg: ("other",) if cfg.backend == "uniep" and cfg.fused is not None else ("same",)  # noqa: E731
+  bad = lambda cfg: ("other",) if cfg.backend == "uniep" and cfg.overlap is not None else ("same",)  # noqa: E731
   sweep = _fake_sweep(monkeypatch, bad)
   assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--start", "5",
                      "--out", str(tmp_path)]) == 1
   got = json.loads(next(tmp_path.glob("determinism_sweep_*_ep2_from5.json")).read_text())
-  assert len(got["mismatches"]) == len(sweep.TILINGS) * len(sweep.FUSED)
-  assert all(m["fused"] is not None for m in got["mismatches"])
+  assert len(got["mismatches"]) == (len(sweep.TILINGS) * len(sweep.TRANSFERS)
+                                    * (len(sweep.OVERLAPS) - 1))
+  assert all(m["overlap"] is not None for m in got["mismatches"])
+  # a subset of each list: the first few, named in the file
+  sweep = _fake_sweep(monkeypatch, lambda cfg: ("same",))
+  assert sweep.main(["--shape", "cpu-tiny", "--ep", "2", "--tilings", "1", "--transfers", "2",
+                     "--overlaps", "2", "--out", str(tmp_path)]) == 0
+  got = json.loads(next(tmp_path.glob(
+      "determinism_sweep_*_ep2_tilings1_transfers2_overlaps2.json")).read_text())
+  assert got["swept"] == 4 and len(got["pallas_reference"]) == 1
 
 
 def test_train_throughput_backend_options():
-  assert train_throughput.parse_backend("uniep") == dict(backend="uniep")
-  assert train_throughput.parse_backend("uniep+xla_dswiglu+s3+b4") == dict(
-      backend="uniep", swiglu_grad_in_kernel=False, kernel_stages=3, grad_buckets=4)
-  assert train_throughput.parse_backend("pallas+dswiglu") == dict(backend="pallas",
-                                                                  swiglu_grad_in_kernel=True)
-  assert train_throughput.parse_backend("uniep+fused") == dict(backend="uniep", fused=True)
-  assert train_throughput.parse_backend("uniep+nodd") == dict(backend="uniep", dedup_tokens=False)
-  assert train_throughput.parse_backend("pallas+dd") == dict(backend="pallas", dedup_tokens=True)
-  with pytest.raises(ValueError, match="the options are"):
-    train_throughput.parse_backend("uniep+fast")
+  parse = train_throughput.parse_backend
+  assert parse("uniep") == dict(backend="uniep")
+  assert parse("uniep:overlap:stages=3:buckets=4") == dict(
+      backend="uniep", overlap=True, kernel_stages=3, grad_buckets=4)
+  assert parse("pallas:stages=4") == dict(backend="pallas", kernel_stages=4)
+  assert parse("xla_capacity:cf=2") == dict(backend="xla_capacity", capacity_factor=2.0)
+  # what TrainConfig cannot express, and bad names, fail with the reason
+  for bad, match in [("uniep:fast", "the options overlap, cf=F, stages=N, buckets=N"),
+                     ("uniep:overlap=4", "OverlapConfig"), ("pallas:padded", "no transport"),
+                     ("uniep:auto", "no kernel"), ("uniep:stages=x", "integer"),
+                     ("pallas:overlap", "overlap"), ("uniep_dd", "unknown backend")]:
+    with pytest.raises(ValueError, match=match):
+      parse(bad)
+  # the TrainConfig it maps onto, with TrainConfig's own checks
+  cfg = train_throughput.train_config("uniep:overlap:stages=4", mesh="data=1,expert=4")
+  assert (cfg.backend, cfg.overlap, cfg.kernel_stages, cfg.grad_buckets) == ("uniep", True, 4, None)
+  with pytest.raises(ValueError, match="kernel_stages"):
+    train_throughput.train_config("xla_dropless:stages=3")
+
+
+def test_train_throughput_determinism_runs_follow_the_backends(tmp_path, monkeypatch):
+  """--det-only: the determinism runs (pallas vs uniep, and uniep:overlap vs uniep when
+  it is among --backends) for each model, written to the JSON; a bad name fails first."""
+  calls = []
+
+  def fake(model, mesh, **kw):
+    calls.append((model, mesh, kw))
+    return dict(model=model, mesh=mesh, pallas_equals_uniep=True)
+
+  monkeypatch.setattr(train_throughput, "determinism", fake)
+  monkeypatch.setattr(train_throughput.common, "dense_matmul_tflops", lambda: 1.0)
+  monkeypatch.setattr(train_throughput.common, "start_training_process", lambda det: None)
+  with pytest.raises(SystemExit):
+    train_throughput.main(["--models", "tiny", "--backends", "pallas,uniep:auto", "--det-only",
+                           "--out", str(tmp_path)])
+  assert not calls
+  train_throughput.main(["--models", "tiny", "--meshes", "data=1,expert=8", "--det-only",
+                         "--backends", "pallas,uniep,uniep:overlap", "--det-steps", "3",
+                         "--seq", "32", "--out", str(tmp_path)])
+  ((model, mesh, kw),) = calls
+  assert (model, mesh, kw["steps"], kw["overlap"]) == ("tiny", "data=1,expert=8", 3, True)
+  payload = json.loads(next(tmp_path.glob("train_throughput_*_det.json")).read_text())
+  assert payload["determinism"] == [dict(model="tiny", mesh="data=1,expert=8",
+                                         pallas_equals_uniep=True)]
 
 
 def test_train_throughput_times_a_case(tmp_path):
@@ -242,50 +300,6 @@ def test_train_throughput_times_a_case(tmp_path):
   assert payload["settings"]["tokens"] == "uniform"
   assert row["lr"] == train_throughput.TIMING_LR and row["dropped_fraction"] == 0
   assert row["max_load"] >= 1 and np.isfinite(row["loss_last"])
-
-
-def test_fused_check_driver_writes_every_case_and_fails_loudly(tmp_path):
-  """bench/fused_check.py (the driver of the v1-vs-fused GPU checks) on the CPU with
-  stand-in functions: one passing case, one whose build raises."""
-  from bench import check_fused_gpu, check_fused_return_gpu, fused_check  # noqa: F401 (import on CPU)
-  import jax.numpy as jnp
-
-  def build(mesh, r, case, kernel, transfer):
-    if case == "broken":
-      raise RuntimeError("no kernel here")
-    return (lambda x: x + 1.0), (lambda x: x + 1.0), [jnp.arange(4.0)]
-
-  compare = lambda ya, yb, yc, r: dict(ok=bool(jnp.all(ya == yb) and jnp.all(yb == yc)))  # noqa: E731
-  fields = lambda case: dict(which=case)  # noqa: E731
-  rc = fused_check.main(["--out", str(tmp_path), "--cases", "good", "--no-time"], name="smoke",
-                        cases={"good": "good", "broken": "broken"}, case_fields=fields,
-                        build=build, compare=compare)
-  assert rc == 0
-  rc = fused_check.main(["--out", str(tmp_path), "--no-time"], name="smoke",
-                        cases={"good": "good", "broken": "broken"}, case_fields=fields,
-                        build=build, compare=compare)
-  assert rc == 1
-  (path,) = tmp_path.glob("smoke_*.json")
-  good, broken = json.loads(path.read_text())["results"]
-  assert good["ok"] and good["which"] == "good" and good["R"] == 8
-  assert not broken["ok"] and "no kernel here" in broken["error"]
-
-
-@pytest.mark.parametrize("script", ["check_fused_gpu", "check_fused_return_gpu"])
-def test_fused_check_scripts_lower_for_cuda(script):
-  """The GPU checks' v1 and fused per-rank functions, on their small case, lower to
-  Mosaic GPU (they cannot run here)."""
-  import importlib
-
-  from pallas_kernels import device as device_lib
-  from uniep_jax.config import KernelConfig, TransferConfig
-
-  mod = importlib.import_module(f"bench.{script}")
-  mesh = jax.make_mesh((1, 4), ("data", "expert"), devices=jax.devices()[:4])
-  v1, fused, xs = mod._build(mesh, 4, mod.CASES["small"], KernelConfig(), TransferConfig())
-  for fn in (v1, fused):
-    with device_lib.lowering_for_gpu():
-      assert "mosaic_gpu" in fn.trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_profile_summary_counts_time_and_cross_stream_overlap():
@@ -339,48 +353,10 @@ def test_profile_of_a_training_step_on_cpu(tmp_path, monkeypatch):
   assert payload["settings"]["train_model"] == "tiny"
 
 
-def test_device_session_phases_are_unique_and_documented():
-  """bench/device_session.sh dispatches on the phase name with a bash `case`: a second
-  label of the same name never runs (the SMEM-scalar probe, once named "probe" beside the
-  training-loop probe, did not run on 4x H200, 2026-11-28). Every label is in the header."""
-  import pathlib
-  import re
-  text = (pathlib.Path(__file__).parent.parent / "bench" / "device_session.sh").read_text()
-  body = text[text.index('case "$name" in'):text.index("    *)")]   # to the catch-all
-  labels = re.findall(r"^    ([a-z_]+)\)", body, flags=re.M)
-  assert len(labels) > 10 and len(labels) == len(set(labels)), labels
-  header = {m for m in re.findall(r"^#   ([a-z_]+) ", text, flags=re.M)}
-  assert set(labels) <= header, set(labels) - header
-
-
-def test_transfer_check_runs_both_sides_on_cpu(tmp_path, monkeypatch):
-  """bench/transfer_check.py (the device session's `xfer` phase) on a tiny shape in the
-  interpret mode, each timed function called once: the send side's two forms and the
-  owner side's expansion (gather_live_rows on 64 CTAs, plain and weighted,
-  transfer_expand's local form) run, and both comparisons are bit for bit."""
-  from bench import common, transfer_check
-  monkeypatch.setattr(common, "time_ms", lambda fn, *a, **k: (jax.block_until_ready(fn(*a)), 1.0)[1])
-  transfer_check.main(["--tokens", "24", "--hidden", "128", "--expand-ctas", "64",
-                       "--out", str(tmp_path)])
-  (path,) = tmp_path.glob("transfer_check_*.json")
-  (row,) = json.loads(path.read_text())["rows"]
-  assert row["bitwise_equal"] and row["expand_bitwise_equal"]
-  assert row["recv_rows"] > row["live_rows"]    # ~2.94 receive rows per unique row
-  assert {"expand_64ctas", "expand_64ctas_weighted", "transfer_expand_local"} <= set(row)
-
-
-def test_probe_variants_run_isolated(tmp_path):
-  """bench.common.run_variant_isolated, as the GPU probes use it (smem_scalar_probe,
-  transfer_expand_probe): each variant in a process of its own; a variant that dies
-  leaves a row with its return code and the end of its error, and the others still run."""
-  import json
-  from bench import smem_scalar_probe
-  rc = smem_scalar_probe.main(["--variants", "static_f32,no_such_variant", "--out", str(tmp_path)])
-  assert rc == 1   # one variant failed
-  (path,) = tmp_path.glob("smem_scalar_probe_*.json")
-  ok, bad = json.loads(path.read_text())["results"]
-  assert ok["variant"] == "static_f32" and ok["returncode"] == 0 and ok["equal"] is True
-  assert bad["returncode"] not in (0, None) and "no_such_variant" in bad["error_tail"]
+def test_profile_file_names_of_configurations():
+  from bench.profile_layer import file_part
+  assert file_part("xla_dropless") == "xla_dropless"
+  assert file_part("uniep:overlap=4,2") == "uniep_overlap4-2"
 
 
 def test_time_interleaved_goes_round_robin():
@@ -399,108 +375,77 @@ def test_time_interleaved_goes_round_robin():
   assert [out[n]["reps"] for n in "abc"] == [2, 1, 3]
 
 
-def test_epilogue_probe_variants_change_the_kernel_and_restore():
-  """bench/epilogue_probe.py's variants each lower another Mosaic GPU program (the names
-  it swaps are the ones the kernel body looks up), and the module is whole again after."""
-  import jax
-  import jax.numpy as jnp
-  from bench import epilogue_probe as ep
-  from pallas_kernels import grouped_gemm as gg
-  from uniep_jax.config import KernelConfig
-  bf, s = jnp.bfloat16, jax.ShapeDtypeStruct
-  m, h, f, g = 1024, 256, 256, 2
-  fn = lambda dy, w, gs, hh, uu: gg._row_tiled_call(  # noqa: E731
-      [dy], [w], gs, mode="dswiglu", transpose_b=True, out_dtype=bf, save_hu=False,
-      epi_inputs=(hh, uu), config=KernelConfig(), interpret=False, zero_window=64)
-  args = (s((m, h), bf), s((g, f, h), bf), s((g,), jnp.int32), s((m, f), bf), s((m, f), bf))
-  sizes = {}   # the serialized kernel varies by a few bytes between lowerings: compare sizes
-  for v in ("as_is", "no_tma_store", "no_hu_loads", "no_epilogue", "as_is"):
-    with ep._variant(v):
-      sizes.setdefault(v, []).append(len(jax.jit(lambda *xs: fn(*xs)).trace(*args).lower(
-          lowering_platforms=("cuda",)).as_text()))
-  assert abs(sizes["as_is"][0] - sizes["as_is"][1]) < 100
-  first = sorted(n[0] for n in sizes.values())
-  assert all(b - a > 1000 for a, b in zip(first, first[1:])), sizes
-  with pytest.raises(ValueError):
-    with ep._variant("bogus"):
-      pass
-  assert gg.ladder_store.__name__ == "ladder_store" and gg.plgpu.__name__.endswith("mosaic_gpu")
+def test_check_moe_gpu_bitwise_partners():
+  """bench/check_moe_gpu.py's bitwise guarantees: a transport option, an overlap option
+  and the NVLink transport ("uniep" vs "pallas") change no bit."""
+  from bench.check_moe_gpu import DEFAULT_CONFIGS, bitwise_partner, meshes_for
+  assert bitwise_partner("uniep") == "pallas"
+  assert bitwise_partner("uniep:overlap") == bitwise_partner("uniep:overlap=4,0") == "uniep"
+  assert bitwise_partner("xla_dropless:padded") == "xla_dropless"
+  assert bitwise_partner("pallas:ragged") == "pallas"
+  assert bitwise_partner("uniep:overlap:auto") == "uniep:auto"
+  for name in ("pallas", "xla_dropless", "xla_capacity:cf=100", "uniep:auto"):
+    assert bitwise_partner(name) is None
+  # the default list: every name valid, "uniep" = "pallas", "uniep:overlap" = "uniep"
+  names = DEFAULT_CONFIGS.split(",")
+  for name in names:
+    moe_layer.backend_config(name)
+  assert {(n, bitwise_partner(n)) for n in names} >= {("uniep", "pallas"), ("uniep:overlap", "uniep")}
+  assert meshes_for(8, False, None) == [(8, 1), (4, 2), (2, 4), (1, 8)]
+  assert meshes_for(8, True, None) == [(2, 4), (1, 8)]
+  assert meshes_for(8, False, "1x8,2x4") == [(1, 8), (2, 4)]
+  with pytest.raises(ValueError, match="does not cover"):
+    meshes_for(8, False, "1x4")
 
 
-def test_epilogue_probe_full_tile_tma_keeps_the_bits():
-  """The probe's candidate fix `full_tile_tma` (one TMA for a full tile's chunk, the
-  ladder for partial ones) stores the same bits, in the interpret mode, on groups with
-  full and partial tiles and dead rows (plain and dswiglu launches)."""
-  import chex
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from bench import epilogue_probe as ep
-  from pallas_kernels import grouped_gemm as gg
-  from pallas_testlib import INTERPRET
-  from uniep_jax.config import KernelConfig
-  bf = jnp.bfloat16
-  gs = jnp.asarray(np.array([0, 300, 37, 200, 0, 127], np.int32))
-  m, k, n, g = 768, 128, 256, 6
-  ks = jax.random.split(jax.random.key(7), 4)
-  a = jax.random.normal(ks[0], (m, k), jnp.float32).astype(bf)
-  w = (jax.random.normal(ks[1], (g, n, k), jnp.float32) * k ** -0.5).astype(bf)
-  hh, uu = (jax.random.normal(kk, (m, n), jnp.float32).astype(bf) for kk in ks[2:])
-  cfg = KernelConfig(num_sms=2, max_concurrent_steps=2)
-
-  def launches(a, w, s, hh, uu):
-    kw = dict(transpose_b=True, out_dtype=bf, save_hu=False, config=cfg, interpret=INTERPRET)
-    return (gg._row_tiled_call([a], [w], s, mode="plain", **kw)[0],
-            gg._row_tiled_call([a], [w], s, mode="dswiglu", epi_inputs=(hh, uu), **kw)[0])
-
-  out = {}
-  for v in ("as_is", "full_tile_tma"):
-    with ep._variant(v):
-      out[v] = jax.jit(lambda *xs: launches(*xs)).lower(a, w, gs, hh, uu).compile()(
-          a, w, gs, hh, uu)
-  chex.assert_trees_all_equal(out["full_tile_tma"], out["as_is"])
+@pytest.mark.parametrize("module", [
+    "bench.moe_layer", "bench.check_moe_gpu", "bench.determinism_sweep",
+    "bench.train_throughput", "bench.profile_layer", "bench.train_step_diff",
+    "bench.grouped_gemm", "uniep_jax.autotune"])
+def test_benchmarks_answer_help(module, capsys):
+  """Every benchmark bench/run_gpu.sh runs imports on the CPU and answers --help."""
+  with pytest.raises(SystemExit) as e:
+    importlib.import_module(module).main(["--help"])
+  assert e.value.code == 0 and "usage" in capsys.readouterr().out
 
 
-def test_epilogue_probe_loop_checks_bits_and_interleaves(monkeypatch):
-  """bench/epilogue_probe.py's loop on the CPU, with the two kernel entry points swapped
-  for XLA stand-ins (the real ones compile only for a GPU): every requested variant is
-  timed, one after another and then in interleaved rounds; a same-bits variant is
-  compared with as_is on the live rows only (a stand-in that writes garbage into the
-  dead rows still passes) and a variant whose live rows differ is reported unequal."""
-  import jax.numpy as jnp
-  from bench import epilogue_probe as ep
-  from bench.grouped_gemm import MoeShape
-  from pallas_kernels import grouped_gemm as gg
-
-  def row_tiled(a_list, b_list, gs, *, mode, config, **kw):
-    a, b = a_list[0], b_list[0]
-    w = b[0].T if kw.get("transpose_b") else b[0]
-    out = (a @ w[:a.shape[1]]).astype(a.dtype)
-    dead = jnp.arange(out.shape[0])[:, None] >= gs.sum()
-    out = jnp.where(dead, jnp.asarray(config.raster_rows or -1, out.dtype), out)   # garbage
-    if config.raster_rows == 16:
-      out = out.at[0, 0].add(1)                                  # a live bit differs
-    return (out,)
-
-  monkeypatch.setattr(gg, "_row_tiled_call", row_tiled)
-  monkeypatch.setattr(gg, "_wgrad_call", lambda x, d, s, **kw: (x.T @ d)[None])
-  shape = MoeShape("tiny", 64, 128, 128, 8, 2)
-  row = ep.run_shape(shape, reps=1, trials=1, only={"as_is", "rows4", "rows16"},
-                     only_launches={"down_plain", "dw_down_wgrad"})
-  assert set(row["median_ms"]) == {"down_plain/as_is", "down_plain/rows4",
-                                   "down_plain/rows16", "dw_down_wgrad/as_is"}
-  assert row["bits_equal_to_as_is"] == {"down_plain/rows4": True, "down_plain/rows16": False}
-  assert set(row["interleaved_median_ms"]) == {"down_plain/as_is", "down_plain/rows4",
-                                               "down_plain/rows16"}   # one variant: no rounds
+def test_run_gpu_phases_are_documented_and_an_unknown_one_fails_first(tmp_path):
+  """bench/run_gpu.sh: valid bash; each phase has its branch and its line (with its
+  variable) in the header; an unknown phase or a bad limit stops it before anything
+  runs, with the reason."""
+  subprocess.run(["bash", "-n", str(RUN_GPU)], check=True)
+  text = RUN_GPU.read_text()
+  phases = re.search(r'^PHASES="([a-z ]+)"$', text, flags=re.M).group(1).split()
+  assert phases == ["layer", "gemm", "check", "sweep", "train", "profile", "stepdiff",
+                    "tune", "mp"]
+  header = text[:text.index("set -u")]
+  for phase in phases:
+    assert re.search(rf"^#   {phase} .*\${phase.upper()}_ARGS", header, flags=re.M), phase
+    assert re.search(rf"^    {phase}\)", text, flags=re.M), phase
+  out = tmp_path / "out"
+  for args, why in [(["check:60", "bogus:10"], "unknown phase 'bogus'"),
+                    (["check:soon"], "whole number of seconds"), ([], "usage")]:
+    p = subprocess.run(["bash", str(RUN_GPU), str(out), *args], capture_output=True, text=True,
+                       env=subprocess_env(PYTHON=sys.executable))
+    assert p.returncode == 2 and why in p.stderr, (args, p.stderr)
+    assert not out.exists()
 
 
-def test_chunk_readiness_is_a_monotone_prefix():
-  """bench/chunk_readiness.py: the unique rows a chunk needs grow with the chunk, the
-  last chunk needs all of them, the first only those whose smallest expert is the first
-  (about 1/El of the slots times the slots per unique row: ~7% at qwen3-like EP 4)."""
-  from bench import chunk_readiness
-  rows = chunk_readiness.readiness(tokens=4096, experts=128, top_k=8, ep=4, chunk_rows=512)
-  needed = [r[3] for r in rows]
-  assert needed == sorted(needed) and needed[-1] == 1.0
-  assert 0.03 < needed[0] < 0.12
-  assert [r[2] for r in rows] == sorted(r[2] for r in rows) and rows[-1][2] == 31
+def test_run_gpu_runs_phases_under_their_limits(tmp_path):
+  """bench/run_gpu.sh end to end on the CPU: the check phase cut by a 1 s limit, then
+  again (into check_2/) to its end with CHECK_ARGS; logs, the JSON and the summary in
+  the folder; exit 1 since one phase did not exit 0."""
+  out = tmp_path / "out"
+  env = subprocess_env(PYTHON=sys.executable, KILL_GRACE_S="1",
+                       CHECK_ARGS="--backends xla_dropless --dtypes float32")
+  p = subprocess.run(["bash", str(RUN_GPU), str(out), "check:1", "check:300"], env=env,
+                     capture_output=True, text=True, timeout=400)
+  assert p.returncode == 1, p.stdout + p.stderr
+  log = (out / "run_gpu.log").read_text()
+  assert "== check: timed out" in log and "== check_2: ok (exit 0)" in log, log
+  assert "--out " + str(out / "check_2") + " --backends xla_dropless --dtypes float32" in log
+  assert (out / "check.log").exists() and "4 passed, 0 failed" in (out / "check_2.log").read_text()
+  (path,) = (out / "check_2").glob("check_moe_gpu_*.json")
+  report = json.loads(path.read_text())
+  assert report["complete"] and (report["passed"], report["failed"]) == (4, 0)
+  assert report["configurations"] == ["xla_dropless"]
