@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 
 import jax
 
@@ -22,7 +20,7 @@ from uniep_jax.measure import (SHAPES, SMOKE_SHAPES, MoEShape, _batch_ms, block,
 
 def dump_stacks_on_usr1() -> None:
   """SIGUSR1 prints every thread's Python stack to stderr and the run goes on.
-  bench/device_session.sh stops its long phases with `timeout -s USR1 -k ...`, so a
+  bench/run_gpu.sh stops its phases with `timeout -s USR1 -k ...`, so a
   run cut by its limit says where it was (a hang and a slow compile look alike from
   outside)."""
   faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -37,42 +35,6 @@ def start_training_process(xla_deterministic: bool) -> None:
   request_nccl_group_launch()
   if xla_deterministic:
     request_xla_determinism()
-
-
-def run_variant_isolated(module: str, variant: str, timeout_s: int) -> dict:
-  """`python -m <module> --one <variant>` in a process of its own (a GPU fault takes the
-  CUDA context with it; a hang is a finding too): its last stdout line, a JSON object,
-  plus variant and returncode; else error_tail, the end of its output without CUDA's
-  teardown noise."""
-  try:
-    p = subprocess.run([sys.executable, "-m", module, "--one", variant], capture_output=True,
-                       text=True, timeout=timeout_s)
-  except subprocess.TimeoutExpired as e:
-    return dict(variant=variant, returncode=None, error_tail=f"timeout after {e.timeout} s")
-  row = dict(variant=variant, returncode=p.returncode)
-  last = (p.stdout.strip().splitlines() or [""])[-1]
-  if p.returncode == 0 and last.startswith("{"):
-    return row | json.loads(last)
-  noise = ("Error destroying", "Failed to unload", "Source Location", "cuda_status.cc",
-           "Failed to destroy", "Stream not idle", "Failed to free", "Failed to synchronize")
-  lines = [ln for ln in (p.stderr or p.stdout).splitlines()
-           if ln.strip() and not any(n in ln for n in noise)]
-  return row | dict(error_tail="\n".join(lines[-25:])[-3000:])
-
-
-def run_probe(name: str, variants: list[str], out: str | None, timeout_s: int) -> int:
-  """A GPU probe's parent process: every variant of `bench.<name>` isolated
-  (`run_variant_isolated`), each row printed, all in <out>/<name>_<device>.json with the
-  run's metadata. Returns 0 when every variant ran and matched its reference ("equal")."""
-  meta = run_metadata()
-  results = []
-  for variant in variants:
-    row = run_variant_isolated(f"bench.{name}", variant, timeout_s)
-    print(row, flush=True)
-    results.append(row)
-  write_json(os.path.join(out_dir(out), f"{name}_{device_tag(meta)}.json"),
-             dict(meta, benchmark=name, results=results))
-  return 0 if all(r.get("equal") for r in results) else 1
 
 
 def same_bits(a, b) -> bool:

@@ -13,7 +13,9 @@ each "uniep" point three times, and records a bitwise checksum of each
 (`uniep_jax.measure.tree_checksum`). A point must be repeatable and equal its tiling's
 "pallas" reference: the transfer and overlap knobs only move rows, and the tile order
 changes no bit. Across different block_k the accumulation order over K differs, so only
-equality within a tiling is required; the JSON also says whether all tilings agree.
+equality within a tiling is required; the JSON also says whether all tilings agree. At
+EP 1 "uniep" runs its one-rank form ("pallas", no transfer, no overlap): the sweep then
+checks the tilings only.
 
 Points run in priority order, round robin over the tilings (`sweep_order`): the
 default transfer without overlap, then the default transfer with each overlap point,
@@ -169,6 +171,9 @@ def main(argv=None):
   mesh = jax.make_mesh((1, ep), ("data", "expert"), devices=jax.devices()[:ep])
   meta = common.run_metadata()
   print(meta, flush=True)
+  if ep == 1:
+    print("EP 1: backend 'uniep' runs as 'pallas' (its one-rank form): only the tilings "
+          "are checked", flush=True)
   x, p = _inputs(shape, mesh)
   points, mismatches, skipped = [], [], []
   reference = {}

@@ -334,7 +334,7 @@ def main(argv=None):
       if "short_batch_median_ms" in row and "short_batch_median_ms" in cap[0]:
         row["short_batch_speedup_vs_xla_capacity"] = (cap[0]["short_batch_median_ms"]
                                                       / row["short_batch_median_ms"])
-    # which other backends gave the same bits on this case (uniep, uniep_fused and
+    # which other configurations gave the same bits on this case (uniep, uniep:overlap and
     # pallas must: same receive layout, same GEMM tiles)
     row["bitwise_equal_to"] = sorted(
         r["backend"] for r in results if r is not row and r.get("checksum") == row.get("checksum")

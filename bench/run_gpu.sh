@@ -29,10 +29,12 @@
 #
 # Environment: PYTHONPATH (the repository first), PYTHONUNBUFFERED=1, OUT=OUT_DIR,
 # NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-# (no NVLink multicast), GIT_COMMIT from the repository's BENCH_COMMIT when present
-# (bench/stamp_commit.sh writes it), and for sweep and tune XLA's deterministic ops
-# (--xla_gpu_deterministic_ops=true added to XLA_FLAGS: no GEMM autotuning while their
-# compile threads run). $PYTHON: the interpreter (default python3).
+# (no NVLink multicast), GIT_COMMIT from the repository's BENCH_COMMIT when present, and
+# for sweep and tune XLA's deterministic ops (--xla_gpu_deterministic_ops=true added to
+# XLA_FLAGS: no GEMM autotuning while their compile threads run). $PYTHON: the
+# interpreter (default python3). Run `bash bench/stamp_commit.sh` before copying the
+# tree to the GPU machine: a .git there, if any, may not be this tree's, and the JSONs
+# would name its commit.
 set -u
 
 PHASES="layer gemm check sweep train profile stepdiff tune mp"

@@ -1,9 +1,9 @@
 """`ModelConfig`: shapes of the decoder-only MoE transformer, and the named configs.
 
-`tiny` trains on a CPU in minutes (byte vocabulary). The GPU configs take the MoE
-shapes of `shared/notes/targets.md` (H, F, E, K per layer) with a few layers and
-attention shaped like the model they imitate (grouped-query; DeepSeek's MLA is
-replaced by GQA).
+`tiny` trains on a CPU in minutes (byte vocabulary). The GPU configs take the target
+MoE shapes (`uniep_jax.measure.SHAPES`: H, F, E, K per layer) with a few layers and
+attention shaped like the model they imitate (grouped-query; GQA stands in for
+DeepSeek's MLA).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype; parameters are float32
   routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
   use_expert_bias: bool = False  # auxiliary-loss-free balancing
-  # peak AdamW learning rate of `python -m train` unless --lr. 3e-3 suits tiny; it blew
-  # the 4096-wide mixtral-like up on its first full update (loss 10.7 -> 28.6, 4x H200,
-  # bench/results/train_loop_probe_NVIDIA_H200_x4.log), so the GPU-sized configs take
-  # 3e-4, the usual peak at this size (not yet measured here).
+  # peak AdamW learning rate of `python -m train` unless --lr. 3e-3 suits tiny; it blows
+  # the 4096-wide mixtral-like up on its first full update (loss 10.7 -> 28.6 on 4x
+  # H200), so the GPU-sized configs take 3e-4, the usual peak at this size (not tuned
+  # here).
   learning_rate: float = 3e-3
 
   def __post_init__(self):

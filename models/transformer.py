@@ -158,11 +158,11 @@ def lm_head_logits(x: jax.Array, w_head: jax.Array, mesh=None) -> jax.Array:
   The forward GEMM runs on x's dtype with float32 accumulation. The backward casts
   the float32 logit cotangent to x's dtype before its two GEMMs (dx = dlogits @ w^T,
   dw = x^T @ dlogits, both accumulated in float32), as mixed-precision training does
-  for the output layer. Left to autodiff, the float32 cotangent promoted both GEMMs
-  to float32 operands: on H100 they ran as TF32 kernels, 4.0 + 2.5 ms of a ~66 ms
-  mixtral-like training step (bench/results/profiles/profile_train_*_after_opt_sharding.json),
-  for ~2.7 ms of bf16 work at the rate of the forward's bf16 head GEMM in the same
-  profile (an estimate, not yet measured). With float32 x this is the plain einsum."""
+  for the output layer. Left to autodiff, the float32 cotangent promotes both GEMMs
+  to float32 operands: on H100 they run as TF32 kernels, 4.0 + 2.5 ms of a ~66 ms
+  mixtral-like training step, for ~2.7 ms of bf16 work at the rate of the forward's
+  bf16 head GEMM in the same profile (an estimate, not measured itself). With float32
+  x this is the plain einsum."""
   return _head_fwd_logits(x, w_head)
 
 

@@ -51,7 +51,7 @@ sources write adjacent segments of one peer's buffer without overlap.
 
 Gathered sources (`src_index`: the de-duplicated dispatch's rows): the segments
 index positions of an int32 index (appended behind the work lists in the same GMEM
-array) and item row i is src[index[src_row + i]]. v3 tiling: src and out viewed 3-D,
+array) and item row i is src[index[src_row + i]]. Tiling: src and out viewed 3-D,
 [rows, H / ct, ct] (ct <= col_tile, `row_gather.column_blocking`), items of
 min(chunk_rows, GATHER_ITEM_ROWS = 16) rows x one column block of nb boxes (nb * ct = H
 unless two stages of [16, nb, ct] would not fit in 160 KiB: bf16 H 2048 -> one block of
@@ -62,10 +62,10 @@ A step's stores (one bulk-async group) are issued before the next step's loads
 (`tma.two_stage_copy_loop(stores_first=True)`: the loads take long to issue; the stores
 stay in flight meanwhile). It saves the de-duplicated dispatch's separate gather into a contiguous
 send buffer (`row_gather.gather_live_rows`: one HBM write and read of every send row).
-History (NOTES_ep_transfer.md): v1/v2 loaded [1, col_tile] boxes, 8 TMA loads per row
-at H 2048 (28 at H 7168) into the plain tiling's [128, 256] stage: the transfer got
-~27% slower (qwen3-like EP 4, 4x H200: 1.16 -> 1.47 ms per call for the two
-dispatches), eating the gathers' 0.25 ms.
+Why whole rows per box: gathered loads of [1, col_tile] boxes into the plain tiling's
+[128, 256] stage take 8 TMA loads per row at H 2048 (28 at H 7168) and make the
+transfer ~27% slower (qwen3-like EP 4, 4x H200: 1.16 -> 1.47 ms per call for the two
+dispatches), more than the 0.25 ms the separate gather costs (docs/decisions.md).
 
 Synchronisation contract
 ------------------------
@@ -176,8 +176,8 @@ class TransferConfig:
 
 # Gathered loads (`src_index`): rows per work item (the store ladder's largest step;
 # min(chunk_rows, this)), and row loads issued per loop iteration (the index reads of one
-# iteration are independent, so their latencies overlap; v1's fully unrolled 128-row
-# chunk took 185 s to compile for the qwen3-like layer against 76 s without it)
+# iteration are independent, so their latencies overlap; a fully unrolled 128-row item
+# takes 185 s to compile for the qwen3-like layer, against 76 s with this loop)
 GATHER_ITEM_ROWS = 16
 GATHER_UNROLL = 16
 
@@ -188,7 +188,7 @@ def work_lists(seg_src, seg_dst, seg_len, *, rank, src_rows: int, chunk_rows: in
 
   seg_*: [R, El] int32 indexed by (peer, local expert). Returns int32
   [R, 3 * W + 1]: src_row[W], dst_row[W], rows[W], live item count. sign -1: row j
-  is the peer that sends to this rank at offset j (`transfer_expand`'s copy lists).
+  is the peer that sends to this rank at offset j (lists of what this rank receives).
   """
   r, el = seg_len.shape
   w = pl.cdiv(src_rows, chunk_rows) + el
@@ -215,7 +215,8 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   `work_lists`: src_row at [base + i], dst_row at [base + w + i], rows at
   [base + 2w + i]), each moved column tile by column tile through the two SMEM
   stages into `dst_gmem` (local or a peer's `remote_ref`) with the store ladder.
-  Shared by this kernel and the fused dispatch + GEMM kernel.
+  Shared by this kernel (and, through `_transfer_body`, `wgrad_return.py`) and by
+  `down_gemm_return.py`'s chunk loop.
 
   index_base: None: an item's rows are src rows src_row .. src_row + rows - 1, one
   [item_rows, col_tile] TMA load (2-D refs; col_tile: columns per step). Else the rows
@@ -225,16 +226,16 @@ def move_items(work_gmem, src_gmem, dst_gmem, stage_smem, load_barrier, *, base,
   columns of a column block in one box), GATHER_UNROLL per loop iteration (item_rows
   loads per step; rows past the item's end load its last row again and are never
   stored; load_barrier must count item_rows arrivals).
-  scale (gathered only): None, or scale_gmem (float32 [N + item_rows], padded): item row
-  i is stored as (scale[src_row + i] * f32(row)).astype(dtype), `row_gather.
-  gather_live_rows`'s weighted copy, bit for bit (the same helper, `row_gather.
-  scale_stage_rows`), each weight read as a scalar from GMEM. (A box of weights in SMEM
-  by TMA, as gather_live_rows loads them, faulted here with CUDA_ERROR_ILLEGAL_
-  INSTRUCTION on an H200: an item's first row is any position, so the box starts at any
-  4-byte offset, where gather_live_rows' tiles start at multiples of 16 rows. See
-  NOTES_transfer_expand.md, 2026-11-28.)
-  stages: SMEM stages (stage_smem's and load_barrier's leading dimension; `tma.copy_loop`),
-  2 everywhere but Kernel D's copies (`FusedConfig.overlap_copy_stages`)."""
+  scale (gathered only; no kernel of this package passes it): None, or scale_gmem
+  (float32 [N + item_rows], padded): item row i is stored as
+  (scale[src_row + i] * f32(row)).astype(dtype), `row_gather.gather_live_rows`'s
+  weighted copy, bit for bit (the same helper, `row_gather.scale_stage_rows`), each
+  weight read as a scalar from GMEM. (Not a box of weights in SMEM by TMA, as
+  gather_live_rows loads them: that faults with CUDA_ERROR_ILLEGAL_INSTRUCTION on an
+  H200, because an item's first row is any position, so the box starts at any 4-byte
+  offset, where gather_live_rows' tiles start at multiples of 16 rows.)
+  stages: SMEM stages (stage_smem's and load_barrier's leading dimension; `tma.copy_loop`);
+  every kernel here uses 2."""
   if scale is not None and index_base is None:
     raise ValueError("move_items: scale needs the gathered form (index_base)")
   ns, width = src_gmem.shape[:2]      # width: columns (2-D) or boxes (3-D) per row

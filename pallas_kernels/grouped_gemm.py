@@ -114,7 +114,7 @@ over its row blocks in one CTA. Tile order: each group's (k tile, n tile) grid i
 bands of `KernelConfig.wgrad_raster` k tiles (`_raster`; None: 4), n tiles outer, so
 the tiles in flight share dout panels; which CTA runs a tile, and when, changes no bit.
 
-Padding (the cost is a copy of the padded operand, measured in NOTES):
+Padding (the cost is a copy of the padded operand; docs/performance.md):
   contraction dims are padded to a multiple of block_k, output column dims to
   a multiple of the CTA tile, M to a multiple of block_m (the TMA row offset
   must be provably tile-aligned; MoE buffers sized T * top_k are already
@@ -155,7 +155,7 @@ class KernelConfig:
 
   block_m / block_n / block_k: the tile (rows of tokens, output columns, reduction
     step). block_k is fixed per launch: a row's result never depends on which other
-    rows share the launch (no M-dependent split-K). Each CTA runs 2 compute
+    rows share the launch (no M-dependent split-K). Each CTA has 2 compute
     warpgroups: block_n is the width of ONE warpgroup's tile (CTA tile
     block_m x 2 block_n for forward and dgrad; "swiglu" gives each warpgroup
     block_n / 2 columns, so block_n must be a multiple of 128 there), and wgrad tiles
@@ -309,8 +309,8 @@ def _group_bounds(group_sizes, m: int):
   sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
   cumsum = jnp.cumsum(sizes)
   ends = jnp.minimum(cumsum, m)
-  # from the unclipped sums: a group past m is empty (starts were once ends - sizes,
-  # which made the groups overlap when the sizes summed past m)
+  # from the unclipped sums, so a group past m is empty (ends - sizes would make the
+  # groups overlap when the sizes sum past m)
   starts = jnp.minimum(cumsum - sizes, m)
   return starts, ends
 
@@ -437,13 +437,13 @@ def _dswiglu_epilogue(da, h_gmem, u_gmem, dhu_gmem, hu_smem, hu_barrier, *, load
 
 # KernelConfig.raster_rows=None: bands of RASTER_AUTO_ROWS row tiles for a launch whose
 # weight per group (K x N x rhs operands) is at least RASTER_AUTO_MIN_BYTES, bands of
-# RASTER_AUTO_ROWS_LARGE from RASTER_AUTO_LARGE_BYTES, else row-major. Measured on 1x H100
-# (KernelConfig's docstring): weights of 29-235 MB gain 8-13% per FFN fwd+bwd, weights
-# of 2.9-6.3 MB (L2-resident) lose 1-3%. On 4x H200 (2026-11-28, run 50) bands of 4
-# instead of 8: mixtral-like (weights of 117 and 235 MB) -0.4 to -0.7 ms per layer
-# fwd+bwd, deepseek-like (29 and 59 MB) +0.3 to +0.5 (inside its spread); one H200
-# (bench/epilogue_probe.py, mixtral-like): dx 6.07 -> 5.64 ms, gate/up 6.43 -> 6.24, da
-# 3.29 -> 3.21. Empirical: the two shapes measured, not a model.
+# RASTER_AUTO_ROWS_LARGE from RASTER_AUTO_LARGE_BYTES, else row-major. Why (1x H100):
+# weights of 29-235 MB gain 8-13% per FFN fwd+bwd with bands of 8, weights of 2.9-6.3 MB
+# (L2-resident) lose 1-3%. Bands of 4 instead of 8 (4x H200): mixtral-like (weights of
+# 117 and 235 MB) -0.4 to -0.7 ms per layer fwd+bwd, deepseek-like (29 and 59 MB) +0.3
+# to +0.5 (inside its spread); on one H200, mixtral-like: dx 6.07 -> 5.64 ms, gate/up
+# 6.43 -> 6.24, da 3.29 -> 3.21. Empirical: the two shapes measured, not a model
+# (docs/decisions.md, "Tile orders").
 RASTER_AUTO_ROWS = 8
 RASTER_AUTO_MIN_BYTES = 16 << 20
 RASTER_AUTO_ROWS_LARGE = 4
@@ -828,10 +828,10 @@ def _wgrad_kernel(bounds_gmem, lhs_gmem, dout_gmem, out_gmem, *, num_groups: int
 # 128 columns): b ~ sqrt(132 * 128 / 256) ~ 8 minimises those bytes. Row-major (b = 1)
 # reads one lhs panel and ~132 dout panels per step, so a group whose dout leaves L2
 # (mixtral-like dw_gate_up: [8192, 28672], 470 MB) is read from HBM once per k-tile.
-# Measured (bench/epilogue_probe.py, 1x H200, the layer's EP 4 rows, ms for b = 1 / 4 /
-# 8 / 16): mixtral-like dw_gate_up 6.31 / 5.50 / 5.61 / 5.76, dw_down 2.60 / 2.53 / 2.69
-# / 2.61; deepseek-like and qwen3-like (groups whose operands stay in L2) level within
-# the run-to-run spread (~5% on deepseek-like). 4, not the bytes model's 8.
+# Measured (1x H200, the layer's EP 4 rows, ms for b = 1 / 4 / 8 / 16): mixtral-like
+# dw_gate_up 6.31 / 5.50 / 5.61 / 5.76, dw_down 2.60 / 2.53 / 2.69 / 2.61; deepseek-like
+# and qwen3-like (groups whose operands stay in L2) level within the run-to-run spread
+# (~5% on deepseek-like). Hence 4, not the bytes model's 8.
 WGRAD_RASTER_AUTO = 4
 
 
@@ -1189,8 +1189,8 @@ def grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
   first ones, up to round_up(sum(group_sizes), block_k), do (also in dx), and the
   later rows of y and dx are undefined, never written: the MoE layer's receive
   buffer is sized for the worst case (R*T*K rows, ~1/R of them live), and every
-  kernel then skips its dead tiles instead of storing zeros (measured:
-  NOTES_grouped_gemm.md). The backward needs the cotangent dy finite in that
+  kernel then skips its dead tiles instead of storing zeros (docs/performance.md).
+  The backward needs the cotangent dy finite in that
   window (the wgrad multiplies it by zeros). F need not be a multiple of 64.
 
   Saved for the backward pass: a, h, u (x.dtype, written by the gate/up

@@ -1,6 +1,6 @@
 """Index arithmetic on ragged runs, shared by the plan and every kernel work list.
 
-Runs of `counts[r]` elements laid end to end (run 0 first) are enumerated by a
+Runs of `counts[r]` elements laid end to end in the order of r are enumerated by a
 flat index i; ranges of rows are cut into pieces at multiples of a block. Both
 are sorts-free, atomic-free int32 arithmetic (cumsum + searchsorted), so every
 work list built on them is a pure function of its inputs.
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 
 # jnp.searchsorted's default method ("scan") is a loop over the log2(n) bisection
 # steps, which XLA:GPU runs as a while loop driven from the host: each step costs a
-# device-to-host round trip (4x H200, 2026-11-27, profile of the uniep forward at
-# qwen3-like: ~40 us per step, ~20 steps per search, ~1 ms of idle GPU per search in
-# the de-duplication plan). Unrolled, the same steps are straight-line gathers; the
-# result is the same integer either way.
+# device-to-host round trip (profile of the uniep forward at qwen3-like on 4x H200:
+# ~40 us per step, ~20 steps per search, ~1 ms of idle GPU per search in the
+# de-duplication plan). Unrolled, the same steps are straight-line gathers; the result
+# is the same integer either way.
 SEARCH_METHOD = "scan_unrolled"
 
 

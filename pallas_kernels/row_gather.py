@@ -1,8 +1,8 @@
 """Rows gathered by index into consecutive output rows, live rows only (one GPU).
 
-The owner-side half of token de-duplication (`uniep_jax/dedup.py`): a source
-sends each token once per destination rank; the owner copies it to every receive
-layout row of its experts that the token selected. XLA's gather would write the
+The owner-side half of token de-duplication (`uniep_jax/transport.send_unique`, plan
+`uniep_jax/layout.DedupPlan`): a source sends each token once per destination rank; the
+owner copies it to every receive layout row of its experts that the token selected. XLA's gather would write the
 whole worst-case receive layout (R*T*K rows, 2 GiB at qwen3-like); this kernel
 writes only rows [0, live), `live` read from memory, so its cost follows the live
 rows.
@@ -35,9 +35,9 @@ Buffers
 SMEM: 2 stages of [G, nb, ct] in the src dtype, no swizzle (a store may start at
 any row). Default bf16, G = 16, H = 2048: 2 x 64 KiB. scale: 2 stages of
 [_metadata_box(G)] float32 (>= G, a multiple of 32), the tile's weights (one TMA box of
-the padded weights, 128-byte rows; read as SMEM
-scalars: with scalar GMEM loads in the row loop it took 1.58x the plain copy's time in
-the layer, with this 1.01x alone; NOTES_row_gather.md v5).
+the padded weights, 128-byte rows; read as SMEM scalars: with scalar GMEM loads in the
+row loop the weighted copy takes 1.58x the plain copy's time in the layer, with the box
+1.01x).
 
 Synchronisation contract (one CTA; CTAs share nothing but disjoint output rows)
 ------------------------
@@ -126,7 +126,7 @@ def scale_stage_rows(stage_smem, stage, rows: int, weight):
   """The weighted copy's multiply, in place before the stores: stage row i <-
   (weight(i) * f32(row)).astype(dtype), weight(i) a float32 scalar (the live-rows gather
   reads it from its SMEM box of weights, the transfer's weighted copies from GMEM), one
-  multiply and one rounding (the plain combine's backward per slot, `dedup._scale_rows`),
+  multiply and one rounding (the plain combine's backward per slot, `uniep_jax.combine`),
   then `commit_smem` so the TMA stores see it. The live-rows gather and the transfer's
   weighted copies (`ep_transfer.move_items(scale=...)`) both use it, so their bits agree
   by construction."""

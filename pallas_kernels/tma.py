@@ -8,7 +8,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def two_stage_copy_loop(steps, load, store, load_barrier, *, stores_first: bool = False):
-  """`copy_loop` with two stages (the form every kernel but Kernel D's copies uses)."""
+  """`copy_loop` with two stages (the form every kernel here uses)."""
   copy_loop(steps, load, store, load_barrier, stages=2, stores_first=stores_first)
 
 

@@ -114,7 +114,7 @@ def gmm_wgrad_with_return(lhs, dout, group_sizes, rows, seg_src, seg_dst, seg_le
   col_tile = transfer.col_tile_for(hidden, itemsize=jnp.dtype(rows.dtype).itemsize,
                                    smem_bytes=smem - gg._SMEM_RESERVE)
   item_rows = transfer.chunk_rows
-  if ns < item_rows:   # the load box must fit inside rows (as v1)
+  if ns < item_rows:   # the load box must fit inside rows (as in `transfer_segments`)
     rows = jnp.pad(rows, ((0, item_rows - ns), (0, 0)))
   work = ep_transfer.work_lists(seg_src, seg_dst, seg_len, rank=lax.axis_index(axis_name),
                                 src_rows=rows.shape[0], chunk_rows=item_rows)

@@ -50,12 +50,12 @@ EXTRAS="test"
 STAMP="$VENV/.uniep-installed-$EXTRAS"
 if [[ ! -f "$STAMP" || "$ROOT/pyproject.toml" -nt "$STAMP" ]]; then
   echo "setup: installing uniep-jax[$EXTRAS] and its dependencies into $VENV"
-  # a current pip: the one fresh-clone CI run with the venv's own (23.2 with Python
-  # 3.12.1) spent 92 s in set-up against 78 s the run before (2026-11-27)
+  # a current pip: an old one (23.2, the venv's own with Python 3.12.1) makes a
+  # fresh set-up slower (92 s against 78 s on a CI machine)
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
   # pip byte-compiles every installed file on one core; compileall on every core instead
-  # (2-core machine, 2026-11-28: 29.7 s -> 11.6 + 8.8 s). The .pyc files must exist: with
-  # PYTHONDONTWRITEBYTECODE set (as here) every process would compile its imports again
+  # (on a 2-core machine 29.7 s -> 11.6 + 8.8 s). The .pyc files must exist: with
+  # PYTHONDONTWRITEBYTECODE set every process would compile its imports again
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile -e "$ROOT[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
   "$VENV/bin/python" -c 'import jax, flax, optax, chex, orbax.checkpoint, pytest, xdist' \

@@ -8,10 +8,10 @@ cd "$ROOT"
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 # Two workers (pytest-xdist; UNIEP_TEST_WORKERS overrides, 0: none), one test file each at a
-# time (a file's compiled programs and module fixtures stay in one process): 2-core CI
-# machine, 2026-11-26: 853 s in one process, 603 s in two. (Longest files first was
-# tried, 2026-11-27: 935 and 987 s against 874-964 s in xdist's order, most files with the
-# most tests first: the two workers then ran the interpreted-kernel files side by side.)
+# time (a file's compiled programs and module fixtures stay in one process): on a 2-core CI
+# machine the suite takes 853 s in one process and 603 s in two. Files run in xdist's own
+# order: sorting the longest first puts the interpreted-kernel files side by side on the
+# two workers and is slower (docs/decisions.md).
 WORKERS="${UNIEP_TEST_WORKERS:-2}"
 XDIST=()
 [[ "$WORKERS" != 0 ]] && XDIST=(-n "$WORKERS" --dist loadfile)
@@ -20,8 +20,8 @@ XDIST=()
 # kernel launch's body ahead of time, even for a launch it ran before; the same programs in
 # several tests and in both workers) is loaded instead. Keyed by the whole program, so a
 # program that differs in anything is compiled. Tests that use a cache of their own
-# (test_train, test_multiprocess) switch to it and back. 2-core machine, 2026-11-27:
-# test_grouped_gemm 230 -> 202 s, test_ordered_reduce warm 54 -> 13 s.
+# (test_train, test_multiprocess) switch to it and back. On a 2-core machine it takes
+# test_grouped_gemm from 230 to 202 s and a warm test_ordered_reduce from 54 to 13 s.
 if [[ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]]; then
   CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/uniep_test_jax_cache.XXXXXX")"
   trap 'rm -rf "$CACHE_DIR"' EXIT

@@ -6,10 +6,10 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 # XLA:CPU's LLVM backend at -O0 without its expensive passes: the suite compiles hundreds of
-# small programs and runs each a few times, so compile time dominates (2-core machine,
-# 2026-11-28: test_cli_end_to_end + test_expert_parallel_matches_expert_1 64.0 -> 57.3
-# user-s, a fused plumbing test 70.3 -> 57.9; the fresh-clone CI run's pytest 905.8 ->
-# 689.5 s, 311 passed either way). Codegen only: the HLO, and so every
+# small programs and runs each a few times, so compile time dominates (on a 2-core
+# machine: test_cli_end_to_end + test_expert_parallel_matches_expert_1 64.0 -> 57.3
+# user-s; the fresh-clone CI run's pytest 905.8 -> 689.5 s, the same tests passing
+# either way). Codegen only: the HLO, and so every
 # reduction's order, is the same; every bitwise comparison in the suite is between
 # programs compiled with the same flags (subprocesses inherit them: `subprocess_env`).
 # Only on the CPU: on a GPU the same flags would steer XLA:GPU's LLVM pipeline too.
@@ -23,9 +23,9 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 # numpy's OpenBLAS on one thread (read when numpy loads, so before it is imported). The
 # Mosaic GPU interpreter runs every wgmma as a small np.matmul ([128, 64] @ [64, 128]);
 # threaded OpenBLAS splits each over the cores and its worker spin-waits between calls
-# (2-core CI machine, 2026-11-27: 0.86 ms per such product with both cores busy vs 0.08
-# ms on one thread; the spinning worker took 13% of a Pallas test's CPU time, CPU the
-# other pytest worker needed). No bit depends on it: OpenBLAS splits a product over its
+# (on a 2-core CI machine: 0.86 ms per such product with both cores busy vs 0.08 ms on
+# one thread; the spinning worker takes 13% of a Pallas test's CPU time, CPU the other
+# pytest worker needs). No bit depends on it: OpenBLAS splits a product over its
 # threads by blocks of the output, never along K, and the interpreter's products are
 # float64 and exact anyway (_NumpyWithRowInvariantMatmul below).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -51,13 +51,13 @@ class _NumpyWithRowInvariantMatmul:
   The Mosaic GPU interpreter (CPU interpret mode) computes each wgmma as
   `acc + np.matmul(a, b, dtype=float32)`, i.e. with the BLAS numpy was built with.
   OpenBLAS's float32 kernels round a row's dot products differently depending on
-  where the row sits in the matrix on some CPUs (measured 2026-11-27 on a 2-core AMD
-  EPYC with AVX2: every one of 127 row shifts of a [128, 64] @ [64, 128] product
-  changed bits; an earlier machine did not), which a GPU's wgmma does not do. The
-  grouped GEMM's row-invariance test then failed on the CPU (1 bf16 element in
-  32768) for a reason outside the kernel. In float64 the products of bf16/f16
-  operands are exact, and so are their sums unless the terms span more than ~2^30,
-  so a row's result no longer depends on its position or on the CPU's BLAS. Only
+  where the row sits in the matrix on some CPUs (on a 2-core AMD EPYC with AVX2 every
+  one of 127 row shifts of a [128, 64] @ [64, 128] product changes bits; other CPUs
+  do not), which a GPU's wgmma does not do. The grouped GEMM's row-invariance test
+  would then fail on such a CPU (1 bf16 element in 32768) for a reason outside the
+  kernel. In float64 the products of bf16/f16 operands are exact, and so are their
+  sums unless the terms span more than ~2^30, so a row's result does not depend on
+  its position or on the CPU's BLAS. Only
   the interpreter's module sees this (`gpu_callbacks.np`); numpy itself is untouched.
   """
 
@@ -72,7 +72,7 @@ class _NumpyWithRowInvariantMatmul:
 
 try:
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as _gpu_callbacks
-except ImportError:   # the interpreter moved: tests run with numpy's own matmul
+except ImportError:   # no such interpreter module in this jax: numpy's own matmul
   _gpu_callbacks = None
 if _gpu_callbacks is not None and hasattr(_gpu_callbacks, "np"):
   _gpu_callbacks.np = _NumpyWithRowInvariantMatmul()

@@ -76,7 +76,7 @@ def float_scatter_adds(jaxpr, width: int | None = None) -> list[str]:
 def host_stepped_loops(stablehlo_text: str) -> list[str]:
   """The while loops of a lowered program that run more than once, each as its loop line
   (XLA:GPU steps a while loop from the host: a round trip per step; jnp.searchsorted's
-  default "scan" method is one, `uniep_jax.ragged.SEARCH_METHOD` unrolls it). A loop whose
+  default "scan" method is one, `pallas_kernels.ragged.SEARCH_METHOD` unrolls it). A loop whose
   condition is `counter < 1` (a scan of one step, e.g. a bisection over one entry, left
   to XLA's loop simplifier) is not one."""
   lines = stablehlo_text.split("\n")

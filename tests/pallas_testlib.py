@@ -12,7 +12,7 @@ ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 # On the CPU every kernel runs in the Mosaic GPU interpret mode; INTERPRET_RACES with the
 # race detector, for the launches a test checks with `assert_no_races` (the detector's
 # state is the last launch's: it reports on that one only). The detector costs ~25% of
-# an interpreted launch (2-core CI machine, 2026-11-27: the layer-mode FFN 35 s with it,
+# an interpreted launch (on a 2-core CI machine the layer-mode FFN takes 35 s with it,
 # 26 s without), so the launches no test asks about run without it.
 INTERPRET = False if ON_GPU else plgpu.InterpretGPUParams()
 INTERPRET_RACES = False if ON_GPU else plgpu.InterpretGPUParams(detect_races=True)

@@ -11,8 +11,8 @@ What is bitwise and what is not, and why:
     permutation; integer psums are exact; and `moe_ffn` leaves no float sum over
     devices to the collective library: the router statistics go through
     `ordered_allsum` and the replicated parameters' gradients through `stack_replicas`
-    + `ordered_psum` (a fixed tree in rank order, uniep_jax/ordered_reduce.py). Before
-    those (commit c0a0fb3) the router gradient differed here in 151 of 256 elements.
+    + `ordered_psum` (a fixed tree in rank order, uniep_jax/ordered_reduce.py). Left to
+    the collective library, the router gradient differs here in 151 of 256 elements.
   * Float tolerance: only this script's own scalar loss sum(y * c), a jnp.sum over the
     8 devices: in one process the CPU client reduces the 8 partial values in its own
     order, across processes gloo reduces each process's partial sums and then across
@@ -104,15 +104,15 @@ def test_training_two_processes_match_one_with_resume(tmp_path):
   ckpt = str(tmp_path / "ckpt")
   multi = tmp_path / "multi"
   # The resumed half loads the first half's compiled programs (the same HLO: --stop-after,
-  # --resume and the checkpoint flags stay outside them; measured: it writes no new cache
-  # entry) instead of compiling them in both processes again (~20 CPU-s, 2026-11-27): what
-  # is checked is the state a resumed run restores and the batches it continues with. Only
-  # process 0 writes the cache. The single-process run compiles its own (another device
-  # topology: no program is shared with it), so the bitwise comparisons below still hold
-  # between programs compiled separately. (Measured 2026-11-28, jax 0.11.2: only process 0
-  # loads them. Process 1's programs have cache keys of their own, e.g. jit_train_step's
-  # differs between the two processes, and jax writes entries from process 0 only, so
-  # process 1 compiles its programs again in the resumed half.)
+  # --resume and the checkpoint flags stay outside them; it writes no new cache entry)
+  # instead of compiling them in both processes again (~20 CPU-s): what is checked is
+  # the state a resumed run restores and the batches it continues with. Only process 0
+  # writes the cache. The single-process run compiles its own (another device topology:
+  # no program is shared with it), so the bitwise comparisons below still hold between
+  # programs compiled separately. (With jax 0.11.2 only process 0 loads them. Process 1's
+  # programs have cache keys of their own, e.g. jit_train_step's differs between the two
+  # processes, and jax writes entries from process 0 only, so process 1 compiles its
+  # programs again in the resumed half.)
   cache = _compilation_cache_env(tmp_path / "programs")
   r = _launch(2, "train", *common, "--out", str(multi), "--ckpt-dir", ckpt, "--ckpt-every", "2",
               "--stop-after", "2", env=cache)
@@ -175,16 +175,17 @@ def test_launcher_timeout_kills_all(tmp_path, monkeypatch, capsys):
 
   `train.launch.launch` in this process (the CLI flags reach it as in the other tests'
   `_launch`), so that the test can see the processes it started and check that each is
-  dead when it returns, and shorten the launcher's two waits, which were most of this
-  test's time (16.3 s, 2026-11-28) while the two processes compiled and trained on the CPU
-  the other pytest worker needs:
-    * the timeout, 4 s (was 8): each process registers the SIGUSR1 stack dump in its
-      first ~0.1 s (train.cli -> train.distributed.initialize, before jax is imported),
-      so 4 s leaves it 40x that on a loaded machine; the 100000 steps outlast any timeout
-    * the stack dump's wait, 1 s (was 3: faulthandler writes from the signal handler)
-      and the SIGTERM grace, 1 s (was 5): a jax process catches SIGTERM (its preemption
-      notifier logs it and runs on), so every process here is still alive after the grace
-      and the SIGKILL path runs; the dump still has 2 s before that
+  dead when it returns, and shorten the launcher's two waits, which would otherwise be
+  most of this test's time while the two processes compile and train on the CPU the
+  other pytest worker needs:
+    * the timeout, 4 s: each process registers the SIGUSR1 stack dump in its first
+      ~0.1 s (train.cli -> train.distributed.initialize, before jax is imported), so
+      4 s leaves it 40x that on a loaded machine; the 100000 steps outlast any timeout
+    * the stack dump's wait, 1 s (the launcher's default is 3; faulthandler writes from
+      the signal handler) and the SIGTERM grace, 1 s (default 5): a jax process catches
+      SIGTERM (its preemption notifier logs it and runs on), so every process here is
+      still alive after the grace and the SIGKILL path runs; the dump still has 2 s
+      before that
   """
   import functools
 

@@ -139,7 +139,7 @@ def ordered_step():
 def test_optimizer_state_follows_the_params_and_the_step_gathers_nothing(grad_reduction, request):
   """Each Adam moment is sharded as its parameter (expert weights over the expert axis),
   and the compiled training step holds no all-gather that XLA's partitioner added: with
-  the moments replicated, every step all-gathered the expert weights' moments after
+  the moments replicated, every step would all-gather the expert weights' moments after
   their sharded update (6 all-gathers, a third of a mixtral-like step on 4x H200).
   (Asserted by `_one_step(check_layout=True)` while it builds the fixture's step.)"""
   request.getfixturevalue(f"{grad_reduction}_step")
@@ -252,8 +252,8 @@ def test_moe_ffn_gradient_leaves_no_float_sum_to_an_all_reduce(backend):
   """The global form's float sums over devices (the router statistics forward, the
   router's and the expert weights' gradients over the axes they are replicated on)
   are ours, in rank order: the compiled gradient holds no float all-reduce, whose
-  order NCCL would pick per program (4x H200, 2026-11-26: the router's gradient
-  differed between "pallas" and "uniep"; bench/results/determinism_sweep_*_ep4*)."""
+  order NCCL would pick per program (left to NCCL, the router's gradient differs
+  between "pallas" and "uniep" on 4x H200)."""
   import uniep_jax
   from conftest import make_mesh
   from moe_testlib import make_params, make_x

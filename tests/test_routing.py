@@ -143,7 +143,7 @@ def test_bf16x3_router_runs_only_bf16_gemms():
   assert len(dots) >= 3, dots    # forward, d_router, d_x
   assert all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots
   # no float32 -> bfloat16 -> float32 round trip: XLA:GPU drops those (excess precision
-  # allowed), which zeroed every piece after the first on the GPU (split_bf16's docstring)
+  # allowed), which zeroes every piece after the first on the GPU (split_bf16's docstring)
   made_by = {}
   round_trips = []
   for eqn in all_eqns(jaxpr):

@@ -94,7 +94,7 @@ def test_public_configuration_is_small():
   assert sum(counts.values()) <= 26, counts
 
 
-# a date, a run number ("run 35)", "runs 58-60,"), a session number
+# a date, a run number (the word "run" and a number, then punctuation), a session number
 _HISTORY = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bruns? \d+(?:[-–]\d+)?(?:[,:.)]|$| and| on| of| in)"
                       r"|\b\d+(st|nd|rd|th) session\b")
 

@@ -202,8 +202,8 @@ def test_cli_rejects_impossible_mesh():
 def test_cli_end_to_end(tmp_path):
   """The CLI's plumbing: flags (a mesh other than the default), the text corpus, the
   metrics' steps, the held-out evaluations, loss.png, summary.json, the printed lines.
-  One block (was 2: nothing here depends on the depth, which the in-process tests above
-  cover; the compile, most of the test's time, shrinks)."""
+  One block: nothing here depends on the depth, which the in-process tests above cover,
+  and the compile, most of the test's time, shrinks with it."""
   text = tmp_path / "corpus.txt"
   text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(4000)))
   out = tmp_path / "out"
@@ -262,7 +262,8 @@ def test_transformer_on_explicit_and_auto_meshes(mesh_factory):
 def test_train_step_has_no_float_scatter_add():
   """No float scatter-add anywhere in a training step's forward and backward pass:
   XLA runs them with atomics on the GPU, in an order that changes between runs when
-  indices collide (the embedding's backward, with every repeated token, did)."""
+  indices collide (XLA's transpose of the embedding lookup is one, with every repeated
+  token)."""
   from moe_testlib import float_scatter_adds
 
   cfg = TrainConfig(**{**SMALL, "mesh": "data=2,expert=4", "out": "unused"})
@@ -306,7 +307,7 @@ def test_embedding_backward_is_the_scatter_sum(mesh_factory, explicit, grad_dtyp
 @pytest.mark.parametrize("tied", [False, True])
 def test_lm_head_backward_runs_on_the_compute_dtype(tied):
   """The bf16 model's output layer: the float32 logit cotangent is cast to bf16 before
-  the backward GEMMs (which autodiff had promoted to float32 operands), and the
+  the backward GEMMs (which autodiff would promote to float32 operands), and the
   gradients are autodiff's of the same computation with that cotangent."""
   import jax.numpy as jnp
   from models.transformer import lm_head_logits
@@ -456,8 +457,8 @@ def test_overlap_reaches_the_moe_layers():
 
 
 def test_checkpoint_from_before_the_gate_up_array_restores_bitwise(tmp_path):
-  """A checkpoint with the experts' w_gate and w_up apart (written before w_gate_up)
-  restores into today's template: each w_gate_up leaf, in the params and in the
+  """A checkpoint with the experts' w_gate and w_up apart (the split layout) restores
+  into the current template: each w_gate_up leaf, in the params and in the
   optimizer state's copy, is [w_gate | w_up] bit for bit, on the template's sharding."""
   import chex
   import jax.numpy as jnp
@@ -492,7 +493,7 @@ def test_checkpoint_from_before_the_gate_up_array_restores_bitwise(tmp_path):
   chex.assert_trees_all_equal(got["opt_state"][0].mu, join(old_opt[0].mu))
   chex.assert_trees_all_equal(got["opt_state"][0].nu, join(old_opt[0].nu))
   assert got["params"]["layers.0.ffn.w_gate_up"].sharding.is_equivalent_to(ep, 3)
-  # and a checkpoint in today's layout restores as it is
+  # and a checkpoint in the current layout restores as it is
   ckpt = Checkpointer(str(tmp_path / "new"))
   ckpt.save(1, got)
   ckpt.close()

@@ -131,7 +131,7 @@ def test_more_bad_inputs(setup):
 
 
 def test_ragged_transport_refused_across_processes(setup, monkeypatch):
-  """Between processes lax.ragged_all_to_all hung (NCCL fallback, jaxlib 0.11.2, 4x H200):
+  """Between processes lax.ragged_all_to_all hangs (NCCL fallback, jaxlib 0.11.2, 4x H200):
   asking for it there is an error, and the default picks the padded all_to_all."""
   from uniep_jax.transport import resolve_transport
   default = UniEPConfig(backend="pallas")

@@ -3,9 +3,9 @@
 Arrays are restored onto the shardings of a template (the freshly initialised
 state), so a resumed run continues with bit-identical values on the same layout.
 
-Checkpoints written before the experts' gate and up weights became one array
-(`*.w_gate` and `*.w_up` leaves, [E, H, F] each; now `*.w_gate_up` [E, H, 2F]) are
-restored too: read with a template in the old layout, then joined (`join_gate_up`),
+Checkpoints with the experts' gate and up weights as two arrays (`*.w_gate` and
+`*.w_up` leaves, [E, H, F] each, where the model holds one `*.w_gate_up` [E, H, 2F]) are
+restored too: read with a template in that split layout, then joined (`join_gate_up`),
 in the parameters and in every optimizer-state copy of them (Adam's moments).
 """
 

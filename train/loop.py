@@ -165,8 +165,8 @@ def optimizer_shardings(s: Setup, abstract_opt_state):
   is sharded as the parameter; anything else (step counts) is replicated.
 
   Set explicitly: `jax.jit(tx.init)(params)` alone leaves the placement of zeros_like
-  to XLA, which replicated the expert weights' moments over the expert axis; every
-  step then all-gathered them after the (sharded) update: 6 all-gathers of 4.25-5.5 ms
+  to XLA, which replicates the expert weights' moments over the expert axis; every
+  step then all-gathers them after the (sharded) update: 6 all-gathers of 4.25-5.5 ms
   in a mixtral-like step of 81 ms, 4x H200, and 4x the moments' memory."""
   rep = NamedSharding(s.mesh, P())
   shapes = {k: tuple(v.shape) for k, v in flat_arrays(s.params_tmpl).items()}
@@ -252,7 +252,8 @@ def ordered_grads(s: Setup):
   With cfg.num_grad_buckets > 1 (the default: 3) they go in that many buckets in
   `backward_order`, chained (`ordered_psum_buckets`), so that the early ones may overlap
   the rest of the backward pass (a gradient collective may then be in flight beside the
-  MoE layer's own; 0.3-7% more tokens/s on 4x H100, README). Same bits either way.
+  MoE layer's own; 0.3-7% more tokens/s on 4x H100, docs/performance.md). Same bits
+  either way.
   The aux losses are computed from statistics summed over the mesh inside the MoE
   layer (`uniep_jax.ordered_reduce.ordered_allsum`): each shard's gradient holds 1/shards of their derivative per shard, so the
   sum holds it once.

@@ -98,11 +98,10 @@ def request_nccl_group_launch() -> None:
   A process-wide synchronising CUDA call on one GPU's thread (module loads, frees) while
   another GPU's thread is inside a collective can then deadlock them; NVIDIA's JAX
   guide (JAX-Toolbox GPU_performance.md, "Debugging Hangs in 1-process-multiple-device
-  set-up") gives GROUP launches as the remedy. What we saw (4x H200, 2026-11-26,
-  bench/results/train_loop_probe_NVIDIA_H200_x4.log): a training step with many
-  independent all_to_all/all_gather pairs never finished its first step, with GROUP
-  or without; chaining the collectives (uniep_jax/ordered_reduce.ordered_psum_many) fixed
-  it. The GPU runs that passed since had GROUP set, so it stays the tested set-up.
+  set-up") gives GROUP launches as the remedy. On 4x H200 a training step with many
+  independent all_to_all/all_gather pairs never finishes its first step, with GROUP or
+  without; chaining the collectives (uniep_jax/ordered_reduce.ordered_psum_many) is what
+  fixes that. The GPU runs are tested with GROUP set, so it stays the default set-up.
   No effect on the CPU or with one process per GPU.
   """
   os.environ.setdefault("NCCL_LAUNCH_MODE", "GROUP")

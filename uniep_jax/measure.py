@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class MoEShape:
-  """Per EP rank: T tokens, hidden H, expert FFN F, E experts, top-k K (targets.md)."""
+  """Per EP rank: T tokens, hidden H, expert FFN F, E experts, top-k K (the target
+  shapes of docs/performance.md)."""
   name: str
   tokens: int
   hidden: int

@@ -4,8 +4,8 @@
 on GPUs, NCCL's ring or tree, its chunking and channel count, and XLA's choice of a
 synchronous or an asynchronous all-reduce for that op (taken from the schedule of the
 whole program). The same gradient can then get different bits in two programs that
-compute it identically (4x H200, 2026-11-26, bench/train_step_diff.py: one attention
-gradient differed by a bfloat16 ulp between backends "pallas" and "uniep").
+compute it identically (on 4x H200, bench/train_step_diff.py found one attention
+gradient a bfloat16 ulp apart between backends "pallas" and "uniep").
 
 `ordered_psum` adds no float in a collective: an all_to_all hands device r the r-th
 chunk of every device's value, device r adds those R chunks in rank order 0..R-1 in
@@ -25,10 +25,9 @@ bits, are those of one `ordered_psum` per value), and the buffers go one after t
 other: each buffer's collectives wait for the previous buffer's result
 (`lax.optimization_barrier`), so that no two of them are ever in flight at once. One
 process driving several GPUs could otherwise have XLA run independent collectives
-concurrently on different streams, and the training step that summed each gradient
-leaf on its own never finished its first step on 4x H200 (2026-11-26, commit 3214321,
-bench/train_loop_probe.py; the step holds 13 leaves' all_to_all/all_gather pairs),
-with NCCL_LAUNCH_MODE=GROUP too.
+concurrently on different streams: a training step that sums each gradient leaf on
+its own (13 leaves' all_to_all/all_gather pairs) never finishes its first step on
+4x H200, with NCCL_LAUNCH_MODE=GROUP too.
 
 `ordered_allsum` is the forward-pass form for small values (the MoE layer's router
 statistics, [E] floats): one all_gather over all the axes, then float32 adds in a
@@ -171,7 +170,7 @@ def ordered_allsum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def pairwise_sum(values: list) -> jax.Array:
-  """((v0 + v1) + (v2 + v3)) + ...: a fixed binary tree over the list's order. R equal
+  """((a + b) + (c + d)) + ...: a fixed binary tree over the list's order. R equal
   values sum to exactly R times one of them when R is a power of two (a sequential
   sum rounds on the way: 3v may not be representable), which keeps the unchecked
   backward of `ordered_allsum` (R copies of 1/R of the cotangent) exact."""
@@ -246,10 +245,10 @@ def _stack_replicas_bwd(mesh, specs, _, cts):
     # i.e. after the layer's last backward kernel, never beside one. An NCCL kernel
     # beside a persistent Mosaic GPU kernel (grid = every SM) holds SMs that kernel's
     # CTAs wait for while it waits for its peers, whose SMs their own persistent kernel
-    # holds: 4x H200, deepseek-like at EP 4, the router gradient's all_to_all ran beside
-    # the da GEMM in every second call and doubled it (3.2 -> 6.2 ms; NOTES_fused.md,
-    # "Collectives beside persistent kernels"); where the waiting kernel's CTAs signal
-    # each other (Kernels A and C, the return beside the wgrad) it could hang.
+    # holds: 4x H200, deepseek-like at EP 4, the router gradient's all_to_all running
+    # beside the da GEMM in every second call doubles it (3.2 -> 6.2 ms;
+    # docs/performance.md); where the waiting kernel's CTAs signal each other (the
+    # overlapped launches, pallas_kernels/SYNC.md) it can hang.
     return tuple(ordered_psum_many([(c[0], replica_axes(mesh, s))
                                     for c, s in zip(copies, specs)], after=copies))
 

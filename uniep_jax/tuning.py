@@ -230,7 +230,7 @@ class SearchSpace:
   # OverlapConfig(down_return_ctas, wgrad_return_ctas, chunk_rows) points: 16 CTAs each
   # (measured fastest where the transfers are long: qwen3-like, deepseek-like), fewer
   # where they are short next to the GEMMs (mixtral-like), and each overlap alone
-  # (docs/decisions.md, "Kernel C and the dX return beside the wgrad")
+  # (docs/decisions.md has the measurements of the overlap points)
   overlap: Sequence[tuple] = ((16, 16, 2048), (8, 8, 2048), (4, 4, 2048), (16, 0, 2048),
                               (0, 16, 2048))
 
