@@ -11,7 +11,7 @@ import pytest
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import ep_transfer
-from uniep_jax import TransferConfig
+from pallas_kernels.ep_transfer import TransferConfig
 
 
 def _segments(rng, src_rows, out_rows, peers, per_peer):
@@ -61,13 +61,13 @@ def test_local_transfer_matches_numpy(chunk, src_rows, peers, per_peer, num_ctas
                          [(32, 40, 90, 2, 3, 3, 256, 8192), (4, 9, 30, 3, 2, 2, 128, None)])
 def test_local_gathered_transfer_equals_transfer_of_gathered_rows(
     monkeypatch, chunk, src_rows, index_rows, peers, per_peer, num_ctas, h, budget):
-  """src_index (TransferConfig.gather_rows): the loads read src[index[i]] row by row,
-  [1, nb, ct] boxes; the output equals the plain transfer of the gathered rows bit for
-  bit, nothing outside a segment written (short chunks reload their last row into stage
-  rows the store ladder never stores), no race. Case 1: chunk_rows 32 -> items of
-  GATHER_ITEM_ROWS (16) rows, loaded 8 per loop iteration (two iterations), rows of 4
-  boxes in two column blocks of 2 (a small stage budget); case 2: 4-row items, one
-  block."""
+  """src_index (the de-duplicated dispatch's sources, `uniep_jax.transport.send_unique`):
+  the loads read src[index[i]] row by row, [1, nb, ct] boxes; the output equals the
+  plain transfer of the gathered rows bit for bit, nothing outside a segment written
+  (short chunks reload their last row into stage rows the store ladder never stores),
+  no race. Case 1: chunk_rows 32 -> items of GATHER_ITEM_ROWS (16) rows, loaded 8 per
+  loop iteration (two iterations), rows of 4 boxes in two column blocks of 2 (a small
+  stage budget); case 2: 4-row items, one block."""
   from pallas_kernels import row_gather
   if budget is not None:
     monkeypatch.setattr(ep_transfer, "GATHER_UNROLL", 8)

@@ -14,12 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
 from pallas_kernels import grouped_gemm as gg
-from uniep_jax.config import KernelConfig
+from pallas_kernels.grouped_gemm import KernelConfig
 from pallas_testlib import INTERPRET, INTERPRET_RACES, ON_GPU, assert_no_races, fresh_interpret_state  # noqa: F401
 
 # Two simulated SMs: every CTA walks several tiles (exercises the persistent loop,
@@ -108,73 +105,24 @@ def test_wgrad_unaligned_groups_empty_groups_zero():
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_mma_in_flight_changes_no_bit(stages):
-  """KernelConfig.mma_in_flight=1 (a step's MMAs kept in flight, stages released one
-  step late, the last one by the compute warpgroups after the pipeline; one stage more
-  than max_concurrent_steps, so 2, 3 and 4 here) gives the bits of 0, with no race, on
-  CTAs that walk several tiles back to back: compute tiles of 5 k-steps (more steps
-  than stages) and of 2 (max_concurrent_steps 1: 2 stages, as many as steps), zero
-  tiles (no step), and wgrad groups of 0, 1 and 2 row blocks (fewer than the stages)
-  and of 4 and 0 blocks. A launch whose k-steps or SMEM give no extra stage keeps 0.
-  (The interpret mode runs a wgmma at its issue, so what it checks is the release
-  protocol's balance: an arrival missing or doubled hangs or races; the late release
-  itself needs a GPU, bench/epilogue_probe.py's `inflight1` variant.)"""
-  import dataclasses
-  base = KernelConfig(num_sms=2, max_concurrent_steps=stages)
-  flight = dataclasses.replace(base, mma_in_flight=1)
-  gs = jnp.asarray(GROUP_SIZES)
-  ks = jax.random.split(jax.random.key(7), 4)
-  m = 256
+def test_pipeline_stages_clamped_to_k_steps_and_smem(stages):
+  """A launch's SMEM stages are min(max_concurrent_steps, its k-steps, what fits in
+  shared memory beside its epilogue): row-tiled launches of 5 k-steps (K 320) take
+  max_concurrent_steps, of 2 (K 128) at most 2, of 1 (K 64) 1; the wgrad takes
+  max_concurrent_steps over its row blocks. At max_concurrent_steps 4 the plain
+  launch's 4th stage fits beside its epilogue (one buffer per warpgroup), the
+  "dswiglu" launch's does not (two epilogue buffers, h and u): it keeps 3."""
+  cfg = KernelConfig(num_sms=2, max_concurrent_steps=stages)
   params = lambda k, cfg, mode="plain": gg.row_tiled_params(  # noqa: E731
-      m, k, 256, len(GROUP_SIZES), mode=mode, transpose_b=False, out_dtype=BF16,
+      256, k, 256, len(GROUP_SIZES), mode=mode, transpose_b=False, out_dtype=BF16,
       in_dtype=BF16, save_hu=False, config=cfg)
-  for k in (128, 320):
-    x = rand(ks[0], (m, k))
-    w = rand(ks[1], (len(GROUP_SIZES), k, 200), k**-0.5)
-    got = gg.gmm(x, w, gs, config=flight, interpret=INTERPRET_RACES)
-    assert_no_races()
-    chex.assert_trees_all_equal(got, gg.gmm(x, w, gs, config=base, interpret=INTERPRET))
-  assert params(320, flight)["mma_in_flight"] == 1 and params(320, flight)["stages"] == stages + 1
-  assert params(320, base)["mma_in_flight"] == 0 and params(320, base)["stages"] == stages
-  assert params(128, flight)["mma_in_flight"] == (stages == 1)   # 2 k-steps: 2 stages at most
-  assert gg.wgrad_params(m, 2, BF16, BF16, flight)["stages"] == stages + 1
-  assert gg.wgrad_params(m, 2, BF16, BF16, flight)["mma_in_flight"] == 1
-  dout = rand(ks[2], (m, 200))
-  for groups in (gs, jnp.array([200, 0, 56], jnp.int32)):
-    got = gg.gmm_wgrad(x, dout, groups, config=flight, interpret=INTERPRET_RACES)
-    assert_no_races()
-    chex.assert_trees_all_equal(got, gg.gmm_wgrad(x, dout, groups, config=base,
-                                                  interpret=INTERPRET))
-  assert params(64, flight)["stages"] == 1 and params(64, flight)["mma_in_flight"] == 0
-  # SMEM: the plain launch's 4th stage fits beside its epilogue, dswiglu's (two epilogue
-  # buffers, h and u) does not: it keeps 3 stages and 0 in flight
-  three = KernelConfig(max_concurrent_steps=3, mma_in_flight=1)
-  assert (params(4096, three)["stages"], params(4096, three)["mma_in_flight"]) == (4, 1)
-  assert (params(4096, three, "dswiglu")["stages"],
-          params(4096, three, "dswiglu")["mma_in_flight"]) == (3, 0)
-  with pytest.raises(ValueError, match="mma_in_flight=2 must be 0 or 1"):
-    KernelConfig(mma_in_flight=2)
-
-
-def test_mma_in_flight_lowers_for_cuda():
-  """The Mosaic GPU programs with mma_in_flight=1 lower for CUDA (the GPU's compile
-  path, not the interpret mode's), and carry more than 0's (the late releases)."""
-  s = jax.ShapeDtypeStruct
-  m, h, f, g = 1024, 512, 512, 2
-
-  def lowered(cfg):
-    plain = lambda a, w, gs: gg._row_tiled_call(  # noqa: E731
-        [a], [w], gs, mode="plain", transpose_b=False, out_dtype=BF16, save_hu=False,
-        config=cfg, interpret=False, zero_window=64)
-    wgrad = lambda x, d, gs: gg._wgrad_call(x, d, gs, out_dtype=BF16, config=cfg,  # noqa: E731
-                                            interpret=False)
-    return [jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            for fn, args in ((plain, (s((m, h), BF16), s((g, h, f), BF16), s((g,), jnp.int32))),
-                             (wgrad, (s((m, h), BF16), s((m, f), BF16), s((g,), jnp.int32))))]
-
-  # the serialized program varies by a few bytes between lowerings: compare sizes
-  for off, on in zip(lowered(KernelConfig()), lowered(KernelConfig(mma_in_flight=1))):
-    assert len(on) - len(off) > 1000, (len(on), len(off))
+  assert params(320, cfg)["stages"] == stages
+  assert params(128, cfg)["stages"] == min(stages, 2)
+  assert params(64, cfg)["stages"] == 1
+  assert gg.wgrad_params(256, 2, BF16, BF16, cfg)["stages"] == stages
+  four = KernelConfig(max_concurrent_steps=4)
+  assert params(4096, four)["stages"] == 4
+  assert params(4096, four, "dswiglu")["stages"] == 3
 
 
 # Groups holding whole 128-row tiles beside partial ones (group-aligned tiles: the
@@ -253,10 +201,6 @@ def test_grouped_matmul_gradients():
   assert_bf16_close(dw, dw_ref, atol=1e-3)
 
 
-# the backward's variants: dh, du by an XLA pass; in the da epilogue
-BACKWARDS = {"xla": {}, "epilogue": dict(fuse_da_epilogue=True)}
-
-
 # the block_k window past the live rows (GROUP_SIZES) that zero_dead_rows=False still zeroes
 LIVE_ROWS = int(GROUP_SIZES.sum())
 WINDOW_END = -(-LIVE_ROWS // CONFIG.block_k) * CONFIG.block_k
@@ -279,23 +223,23 @@ FFN_SEED, FFN_ROWS = 9, 384
 
 
 @functools.lru_cache(maxsize=None)
-def _zeroing_mode_ffn(backward: str):
+def _zeroing_mode_ffn():
   """y and (dx, dw_gate_up, dw_down) of the FFN in its default mode (zero_dead_rows=True)
-  on `_ffn_operands(FFN_SEED, FFN_ROWS)`, with `backward`'s variant: checked against the
-  reference by test_swiglu_ffn_forward_and_gradients and the bits that
+  on `_ffn_operands(FFN_SEED, FFN_ROWS)`: checked against the reference by
+  test_swiglu_ffn_forward_and_gradients and the bits that
   test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit compares with, so its six
-  interpreted launches run once per module and variant."""
+  interpreted launches run once per module."""
   x, w_gate_up, w_down, dy, gs = _ffn_operands(FFN_SEED, FFN_ROWS)
-  ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
-                                         **BACKWARDS[backward])
+  ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET)  # noqa
   y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
   return y, vjp(dy)
 
 
-@pytest.mark.parametrize("backward", ["xla", "epilogue"])
-def test_swiglu_ffn_forward_and_gradients(backward):
+def test_swiglu_ffn_forward_and_gradients():
+  """The FFN (gate/up, down; backward: [dh | du] in da's "dswiglu" epilogue, dx and the
+  two wgrads) against the ragged_dot reference, forward and gradients."""
   x, w_gate_up, w_down, dy, gs = _ffn_operands(FFN_SEED, FFN_ROWS)
-  y, grads = _zeroing_mode_ffn(backward)
+  y, grads = _zeroing_mode_ffn()
   # Forward: exactly the documented casts (a rounded to bf16), f32 accumulation.
   y_ref = gg.reference_swiglu_ffn(x, w_gate_up, w_down, gs)
   rel = np.linalg.norm(f32(y) - f32(y_ref)) / np.linalg.norm(f32(y_ref))
@@ -315,8 +259,7 @@ def test_swiglu_ffn_forward_and_gradients(backward):
     assert rel < 1e-2, (name, rel)
 
 
-@pytest.mark.parametrize("backward", ["xla", "epilogue"])
-def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(backward):
+def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit():
   """zero_dead_rows=False (the MoE layer's mode): the kernels skip the dead row
   tiles past a block_k window. Live rows of y and dx and every weight gradient are
   bitwise those of the zeroing mode; the window rows are zero; the cotangent's
@@ -326,9 +269,9 @@ def test_swiglu_ffn_skipping_dead_rows_changes_no_live_bit(backward):
   # the cotangent stays random (finite) in the window; the zeroing mode's run has it
   # random on every dead row
   dy_nan = dy.at[window_end:].set(jnp.nan)
-  y0, g0 = _zeroing_mode_ffn(backward)
+  y0, g0 = _zeroing_mode_ffn()
   ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=CONFIG, interpret=INTERPRET,  # noqa
-                                         zero_dead_rows=False, **BACKWARDS[backward])
+                                         zero_dead_rows=False)
   y1, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
   g1 = vjp(dy_nan)
   bits = lambda v: np.asarray(v).view(np.uint16)  # noqa: E731
@@ -349,17 +292,16 @@ def test_swiglu_ffn_never_copies_the_weights():
   deepseek-like)."""
   f = gg._swiglu_padded_f(1, CONFIG)
   x, w_gate_up, w_down, dy, gs = _ffn_operands(13, 256, h=f, f=f)
-  for backward in BACKWARDS:
-    ffn = lambda *a, kw=BACKWARDS[backward]: gg.grouped_swiglu_ffn(  # noqa: E731
-        *a, gs, config=CONFIG, interpret=INTERPRET, zero_dead_rows=False, **kw)
-    grads = jax.jit(lambda *a: jax.vjp(ffn, *a)[1](dy))
-    hlo = grads.lower(x, w_gate_up, w_down).as_text()
-    g, h = w_gate_up.shape[:2]
-    for shape in (f"{g}x{h}x{2 * f}", f"{g}x{h}x{f}"):
-      copies = [line for line in hlo.splitlines()
-                if f"tensor<{shape}xbf16>" in line.split("->")[-1]
-                and any(op in line for op in ("concatenate", "stablehlo.pad", "stablehlo.slice"))]
-      assert not copies, (backward, copies)
+  ffn = lambda *a: gg.grouped_swiglu_ffn(  # noqa: E731
+      *a, gs, config=CONFIG, interpret=INTERPRET, zero_dead_rows=False)
+  grads = jax.jit(lambda *a: jax.vjp(ffn, *a)[1](dy))
+  hlo = grads.lower(x, w_gate_up, w_down).as_text()
+  g, h = w_gate_up.shape[:2]
+  for shape in (f"{g}x{h}x{2 * f}", f"{g}x{h}x{f}"):
+    copies = [line for line in hlo.splitlines()
+              if f"tensor<{shape}xbf16>" in line.split("->")[-1]
+              and any(op in line for op in ("concatenate", "stablehlo.pad", "stablehlo.slice"))]
+    assert not copies, copies
 
 
 def _layer_mode_ffn(cfg, x, w_gate_up, w_down, dy, gs):
@@ -368,7 +310,7 @@ def _layer_mode_ffn(cfg, x, w_gate_up, w_down, dy, gs):
   rows and the weight gradients."""
   dy = dy.at[LIVE_ROWS:].set(0.0)
   ffn = lambda *a: gg.grouped_swiglu_ffn(*a, gs, config=cfg, interpret=INTERPRET,  # noqa
-                                         zero_dead_rows=False, fuse_da_epilogue=True)
+                                         zero_dead_rows=False)
   y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
   dx, dwgu, dwd = vjp(dy)
   return y[:LIVE_ROWS], dx[:LIVE_ROWS], dwgu, dwd
@@ -376,8 +318,8 @@ def _layer_mode_ffn(cfg, x, w_gate_up, w_down, dy, gs):
 
 @functools.lru_cache(maxsize=None)
 def _knob_operands():
-  """The operands of the tests that change one KernelConfig knob (epilogue slots, raster
-  order) and compare bits with CONFIG: 2 column tiles, each with live columns, in the
+  """The operands of the test that changes KernelConfig's tile orders (raster_rows,
+  wgrad_raster) and compares bits with CONFIG: 2 column tiles, each with live columns, in the
   gate/up launch (F = 256, CTA tile 128) and in the down and dx launches (H = 320 padded
   to 512, CTA tile 256)."""
   return _ffn_operands(23, 256, h=320, f=256)
@@ -385,9 +327,8 @@ def _knob_operands():
 
 @functools.lru_cache(maxsize=None)
 def _knob_reference():
-  """`_layer_mode_ffn` with CONFIG (one epilogue slot, row-major row tiles, wgrad tiles in
-  the auto bands) on `_knob_operands`:
-  the knob test compares with it."""
+  """`_layer_mode_ffn` with CONFIG (row-major row tiles, wgrad tiles in the auto bands) on
+  `_knob_operands`: the tile-order test compares with it."""
   return _layer_mode_ffn(CONFIG, *_knob_operands())
 
 
@@ -425,64 +366,51 @@ def test_raster_auto_bands_only_launches_whose_weight_leaves_l2():
   assert raster(2048, 768, "swiglu", KernelConfig(raster_rows=16)) == 16   # explicit
 
 
-def test_epilogue_slots_and_raster_order_change_no_bit():
-  """Two KernelConfig knobs that must not change a bit, in one variant run (they act
-  on independent things: the chunk order of one tile's epilogue, and the order the
-  persistent CTAs walk the tiles in; a bug in either changes the variant's bits):
-  - epilogue_slots=2 (chunk i stored while chunk i + 1 is written to the other slot):
-    slot indexing, chunk order, ragged ladders, in the gate/up epilogue (3 chunks: a,
-    h, u, so the third reuses the first's slot), the plain launches (down, dx: 2
-    chunks) and the wgrads. The interpret mode runs TMA stores synchronously and
-    ignores bulk-async groups, so a missing wait or group commit cannot show here:
-    bench/ffn_ab.py checks the bits on the GPU.
+def test_raster_order_changes_no_bit():
+  """Two KernelConfig knobs that must not change a bit, in one variant run (each only
+  changes the order the persistent CTAs walk the tiles in; a bug in either changes the
+  variant's bits):
   - raster_rows=3: tiles walked in bands of 3 row tiles (a short last band) instead of
     row-major.
-  - mma_in_flight=1: one wgmma group kept in flight, stages released a step late
-    (here in every mode: gate/up, down, da, dx and both wgrads).
   - wgrad_raster=1: the wgrads' tiles walked row-major (one k tile's n tiles after
     another) instead of CONFIG's auto bands of 4 k tiles (here: every k tile of a group
     in one band, n tiles outer; dw_gate_up has 2 k tiles x 4 n tiles).
   The FFN's forward and backward in the MoE layer's mode and a plain forward give the
-  same bits as CONFIG (one slot, row-major row tiles, banded wgrad tiles)."""
+  same bits as CONFIG (row-major row tiles, banded wgrad tiles)."""
   import dataclasses
   operands = _knob_operands()   # 2 column tiles
   x, _, w_down, _, gs = operands
   plain = lambda cfg: gg.gmm(x, w_down.swapaxes(1, 2), gs, config=cfg, interpret=INTERPRET_RACES)  # noqa: E731
 
   reference = _knob_reference() + (plain(CONFIG),)
-  variant_config = dataclasses.replace(CONFIG, epilogue_slots=2, raster_rows=3, wgrad_raster=1,
-                                       mma_in_flight=1)
+  variant_config = dataclasses.replace(CONFIG, raster_rows=3, wgrad_raster=1)
   variant = _layer_mode_ffn(variant_config, *operands) + (plain(variant_config),)
   assert_no_races()
   chex.assert_trees_all_equal(variant, reference)
-  with pytest.raises(ValueError, match="epilogue_slots=3 must be 1 or 2"):
-    KernelConfig(epilogue_slots=3)
   with pytest.raises(ValueError, match="raster_rows=0 must be >= 1"):
     KernelConfig(raster_rows=0)
   with pytest.raises(ValueError, match="wgrad_raster=0 must be >= 1"):
     KernelConfig(wgrad_raster=0)
   assert gg.wgrad_params(256, 2, BF16, BF16, CONFIG)["raster_k"] == gg.WGRAD_RASTER_AUTO
   assert gg.wgrad_params(256, 2, BF16, BF16, variant_config)["raster_k"] == 1
-  # the SMEM model counts the second slot: 16 KiB more per warpgroup for a bf16 plain tile
-  assert (gg.smem_bytes(dataclasses.replace(CONFIG, epilogue_slots=2)) - gg.smem_bytes(CONFIG)
-          == 2 * 128 * 64 * 2)
 
 
 @pytest.mark.parametrize("m,block_m,seed", [(300 + 84, 64, 0), (1024, 128, 1), (2048, 128, 2)])
-def test_group_aligned_row_tile_plan(m, block_m, seed):
-  """`_row_tile_plan(group_aligned=True)`: every row once (live rows by their group's
-  tiles, dead rows by ZERO tiles), within the static length; a live tile's rows are one
-  group's, its load box [load_row, + block_m) lies inside [0, m) and holds them,
-  load_row is a multiple of 8 and at most 7 rows before its group (or clamped to
-  m - block_m); each group has cdiv(rows + start % 8, block_m) tiles, so only its last
-  can be partial (the block-aligned plan computes a boundary block once per group)."""
+def test_row_tile_plan_group_aligned_tiles(m, block_m, seed):
+  """`_row_tile_plan`: every row once (live rows by their group's tiles, dead rows by
+  ZERO tiles), within the static length; a live tile's rows are one group's, its load
+  box [load_row, + block_m) lies inside [0, m) and holds them, load_row is a multiple
+  of 8 and at most 7 rows before its group (or clamped to m - block_m); each group has
+  cdiv(rows + start % 8, block_m) tiles, so only its last can be partial: fewer tiles
+  than block-aligned row blocks (which compute a block straddling a group boundary
+  once per group in it) wherever boundaries are unaligned."""
   rng = np.random.default_rng(seed)
   g = 24
   sizes = rng.multinomial(m - 37, np.full(g, 1.0 / g)).astype(np.int32)
   sizes[[3, 11]] = 0                                    # empty groups; the rest stays dead
   gs = jnp.asarray(sizes)
-  nt = gg.num_row_tiles(m, g, block_m, group_aligned=True)
-  plan = np.asarray(gg._row_tile_plan(gs, m, block_m, group_aligned=True)).reshape(5, -1)
+  nt = gg.num_row_tiles(m, g, block_m)
+  plan = np.asarray(gg._row_tile_plan(gs, m, block_m)).reshape(5, -1)
   assert plan.shape[1] == nt
   group, load_row, lo, hi, kind = plan
   owner = np.full(m, -1)
@@ -500,13 +428,14 @@ def test_group_aligned_row_tile_plan(m, block_m, seed):
   np.testing.assert_array_equal(owner, expected)
   tiles = np.bincount(group[kind == gg._COMPUTE], minlength=g)
   np.testing.assert_array_equal(tiles, -(-(sizes + starts % 8) // block_m) * (sizes > 0))
-  # fewer MMA rows than the block-aligned plan wherever boundaries are unaligned
-  block = np.asarray(gg._row_tile_plan(gs, m, block_m)).reshape(5, -1)
-  assert np.sum(kind == gg._COMPUTE) < np.sum(block[4] == gg._COMPUTE)
+  # fewer MMA tiles than block-aligned row blocks: a group's blocks are
+  # [start // block_m, cdiv(end, block_m))
+  ends = starts + sizes
+  block_aligned = np.sum((-(-ends // block_m) - starts // block_m) * (sizes > 0))
+  assert np.sum(kind == gg._COMPUTE) < block_aligned
 
 
-@pytest.mark.parametrize("group_aligned", [False, True])
-def test_group_sizes_past_m_are_clipped(group_aligned):
+def test_group_sizes_past_m_are_clipped():
   """Sizes summing past M: the groups are clipped in order (a group past M is empty, no
   two groups share a row) and the plan fits its static length. (Before, starts were
   computed from the clipped ends, so [100, 100] over 128 rows gave group 1 rows 28..127.)"""
@@ -517,7 +446,7 @@ def test_group_sizes_past_m_are_clipped(group_aligned):
     want_ends = np.minimum(np.cumsum(sizes), m)
     np.testing.assert_array_equal(ends, want_ends)
     np.testing.assert_array_equal(starts, np.minimum(np.cumsum(sizes) - sizes, m))
-    plan = np.asarray(gg._row_tile_plan(gs, m, block_m, group_aligned=group_aligned))
+    plan = np.asarray(gg._row_tile_plan(gs, m, block_m))
     group, _, lo, hi, kind = plan.reshape(5, -1)
     owner = np.full(m, -1)
     for t in np.nonzero(kind == gg._COMPUTE)[0]:
@@ -527,34 +456,28 @@ def test_group_sizes_past_m_are_clipped(group_aligned):
     np.testing.assert_array_equal(owner[:len(want)], want)
 
 
-def test_group_aligned_load_clamp_changes_no_bit():
-  """A group-aligned tile whose block_m rows would run past M loads from M - block_m
-  (its rows further down the stage): the plain forward gives the block-aligned plan's
-  bits. Group 2 starts at row 150 -> tile from 144, clamped to 128 (M 256, block_m 128)."""
-  import dataclasses
+def test_row_tile_load_clamp_changes_no_bit():
+  """A tile whose block_m rows would run past M loads from M - block_m (its rows further
+  down the stage): its rows get the bits of the same rows in a launch where their tile
+  is not clamped. Group 2 starts at row 150 -> tile from 144, clamped to 128 (M 256,
+  block_m 128); alone from row 0 of a 128-row launch, its tile loads from row 0."""
   m, k, n = 256, 64, 256
   kx, kw = jax.random.split(jax.random.key(41))
   x = rand(kx, (m, k))
   w = rand(kw, (3, k, n), k**-0.5)
   gs = jnp.array([100, 50, 90], jnp.int32)
-  plan = np.asarray(gg._row_tile_plan(gs, m, 128, group_aligned=True)).reshape(5, -1)
-  assert 128 in plan[1][(plan[4] == gg._COMPUTE) & (plan[0] == 2)]   # the clamped load
-  run = lambda cfg: gg.gmm(x, w, gs, config=cfg, interpret=INTERPRET)  # noqa: E731
-  chex.assert_trees_all_equal(run(dataclasses.replace(CONFIG, group_aligned_tiles=True)),
-                              run(dataclasses.replace(CONFIG, group_aligned_tiles=False)))
+  alone = jnp.array([0, 0, 90], jnp.int32)
 
+  def group_2_loads(sizes, rows):
+    group, load_row, _, _, kind = np.asarray(gg._row_tile_plan(sizes, rows, 128)).reshape(5, -1)
+    return load_row[(kind == gg._COMPUTE) & (group == 2)]
 
-def test_group_aligned_tiles_change_no_bit():
-  """KernelConfig.group_aligned_tiles (CONFIG's default True: tiles from each group's
-  first row; groups of 37, 90 and 61 rows: tiles loaded from rows 32 and 120,
-  straddling the previous group) and False (block-aligned row blocks, each straddling
-  block computed once per group): the FFN's forward and backward in the MoE layer's
-  mode give the same bits."""
-  import dataclasses
-  assert CONFIG.group_aligned_tiles
-  variant = _layer_mode_ffn(dataclasses.replace(CONFIG, group_aligned_tiles=False),
-                            *_knob_operands())
-  chex.assert_trees_all_equal(variant, _knob_reference())
+  np.testing.assert_array_equal(group_2_loads(gs, m), [128])     # the clamped load
+  np.testing.assert_array_equal(group_2_loads(alone, 128), [0])  # not clamped
+  run = lambda a, sizes: gg.gmm(a, w, sizes, config=CONFIG, interpret=INTERPRET)  # noqa: E731
+  whole = run(x, gs)
+  assert_bf16_close(whole, gg.reference_gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs))
+  chex.assert_trees_all_equal(whole[150:240], run(x[150:240], alone)[:90])
 
 
 def test_row_split_invariance_bitwise():

@@ -1,4 +1,4 @@
-"""Row gathers whose backward pass is a gather (uniep_jax.dispatch.gather_rows).
+"""Row gathers whose backward pass is a gather (uniep_jax.rows.gather_rows).
 
 XLA transposes a gather into a scatter-add (atomics on the GPU, and slow). The
 row movements of every backend are injective, so their transpose is the
@@ -15,7 +15,7 @@ import pytest
 
 import uniep_jax
 from uniep_jax import UniEPConfig
-from uniep_jax.dispatch import _take_rows, gather_rows, permute_rows
+from uniep_jax.rows import gather_rows, permute_rows, take_rows
 from conftest import make_mesh
 from moe_testlib import capacity_keep_mask, float_scatter_adds, make_params, make_x, rel_err
 
@@ -39,7 +39,7 @@ def test_gather_rows_matches_xla_transpose_bitwise(seed):
   rows, index, valid, index_t, valid_t = _injective_case(seed)
   ct = jax.random.normal(jax.random.key(100 + seed), (index.shape[0], rows.shape[1]))
   ours = jax.jit(lambda r: jnp.vdot(gather_rows(r, index, valid, index_t, valid_t), ct))
-  xlas = jax.jit(lambda r: jnp.vdot(_take_rows(r, index, valid), ct))
+  xlas = jax.jit(lambda r: jnp.vdot(take_rows(r, index, valid), ct))
   chex.assert_trees_all_equal(ours(rows), xlas(rows))
   chex.assert_trees_all_equal(jax.grad(ours)(rows), jax.grad(xlas)(rows))
   # source rows nobody reads get exactly zero

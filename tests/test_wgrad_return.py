@@ -1,11 +1,12 @@
-"""CPU tests of the EXPERIMENTAL wgrad + dX return launch (pallas_kernels/wgrad_return.py).
+"""CPU tests of the wgrad + dX return launch (pallas_kernels/wgrad_return.py).
 
 What runs here: the wgrad body on a CTA subset (the launch's wgrad role) bitwise equal
 to the standalone wgrad (Mosaic GPU interpret mode, race detector on), the argument
 checks, and the LOWERING of the whole communicating launch for CUDA (remote refs and
 semaphores do not run in interpret mode; the uniep layer with it runs on GPUs in
 bench/determinism_sweep.py and bench/moe_layer.py). The plumbing around it in
-uniep_jax/fused.py: tests/test_moe.py (contract-simulated, bitwise against v1).
+uniep_jax/overlap.py: tests/test_overlap.py (the launch replaced by its contract,
+bitwise against "uniep" without overlap and "pallas").
 """
 
 import dataclasses
@@ -21,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_kernels import device as device_lib
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels import wgrad_return as wgr
-from uniep_jax.config import KernelConfig, TransferConfig
+from pallas_kernels.ep_transfer import TransferConfig
+from pallas_kernels.grouped_gemm import KernelConfig
 from pallas_testlib import INTERPRET, INTERPRET_RACES, assert_no_races, fresh_interpret_state  # noqa: F401
 
 
