@@ -135,15 +135,19 @@ def main(argv=None) -> int:
     status = "ok" if res.get("ok") else ("error" if "error" in res else "mismatch")
     return dict(row, status=status, **res)
 
-  with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-    rows = list(pool.map(child, jobs))
-  for r in rows:
-    print(f"{r['kind']:13s} H={r['hidden']:4d} F={r['ffn']:4d}: {r['status']}"
-          + (f"  {r.get('error', '')[:160]}" if r["status"] != "ok" else ""), flush=True)
   meta = common.run_metadata()
-  common.write_json(os.path.join(common.out_dir(args.out),
-                                 f"check_odd_shapes_{common.device_tag(meta)}.json"),
-                    dict(meta, benchmark="check_odd_shapes", results=rows))
+  path = os.path.join(common.out_dir(args.out), f"check_odd_shapes_{common.device_tag(meta)}.json")
+  rows = []
+  with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+    for done in concurrent.futures.as_completed([pool.submit(child, j) for j in jobs]):
+      r = done.result()
+      rows.append(r)
+      print(f"{r['kind']:13s} H={r['hidden']:4d} F={r['ffn']:4d}: {r['status']}"
+            + ("" if r["status"] == "ok" else
+               f"  {(r.get('error') or r.get('stderr') or '')[-300:]}"), flush=True)
+      # rewritten after every case: a run cut by its time limit keeps what ran
+      common.write_json(path, dict(meta, benchmark="check_odd_shapes", results=rows,
+                                   complete=len(rows) == len(jobs)))
   return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
