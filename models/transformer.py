@@ -5,7 +5,8 @@ self-attention, `UniEPMoE` (or a dense SwiGLU) per layer, tied or untied head.
     logits, aux = model(tokens)   # tokens [B, S] int32 -> logits [B, S, V] float32
 
 `aux` stacks the routing statistics of the MoE layers (L_moe of them):
-  expert_counts [L_moe, E] int32, load_balance_loss [L_moe], router_z_loss [L_moe], dropped [L_moe].
+  expert_counts [L_moe, E] int32, load_balance_loss [L_moe], router_z_loss [L_moe], dropped [L_moe],
+  nonfinite_tokens [L_moe].
 All weights except the routed experts are replicated; the batch is split over the
 whole mesh (data parallel), the experts over the expert axis (expert parallel).
 """
@@ -26,7 +27,7 @@ from models.config import ModelConfig
 from uniep_jax.config import KernelConfig, OverlapConfig, UniEPConfig
 from uniep_jax.module import SwiGLU, UniEPMoE, fan_in_normal, sharding_metadata
 
-AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped")
+AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens")
 
 
 class RMSNorm(nnx.Module):

@@ -123,7 +123,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.ragged import enumerate_runs
-from pallas_kernels.row_gather import column_blocking, scale_stage_rows
+from pallas_kernels.row_gather import check_rows_fit, column_blocking, rows_fit, scale_stage_rows
 from pallas_kernels.tma import copy_loop, ladder_store, load_rows_by_index
 
 
@@ -154,6 +154,15 @@ class TransferConfig:
                        f"(the TMA box limit)")
     if self.num_ctas < 1:
       raise ValueError(f"num_ctas={self.num_ctas} must be >= 1")
+
+  def rows_fit(self, hidden: int, itemsize: int = 2, smem_bytes: int | None = None) -> bool:
+    """Whether the transfer runs rows of `hidden` elements on a GPU: whole rows and the
+    column tile it picks meet `row_gather.ROW_ALIGN_BYTES`."""
+    try:
+      tile = self.col_tile_for(hidden, itemsize, smem_bytes)
+    except ValueError:
+      return False
+    return rows_fit(hidden, itemsize) and rows_fit(tile, itemsize)
 
   def smem_bytes(self, itemsize: int = 2) -> int:
     return 2 * self.chunk_rows * self.col_tile * itemsize
@@ -379,6 +388,10 @@ def transfer_segments(src, seg_src, seg_dst, seg_len, *, out_rows: int,
   if axis_name is not None and interpret:
     raise ValueError("the communicating transfer needs a GPU (remote refs and semaphores "
                      "do not run in the interpret mode); use axis_name=None on the CPU")
+  if interpret is False:
+    check_rows_fit(hidden, itemsize, "transfer_segments")
+    check_rows_fit(stage[-1] * (stage[-2] if src_index is not None else 1), itemsize,
+                   "transfer_segments (one TMA box's row)")
   kernel = plgpu.kernel(
       body,
       kernel_name="ep_transfer",

@@ -1,6 +1,8 @@
 """UniEPMoE: partitioning metadata, output and gradients vs the dense reference,
 aux statistics, and the auxiliary-loss-free bias update."""
 
+import os
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -123,3 +125,32 @@ def test_update_without_bias_raises():
 def test_bad_expert_split_raises(mesh_factory):
   with pytest.raises(ValueError, match="divisible"):
     UniEPMoE(H, F, 6, K, mesh=mesh_factory(2, 4), rngs=nnx.Rngs(0))
+
+
+def test_xla_determinism_switch_and_warning(monkeypatch):
+  """`enable_xla_determinism` adds the flag to XLA_FLAGS (before the backends start; after,
+  it raises: the flag would have no effect), leaves an explicit setting alone, and the
+  layer warns on GPUs without it, not on the CPU."""
+  import warnings
+  from jax._src import xla_bridge
+  from uniep_jax import determinism
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+  assert not determinism.xla_deterministic()
+  uniep_jax.enable_xla_determinism()
+  assert determinism.xla_deterministic()
+  assert os.environ["XLA_FLAGS"].endswith("--xla_gpu_deterministic_ops=true")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+  uniep_jax.enable_xla_determinism()   # the user's explicit choice stays
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+  with pytest.raises(RuntimeError, match="before the first computation"):
+    uniep_jax.enable_xla_determinism()
+  with pytest.warns(determinism.NondeterministicXLAWarning, match="enable_xla_determinism"):
+    determinism.warn_if_nondeterministic("gpu")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    determinism.warn_if_nondeterministic("cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    determinism.warn_if_nondeterministic("gpu")

@@ -319,3 +319,24 @@ def lower_uniep_layer_for_cuda(cfg, hidden, grad=True):
   with device_lib.lowering_for_gpu():
     return jax.jit(jax.grad(loss, argnums=(0, 1)) if grad else fn).trace(x, ps).lower(
         lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("backend", ["xla_dropless", "xla_capacity", "dense_reference"])
+def test_nonfinite_tokens_are_counted_and_routed_to_the_first_experts(backend):
+  """A token with a NaN (or inf) in x has non-finite logits: it goes to experts 0..K-1
+  (every selection score -inf, ties to the lowest index), aux["nonfinite_tokens"] counts
+  it, and the other tokens' outputs stay finite."""
+  kx, kp = jax.random.split(jax.random.key(91))
+  p = make_params(kp, experts=E, hidden=H, ffn=F)
+  x = make_x(kx, 64, H).at[5, 3].set(jnp.nan).at[40, 0].set(jnp.inf)
+  cfg = _cfg(backend)
+  y, aux = _fwd(backend, 1, 1 if backend == "dense_reference" else 4, 3, cfg)(x, p)
+  assert int(aux["nonfinite_tokens"]) == 2
+  out = uniep_jax.route(x, p.router, 3, cfg.routing, None)
+  np.testing.assert_array_equal(np.asarray(out.topk_experts)[[5, 40]], [[0, 1, 2], [0, 1, 2]])
+  finite = np.ones(64, bool)
+  finite[[5, 40]] = False
+  assert np.isfinite(np.asarray(y)[finite]).all()
+  _, aux_clean = _fwd(backend, 1, 1 if backend == "dense_reference" else 4, 3, cfg)(
+      make_x(kx, 64, H), p)
+  assert int(aux_clean["nonfinite_tokens"]) == 0

@@ -138,10 +138,13 @@ def test_sort_rows_is_the_permuted_slot_copies_bitwise():
   kern = lambda x: dispatch_lib.sort_rows(x, plan, row_kernel=True)   # noqa: E731
   y_kern, vjp_kern = jax.vjp(kern, x)
   chex.assert_trees_all_equal((y_kern, vjp_kern(ct)), (y_old, vjp_old(ct)))
-  assert not dispatch_lib.compiled_row_kernels()   # the CPU: the layer takes XLA's gather
+  assert not dispatch_lib.compiled_row_kernels(128, jnp.bfloat16)   # the CPU: XLA's gather
   from pallas_kernels import device as device_lib
   with device_lib.lowering_for_gpu():
-    assert dispatch_lib.compiled_row_kernels()
+    assert dispatch_lib.compiled_row_kernels(128, jnp.bfloat16)
+    # rows the kernel's TMA boxes cannot hold on a GPU: XLA's gather (the same rows)
+    for hidden in (16, 24, 40, 64, 136):
+      assert not dispatch_lib.compiled_row_kernels(hidden, jnp.bfloat16)
 
 
 def test_combine_sorted_rows_is_the_plain_combine_bitwise():

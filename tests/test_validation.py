@@ -173,6 +173,30 @@ def test_pallas_backends_need_16bit_operands_on_gpu():
   check_kernel_dtypes("xla_dropless", "gpu", x32, p32)
 
 
+def test_uniep_refuses_rows_its_transfer_cannot_move_on_gpus():
+  """The NVLink transfer's TMA boxes need rows of a multiple of 256 bytes on a GPU (rows
+  of 16-64 bf16 elements faulted there): "uniep" refuses smaller or odd hidden sizes
+  before tracing and names "pallas", which runs them (its row copies fall back to XLA's
+  gather); the kernels refuse them too when compiled."""
+  import pallas_kernels.row_gather as rg
+  from uniep_jax.validate import check_kernel_inputs
+  uniep = UniEPConfig(backend="uniep")
+  for hidden, ok in ((24, False), (64, False), (136, False), (128, True), (2048, True)):
+    p = make_params(jax.random.key(0), experts=8, hidden=hidden, ffn=32, dtype=jnp.bfloat16)
+    x = make_x(jax.random.key(1), 8, hidden, jnp.bfloat16)
+    if ok:
+      check_kernel_inputs(uniep, "gpu", "nvlink", x, p)
+    else:
+      with pytest.raises(ValueError, match=rf"backend='uniep' moves rows of hidden={hidden} .*"
+                                           r"multiple of 256 bytes.*use backend 'pallas'"):
+        check_kernel_inputs(uniep, "gpu", "nvlink", x, p)
+    check_kernel_inputs(UniEPConfig(backend="pallas"), "gpu", "ragged", x, p)   # any hidden
+    check_kernel_inputs(uniep, "gpu", "local", x, p)   # one rank: runs as pallas
+  from pallas_kernels import device as device_lib
+  with device_lib.lowering_for_gpu(), pytest.raises(ValueError, match="multiple of 256 B"):
+    rg.gather_live_rows(jnp.zeros((8, 24), jnp.bfloat16), jnp.arange(8), jnp.int32(8), out_rows=8)
+
+
 def test_overlap_config_only_for_uniep():
   overlap = uniep_jax.OverlapConfig()
   assert (overlap.down_return_ctas, overlap.wgrad_return_ctas, overlap.chunk_rows) == (16, 16, 2048)

@@ -73,9 +73,6 @@ def default_xla_flag(flag: str, value) -> None:
   os.environ["XLA_FLAGS"] = f"{flags} {flag}={value}".strip()
 
 
-_DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops"
-
-
 def request_xla_determinism() -> None:
   """Ask XLA:GPU for deterministic programs. Only effective before jax's backends start.
 
@@ -87,7 +84,8 @@ def request_xla_determinism() -> None:
   scatter a user adds becomes deterministic. Costs some dense-GEMM speed. No effect
   on the CPU. Leaves an explicit setting in XLA_FLAGS alone.
   """
-  default_xla_flag(_DETERMINISTIC_FLAG, "true")
+  from uniep_jax.determinism import DETERMINISTIC_FLAG
+  default_xla_flag(DETERMINISTIC_FLAG, "true")
 
 
 def request_nccl_group_launch() -> None:

@@ -9,6 +9,7 @@ The data flow, one module per step: routing (1) -> layout, the plan (2) -> dispa
 
 from uniep_jax.config import (BACKENDS, KernelConfig, OverlapConfig, RoutingConfig,
                               TransferConfig, UniEPConfig)
+from uniep_jax.determinism import enable_xla_determinism
 from uniep_jax.layout import (DedupPlan, DispatchPlan, make_plan, receive_buffer_bytes,
                               sort_assignments, unique_receive_bytes)
 from uniep_jax.module import UniEPMoE
@@ -22,7 +23,7 @@ from uniep_jax.validate import validate_inputs
 __all__ = [
     "BACKENDS", "DedupPlan", "DispatchPlan", "KernelConfig", "MoEParams", "OverlapConfig",
     "RouterOutput", "RoutingConfig", "TransferConfig", "TuneProblem", "UniEPConfig", "UniEPMoE",
-    "dense_reference_moe", "join_gate_up", "make_plan", "moe_ffn", "moe_ffn_shard",
+    "dense_reference_moe", "enable_xla_determinism", "join_gate_up", "make_plan", "moe_ffn", "moe_ffn_shard",
     "param_specs", "receive_buffer_bytes", "resolve_config", "route", "sort_assignments",
     "split_gate_up", "unique_receive_bytes", "validate_inputs",
 ]

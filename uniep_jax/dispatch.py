@@ -27,12 +27,14 @@ from uniep_jax.rows import (permute_rows, replicate_slots_transpose, sum_to_type
 from uniep_jax.transport import return_rows, send_rows, send_unique
 
 
-def compiled_row_kernels() -> bool:
-  """Whether the Pallas backends move rows with the live-rows copy kernel here: where
-  kernels compile for the GPU (a GPU, or `device.lowering_for_gpu()`). On the CPU the
-  interpret mode would run it slowly; XLA's gather there gives the same rows (moved,
-  not computed)."""
-  return device_lib.default_interpret() is False
+def compiled_row_kernels(hidden: int, dtype) -> bool:
+  """Whether the Pallas backends move rows of `hidden` elements of `dtype` with the
+  live-rows copy kernel here: where kernels compile for the GPU (a GPU, or
+  `device.lowering_for_gpu()`) and the rows meet its alignment (`row_gather.rows_fit`).
+  Elsewhere XLA's gather gives the same rows (moved, not computed): on the CPU the
+  interpret mode would run the kernel slowly."""
+  return (device_lib.default_interpret() is False
+          and row_gather.rows_fit(hidden, jnp.dtype(dtype).itemsize))
 
 
 def sort_rows(x, plan: DispatchPlan, row_kernel: bool = False) -> jax.Array:

@@ -4,10 +4,18 @@ Holds the router, the routed experts (sharded over the mesh's expert axis), an
 optional DeepSeek-style shared expert (a dense SwiGLU applied to every token and
 added to the routed output) and the auxiliary-loss-free balancing bias.
 
+    uniep_jax.enable_xla_determinism()   # on GPUs, before JAX's first computation
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
     moe = UniEPMoE(hidden=H, ffn=F, num_experts=E, top_k=K, mesh=mesh, rngs=rngs)
-    y = moe(x)                      # x, y: [B, S, H]
-    aux = moe.aux.get_value()       # expert_counts [E], load_balance_loss, router_z_loss, dropped
+    with jax.set_mesh(mesh):        # un-jitted calls and their gradients need the mesh
+      y = moe(x)                    # x, y: [B, S, H]; B * S must divide by the mesh size
+    aux = moe.aux.get_value()       # None before the first call; then expert_counts [E],
+                                    # load_balance_loss, router_z_loss, dropped,
+                                    # nonfinite_tokens
     moe.update_expert_bias(aux["expert_counts"], rate=1e-3)
+
+The bits repeat run after run on the CPU; on GPUs the whole program's do with XLA's
+deterministic mode (`enable_xla_determinism`; the layer warns once without it).
 
 Variables and their partitioning (the `out_sharding` metadata, read by
 `nnx.get_partition_spec` / `nnx.get_named_sharding`):

@@ -32,6 +32,7 @@ from uniep_jax import tuning
 from uniep_jax.capacity import capacity_moe_shard
 from uniep_jax.combine import combine, combine_sorted_rows, combine_unique, weighted_topk_sum
 from uniep_jax.config import PALLAS_BACKENDS, UniEPConfig
+from uniep_jax.determinism import warn_if_nondeterministic
 from uniep_jax.dispatch import compiled_row_kernels, dispatch, dispatch_unique
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import local_group_sizes, make_plan, plan_with_dedup, receive_rows
@@ -40,9 +41,9 @@ from uniep_jax.overlap import overlapped_moe_experts
 from uniep_jax.params import MoEParams, place
 from uniep_jax.reference import dense_reference_moe
 from uniep_jax.transport import resolve_transport
-from uniep_jax.validate import check_kernel_dtypes, validate_inputs
+from uniep_jax.validate import check_kernel_inputs, validate_inputs
 
-AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped")
+AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens")
 
 
 def _shard_transport(config: UniEPConfig, ep: int) -> str:
@@ -96,8 +97,10 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
   else:
     y, dropped = _dropless_shard(x, params, out, top_k=top_k, config=config,
                                  expert_axis=expert_axis, transport=transport)
+  nonfinite = jnp.sum(~routing_lib.finite_tokens(out.logits), dtype=jnp.int32)
   aux = dict(expert_counts=counts, load_balance_loss=lb, router_z_loss=z,
-             dropped=jax.lax.psum(dropped, token_axes))
+             dropped=jax.lax.psum(dropped, token_axes),
+             nonfinite_tokens=jax.lax.psum(nonfinite, token_axes))
   return y, aux
 
 
@@ -130,7 +133,7 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
                    recv_rows=recv_rows)
   pallas = config.backend in PALLAS_BACKENDS
   # the Pallas backends move rows with the live-rows copy where kernels compile
-  row_kernel = pallas and compiled_row_kernels()
+  row_kernel = pallas and compiled_row_kernels(x.shape[1], x.dtype)
   recv = dispatch(x, plan, axis_name=expert_axis, transport=transport,
                   row_kernel=row_kernel)                             # [recv_rows, H]
   if pallas:
@@ -168,7 +171,8 @@ def _checked_transport(config: UniEPConfig, mesh, x, params: MoEParams, ep: int)
   platform = mesh.devices.flat[0].platform
   transport = resolve_transport(config, platform=platform, ep=ep,
                                 process_count=jax.process_count())
-  check_kernel_dtypes(config.backend, platform, x, params)
+  check_kernel_inputs(config, platform, transport, x, params)
+  warn_if_nondeterministic(platform)
   return transport
 
 
@@ -199,6 +203,8 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
   aux["router_z_loss"]     f32        mean_t logsumexp(logits_t)^2
   aux["dropped"]           int32      dropped assignments (0 unless "xla_capacity"
                                       or a receive_capacity_factor bound overflows)
+  aux["nonfinite_tokens"]  int32      tokens with a non-finite router logit (NaN or inf
+                                      in x): routed to experts 0..K-1, see routing.py
   """
   if config.backend == "dense_reference":
     validate_inputs(x, params, top_k=top_k, config=config)

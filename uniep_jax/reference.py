@@ -33,5 +33,6 @@ def dense_reference_moe(x, params: MoEParams, *, top_k: int, config: UniEPConfig
   counts, prob_sum, z_sum = routing_lib.local_aux_sums(out, params.num_experts, config.routing)
   lb, z = routing_lib.aux_losses(counts, prob_sum, z_sum, n, top_k)
   aux = dict(expert_counts=counts, load_balance_loss=lb, router_z_loss=z,
-             dropped=jnp.zeros((), jnp.int32))
+             dropped=jnp.zeros((), jnp.int32),
+             nonfinite_tokens=jnp.sum(~routing_lib.finite_tokens(out.logits), dtype=jnp.int32))
   return y, aux

@@ -12,7 +12,10 @@
                    `normalize_topk`, times `scale`
 
 The bias changes which experts are chosen, never the weights, and gets no
-gradient. Everything here is a pure function of its inputs.
+gradient. A token with a non-finite logit (a NaN or an infinity in its input) is sent
+to experts 0..K-1 (its selection scores are all -inf, and ties go to the lowest index),
+with its non-finite weights; `moe_ffn` counts such tokens in aux["nonfinite_tokens"].
+Everything here is a pure function of its inputs.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def route(
   select = jax.lax.stop_gradient(scores)
   if expert_bias is not None:
     select = select + jax.lax.stop_gradient(expert_bias.astype(jnp.float32))[None, :]
+  select = jnp.where(finite_tokens(logits)[:, None], select, -jnp.inf)
   if routing.n_groups > 1:
     eligible = _group_mask(select, routing.n_groups, routing.topk_groups)
     select = jnp.where(eligible, select, -jnp.inf)
@@ -105,6 +109,11 @@ def route(
   weights = weights * jnp.float32(routing.scale)
   return RouterOutput(logits=logits, scores=scores, topk_experts=topk_experts,
                       topk_weights=weights)
+
+
+def finite_tokens(logits: jax.Array) -> jax.Array:
+  """[T] bool: the tokens whose logits are all finite."""
+  return jnp.all(jnp.isfinite(jax.lax.stop_gradient(logits)), axis=-1)
 
 
 def local_aux_sums(out: RouterOutput, num_experts: int, routing: RoutingConfig):

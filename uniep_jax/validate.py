@@ -8,7 +8,8 @@ import operator
 
 import jax.numpy as jnp
 
-from uniep_jax.config import BACKENDS, PALLAS_BACKENDS, UniEPConfig
+from pallas_kernels.row_gather import ROW_ALIGN_BYTES
+from uniep_jax.config import BACKENDS, PALLAS_BACKENDS, TransferConfig, UniEPConfig
 from uniep_jax.params import MoEParams
 from uniep_jax.transport import ZERO_WINDOW_ROWS
 
@@ -87,6 +88,26 @@ def validate_inputs(x, params: MoEParams, *, top_k, config: UniEPConfig,
     if x.shape[0] % shards:
       raise ValueError(f"x has {x.shape[0]} tokens, not divisible by the {shards} token shards "
                        f"of mesh {dict(mesh.shape)}")
+
+
+def check_kernel_inputs(config: UniEPConfig, platform: str, transport: str, x,
+                        params: MoEParams) -> None:
+  """What the Pallas backends' GPU kernels need of the inputs, checked before tracing:
+  16-bit operands (wgmma), and for the NVLink transport rows whose TMA boxes meet the
+  row alignment (`TransferConfig.rows_fit`: a hidden size of a multiple of 128 16-bit
+  elements; smaller rows fault on the GPU). "pallas" runs any hidden size (its row
+  copies fall back to XLA's gather where the kernel's alignment does not hold)."""
+  backend = config.backend
+  if backend not in PALLAS_BACKENDS or platform != "gpu":
+    return
+  check_kernel_dtypes(backend, platform, x, params)
+  transfer = config.transfer or TransferConfig()
+  if transport == "nvlink" and not transfer.rows_fit(x.shape[1], jnp.dtype(x.dtype).itemsize):
+    raise ValueError(f"backend='uniep' moves rows of hidden={x.shape[1]} {jnp.dtype(x.dtype)} "
+                     f"elements with TMA boxes that need rows (and column tiles) of a multiple "
+                     f"of {ROW_ALIGN_BYTES} bytes on GPUs (a hidden size of a multiple of "
+                     f"{ROW_ALIGN_BYTES // jnp.dtype(x.dtype).itemsize}); use backend 'pallas' "
+                     f"(the same bits over XLA collectives)")
 
 
 def check_kernel_dtypes(backend: str, platform: str, x, params: MoEParams) -> None:
