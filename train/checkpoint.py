@@ -3,6 +3,13 @@
 Arrays are restored onto the shardings of a template (the freshly initialised
 state), so a resumed run continues with bit-identical values on the same layout.
 
+Verified: each checkpoint stores, beside the arrays (the Orbax item "default"), the
+bit checksums of its state (item "meta": `state_checksums`, computed on the devices), and
+a restore recomputes and compares them. `restore_latest` walks the checkpoints from the
+newest: one that fails to load or to verify is reported in one line and moved aside
+(renamed `damaged-<step>`, kept for inspection, out of Orbax's way), and the next older
+one is tried. No checkpoint is written from a state with a non-finite value.
+
 Checkpoints with the experts' gate and up weights as two arrays (`*.w_gate` and
 `*.w_up` leaves, [E, H, F] each, where the model holds one `*.w_gate_up` [E, H, 2F]) are
 restored too: read with a template in that split layout, then joined (`join_gate_up`),
@@ -12,11 +19,13 @@ in the parameters and in every optimizer-state copy of them (Adam's moments).
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from uniep_jax.measure import tree_checksum
 from uniep_jax.params import join_gate_up
 
 _JOINED, _GATE, _UP = "w_gate_up", "w_gate", "w_up"
@@ -64,25 +73,112 @@ def _join_layout(tree, template):
                       is_leaf=_has_joined)
 
 
+def state_checksums(state: dict[str, Any]) -> dict[str, list]:
+  """{part: bit checksums of its leaves in key order} for each top-level part of the
+  state (params, rest, opt_state): `uniep_jax.measure.tree_checksum`, on the devices,
+  leaf by leaf (the leaves may live on different devices)."""
+  return {k: [tree_checksum(leaf)[0] for leaf in jax.tree.leaves(v)]
+          for k, v in sorted(state.items())}
+
+
+_finite = jax.jit(lambda a: jnp.all(jnp.isfinite(a)))
+
+
+def all_finite(state) -> bool:
+  """Whether every float in the state is finite (leaf by leaf: the leaves may live on
+  different devices)."""
+  return all(bool(_finite(a)) for a in jax.tree.leaves(state)
+             if jnp.issubdtype(a.dtype, jnp.inexact))
+
+
+class CheckpointDamaged(RuntimeError):
+  """A checkpoint that fails to load or to verify."""
+
+
 class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 2):
     self.directory = pathlib.Path(directory).absolute()
-    self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+    self.max_to_keep = max_to_keep
+    self.manager = self._manager()
+
+  def _manager(self):
+    return ocp.CheckpointManager(
+        self.directory, item_names=("default", "meta"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True))
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
 
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
   def save(self, step: int, state: dict[str, Any]) -> None:
-    self.manager.save(step, args=ocp.args.StandardSave(state))
+    """Saves `state` with its checksums; ValueError if any value is not finite."""
+    if not all_finite(state):
+      raise ValueError(f"not writing checkpoint {step}: the state holds a non-finite value")
+    meta = dict(step=step, checksums=state_checksums(state))
+    self.manager.save(step, args=ocp.args.Composite(default=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)))
 
   def restore(self, step: int, template: dict[str, Any]) -> dict[str, Any]:
+    """The state at `step` on the template's shardings, its checksums verified where it
+    has them (checkpoints written before checksums have none). CheckpointDamaged if it
+    does not load or verify."""
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
-    if self._written_before_gate_up(step, abstract):
-      old = self.manager.restore(step, args=ocp.args.StandardRestore(_split_layout(abstract)))
-      return _join_layout(old, abstract)
-    return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    has_meta = (self.directory / str(step) / "meta").exists()
+    try:
+      if self._written_before_gate_up(step, abstract):
+        old = self.manager.restore(step, args=ocp.args.Composite(
+            default=ocp.args.StandardRestore(_split_layout(abstract))))["default"]
+        state = _join_layout(old, abstract)
+      else:
+        args = dict(default=ocp.args.StandardRestore(abstract))
+        if has_meta:
+          args["meta"] = ocp.args.JsonRestore()
+        restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+        state = restored["default"]
+        if has_meta:
+          want = restored["meta"]["checksums"]
+          got = state_checksums(state)
+          bad = sorted(k for k in got if got[k] != want.get(k))
+          if bad:
+            raise CheckpointDamaged(f"checksum mismatch in {', '.join(bad)}")
+    except CheckpointDamaged:
+      raise
+    except Exception as e:  # noqa: BLE001 - any failure to read makes it unusable
+      first = (str(e).strip().splitlines() or [""])[0][:200]
+      raise CheckpointDamaged(f"{type(e).__name__}: {first}") from e
+    return state
+
+  def restore_latest(self, template: dict[str, Any],
+                     log: Callable[[str], None] = print) -> Optional[tuple[int, dict]]:
+    """(step, state) of the newest checkpoint that loads and verifies, or None if none
+    does; each one that does not is reported in one line and moved aside (process 0
+    renames it; the others see the same failure)."""
+    for step in reversed(self.steps()):
+      try:
+        return step, self.restore(step, template)
+      except CheckpointDamaged as e:
+        log(f"checkpoint {self.directory / str(step)} is unusable ({e}); trying the one before")
+        self._move_aside(step)
+    return None
+
+  def _move_aside(self, step: int) -> None:
+    self.manager.wait_until_finished()
+    if jax.process_index() == 0:
+      src = self.directory / str(step)
+      dst = self.directory / f"damaged-{step}"
+      n = 1
+      while dst.exists():
+        n += 1
+        dst = self.directory / f"damaged-{step}-{n}"
+      src.rename(dst)
+    if jax.process_count() > 1:   # every process reopens the directory after the rename
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"uniep_checkpoint_moved_{step}")
+    self.manager.close()
+    self.manager = self._manager()
 
   def _written_before_gate_up(self, step: int, abstract) -> bool:
     """Whether the checkpoint at `step` holds `<x>w_gate` and `<x>w_up` where the

@@ -35,13 +35,16 @@ def run(argv: Optional[Sequence[str]] = None) -> dict:
   request_nccl_group_launch()
   if spec is not None:
     distributed.initialize(spec)  # imports jax
-  from train.loop import train  # imports jax
+  from train.loop import Diverged, train  # imports jax
 
   try:
     return train(cfg)
   except (ConfigError, FileNotFoundError) as e:  # found once the devices and the data are known
     print(f"uniep-train: error: {e}", file=sys.stderr)
     raise SystemExit(2)
+  except Diverged as e:
+    print(f"uniep-train: stopped: {e}", file=sys.stderr)
+    raise SystemExit(3)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -1,7 +1,9 @@
 """`TrainConfig`: every knob of a training run, and its command-line parser.
 
-No jax import here: `train.cli` parses flags, sizes the virtual device pool, and
-only then imports jax (through `train.loop`).
+Flags are checked here (ValueError naming the flag, before anything compiles); what
+needs the model config or the data is checked by `train.loop` before the first compile.
+`train.cli` parses the flags and sizes the virtual device pool before JAX starts its
+backends.
 """
 
 from __future__ import annotations
@@ -49,8 +51,11 @@ class TrainConfig:
   eval_batches: int = 8
   ckpt_dir: Optional[str] = None
   ckpt_every: int = 100
-  resume: bool = False
+  resume: bool = False  # continue from the newest usable checkpoint; error if there is none
+  resume_or_start: bool = False  # the same, but start from step 0 if there is none
   out: str = "runs/default"
+  overwrite: bool = False  # a new run may replace the metrics of an earlier one in `out`
+  max_skipped_steps: int = 3  # consecutive non-finite steps (not applied) before stopping
   progress: bool = True
   plot: bool = True
   # XLA:GPU deterministic mode (train.mesh.request_xla_determinism), set by the CLI
@@ -73,6 +78,21 @@ class TrainConfig:
     parse_mesh(self.mesh)
     if self.backend not in BACKEND_CHOICES:
       raise ValueError(f"backend={self.backend!r} is unknown; expected one of {BACKEND_CHOICES}")
+    if not self.clip > 0:
+      raise ValueError(f"--clip={self.clip} must be > 0 (the global gradient-norm bound)")
+    if not self.capacity_factor > 0:
+      raise ValueError(f"--capacity-factor={self.capacity_factor} must be > 0")
+    if self.max_skipped_steps < 1:
+      raise ValueError(f"--max-skipped-steps={self.max_skipped_steps} must be >= 1")
+    if not 0 <= self.min_lr_ratio <= 1:
+      raise ValueError(f"--min-lr-ratio={self.min_lr_ratio} must be in [0, 1]")
+    if self.weight_decay < 0:
+      raise ValueError(f"--weight-decay={self.weight_decay} must be >= 0")
+    if self.lb_weight < 0 or self.z_weight < 0:
+      raise ValueError(f"--lb-weight={self.lb_weight} and --z-weight={self.z_weight} must be "
+                       f">= 0")
+    if self.data_bytes < 1:
+      raise ValueError(f"--data-bytes={self.data_bytes} must be >= 1")
     if self.overlap and self.backend != "uniep":
       raise ValueError(f"--overlap (transfers inside GEMM launches) is only for --backend "
                        f"uniep, got backend={self.backend!r}")
@@ -100,10 +120,17 @@ class TrainConfig:
       raise ValueError(f"warmup={self.warmup} must be in [0, steps={self.steps})")
     if self.lr is not None and not self.lr > 0:
       raise ValueError(f"lr={self.lr} must be > 0")
-    if self.resume and not self.ckpt_dir:
-      raise ValueError("--resume needs --ckpt-dir")
+    if (self.resume or self.resume_or_start) and not self.ckpt_dir:
+      raise ValueError(f"--{'resume' if self.resume else 'resume-or-start'} needs --ckpt-dir")
+    if self.resume and self.resume_or_start:
+      raise ValueError("--resume and --resume-or-start exclude each other (the second also "
+                       "starts from step 0 when there is no checkpoint)")
     if not 0 < self.heldout_fraction < 1:
       raise ValueError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+
+  @property
+  def resuming(self) -> bool:
+    return self.resume or self.resume_or_start
 
   @property
   def warmup_steps(self) -> int:
@@ -123,37 +150,56 @@ class TrainConfig:
     return self.steps if self.stop_after is None else self.stop_after
 
 
+def model_names() -> list[str]:
+  """The model configs `--config` takes (models/config.py)."""
+  from models.config import CONFIGS   # imports jax: its backends start later, on first use
+  return sorted(CONFIGS)
+
+
 def build_parser() -> argparse.ArgumentParser:
   d = TrainConfig()
   p = argparse.ArgumentParser(
       prog="uniep-train",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
       description="Train a decoder-only MoE transformer with UniEP-JAX expert parallelism. "
                   "With no flags: the 'tiny' model on 8 virtual CPU devices (mesh data=2,expert=4) "
                   "on byte-level Python standard-library sources.")
   a = p.add_argument
-  a("--config", default=d.config, help="model config name (default %(default)s)")
+  a("--config", default=d.config, choices=model_names(), metavar="NAME",
+    help=f"model config: one of {', '.join(model_names())} (models/config.py)")
   a("--n-layers", type=int, default=None,
     help="override the model config's number of transformer blocks (e.g. a 1-block smoke run)")
   a("--mesh", default=d.mesh, help="mesh axes, e.g. data=2,expert=4; the product must equal the "
                                   "device count (CPU: that many virtual devices are created)")
-  a("--backend", default=d.backend, choices=BACKEND_CHOICES, help="moe_ffn backend")
-  a("--capacity-factor", type=float, default=d.capacity_factor, help="for --backend xla_capacity")
+  a("--backend", default=d.backend, choices=BACKEND_CHOICES,
+    help="moe_ffn backend (uniep needs GPUs; pallas on the CPU runs its kernels in JAX's "
+         "interpret mode: correct, slow)")
+  a("--capacity-factor", type=float, default=d.capacity_factor,
+    help="--backend xla_capacity: each expert takes at most this factor times its fair share "
+         "of assignments; the rest are dropped and counted")
   a("--kernel-stages", type=int, default=None,
-    help="pallas/uniep: the grouped GEMM's TMA pipeline depth (KernelConfig.max_concurrent_steps)")
+    help="pallas/uniep: the grouped GEMM's TMA pipeline depth (KernelConfig.max_concurrent_steps; "
+         "default: its default)")
   a("--overlap", action="store_true",
     help="uniep: the down GEMM's return and the backward's dX return run inside GEMM launches "
          "(UniEPConfig.overlap = OverlapConfig(); the same bits; gradients are then summed "
          "after the whole backward pass unless --grad-buckets says otherwise)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
-  a("--stop-after", type=int, default=None, help="stop after this many steps (the schedule still spans --steps)")
+  a("--stop-after", type=int, default=None,
+    help="stop after this many steps (the schedule still spans --steps)")
   a("--batch", type=int, default=d.batch, help="global batch in sequences")
-  a("--seq", type=int, default=d.seq, help="sequence length")
+  a("--seq", type=int, default=d.seq, help="sequence length (at most the model's max_seq_len)")
   a("--lr", type=float, default=d.lr, help="peak learning rate (AdamW, warmup + cosine; default: "
     "the model config's, 3e-3 for tiny, 3e-4 for the GPU-sized configs)")
-  a("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+  a("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+    help="the cosine schedule ends at this fraction of the peak learning rate")
   a("--warmup", type=int, default=None, help="warmup steps (default min(30, steps // 10))")
-  a("--weight-decay", type=float, default=d.weight_decay)
-  a("--clip", type=float, default=d.clip, help="global gradient-norm clip")
+  a("--weight-decay", type=float, default=d.weight_decay,
+    help="AdamW weight decay (not on norm scales)")
+  a("--clip", type=float, default=d.clip, help="global gradient-norm clip (> 0)")
+  a("--max-skipped-steps", type=int, default=d.max_skipped_steps,
+    help="a step whose loss or gradient norm is not finite is not applied (counted as "
+         "skipped); this many in a row stop the run with a non-zero exit")
   a("--seed", type=int, default=d.seed, help="seeds the parameters and the batches")
   a("--data", default=None, help="text file, folder of text files, or .npy of token ids "
                                  "(default: the Python standard library's sources)")
@@ -163,11 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
   a("--aux-free-bias-rate", type=float, default=None,
     help="expert-bias update rate (default 1e-3 for models with expert biases, else off)")
   a("--eval-every", type=int, default=d.eval_every, help="held-out loss every N steps")
-  a("--eval-batches", type=int, default=d.eval_batches)
-  a("--ckpt-dir", default=None, help="Orbax checkpoint directory")
-  a("--ckpt-every", type=int, default=d.ckpt_every)
-  a("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+  a("--eval-batches", type=int, default=d.eval_batches,
+    help="held-out batches per evaluation (fixed windows of the held-out split)")
+  a("--ckpt-dir", default=None, help="Orbax checkpoint directory (checksummed checkpoints)")
+  a("--ckpt-every", type=int, default=d.ckpt_every, help="checkpoint every N steps (and at the end)")
+  a("--resume", action="store_true",
+    help="continue from the newest checkpoint in --ckpt-dir that loads and verifies (an error "
+         "if there is none)")
+  a("--resume-or-start", action="store_true",
+    help="as --resume, but start from step 0 when --ckpt-dir holds no usable checkpoint")
   a("--out", default=d.out, help="metrics.jsonl, loss.png and summary.json go here")
+  a("--overwrite", action="store_true",
+    help="let a new run replace the metrics an earlier run left in --out")
   a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
   a("--no-plot", dest="plot", action="store_false", help="no loss.png")
   a("--no-xla-deterministic", dest="xla_deterministic", action="store_false",
@@ -177,14 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     help="with --grad-reduction ordered: sum the gradients in this many buckets, in the order "
          "the backward pass produces them (the LM head's first, the embedding's last), each "
          "bucket's collectives after the previous one's, so that the first ones can overlap "
-         "the rest of the backward pass; the same bits for any count (default "
-         f"{DEFAULT_GRAD_BUCKETS}: 0.3-7%% more tokens/s than 1 on 4x H100; 1 sums them after "
-         "the whole backward pass)")
+         f"the rest of the backward pass; the same bits for any count (default "
+         f"{DEFAULT_GRAD_BUCKETS}; 1 sums them after the whole backward pass)")
   a("--grad-reduction", default=d.grad_reduction, choices=GRAD_REDUCTIONS,
-    help="how gradients are summed over the mesh: 'ordered' (default: per-shard gradients "
-         "summed in rank order in float32, the same bits in every program, e.g. with any "
-         "--backend; about 7%% slower per step on 4 H200s) or 'xla' (XLA's all-reduces; their "
-         "float order is up to NCCL and to each program's schedule)")
+    help="how gradients are summed over the mesh: 'ordered' (per-shard gradients summed in "
+         "rank order in float32, the same bits in every program, e.g. with any --backend) or "
+         "'xla' (XLA's all-reduces; their float order is up to NCCL and to each program's "
+         "schedule)")
   g = p.add_argument_group("multi-process (jax.distributed; `python -m train.launch` sets these)")
   g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="process 0's coordinator address (default: $JAX_COORDINATOR_ADDRESS)")

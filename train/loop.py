@@ -16,13 +16,16 @@ writes metrics.jsonl, summary.json and loss.png.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import importlib.metadata
 import json
+import os
 import pathlib
 import platform
 import re
 import time
+import uuid
 from typing import Any, Optional, Sequence
 
 import jax
@@ -112,10 +115,32 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
                      rngs=nnx.Rngs(cfg.seed))
 
 
+class Diverged(RuntimeError):
+  """The run stopped: `max_skipped_steps` steps in a row had a non-finite loss or
+  gradient norm (none of them was applied)."""
+
+
+def check_backend_platform(cfg: TrainConfig) -> None:
+  """--backend uniep needs GPUs (a ConfigError before anything compiles); --backend pallas
+  on the CPU runs its kernels in JAX's interpret mode (a note)."""
+  platform_ = jax.devices()[0].platform
+  if cfg.backend == "uniep" and platform_ != "gpu" and parse_mesh(cfg.mesh).get("expert", 1) > 1:
+    raise ConfigError(f"--backend uniep moves rows between GPUs over NVLink; this run has "
+                      f"{platform_} devices: use --backend pallas (the same bits; its kernels "
+                      f"run in JAX's interpret mode here, slowly) or --backend xla_dropless")
+  if cfg.backend in ("pallas", "uniep") and platform_ == "cpu":
+    _log(f"note: --backend {cfg.backend} on the CPU runs the Pallas kernels in JAX's interpret "
+         f"mode: correct, but minutes per step at this size; --backend xla_dropless is the fast "
+         f"path here")
+
+
 def make_setup(cfg: TrainConfig) -> Setup:
   shape = parse_mesh(cfg.mesh)
   try:
     layers = {} if cfg.n_layers is None else dict(n_layers=cfg.n_layers)
+    declared = get_config(cfg.config).max_seq_len
+    if cfg.seq > declared:
+      raise ConfigError(f"--seq {cfg.seq} exceeds model {cfg.config!r}'s max_seq_len {declared}")
     model_cfg = get_config(cfg.config, max_seq_len=cfg.seq, **layers)
   except ValueError as e:
     raise ConfigError(str(e)) from e
@@ -309,16 +334,24 @@ def make_train_step(s: Setup, opt_sh):
     else:
       grads, ce, lb, z, aux, grad_norm = grad_fn(params, rest, inputs, targets)
       loss = total_loss(s.cfg, ce, lb, z)
-    updates, opt_state = s.tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    updates, new_opt = s.tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    new_rest = rest
     if s.bias_rate:
-      model = _model(s, params, rest)
+      model = _model(s, new_params, rest)
       for moe, counts in zip(model.moe_modules(), aux["expert_counts"]):
         moe.update_expert_bias(counts, s.bias_rate)
-      rest = flat_arrays(nnx.split(model, nnx.Param, ...)[2])
+      new_rest = flat_arrays(nnx.split(model, nnx.Param, ...)[2])
+    # a step with a non-finite loss or gradient norm is not applied: parameters, biases
+    # and optimizer state (its step count too) stay as they were, bit for bit
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    params, rest, opt_state = keep((new_params, new_rest, new_opt), (params, rest, opt_state))
     counts = aux["expert_counts"].astype(jnp.float32)  # [L_moe, E]
     metrics = dict(loss=loss, ce=ce, load_balance_loss=lb, router_z_loss=z,
                    grad_norm=grad_norm, dropped=jnp.sum(aux["dropped"]),
+                   nonfinite_tokens=jnp.max(aux["nonfinite_tokens"]),
+                   skipped=(~finite).astype(jnp.int32),
                    max_load=jnp.max(counts / jnp.mean(counts, axis=-1, keepdims=True)))
     return params, rest, opt_state, metrics
 
@@ -423,24 +456,93 @@ def environment() -> dict:
               python=platform.python_version(), packages=versions)
 
 
+class RunLock:
+  """An exclusive lock on a run folder (`fcntl.flock` on OUT/.lock, held for the run and
+  released by the OS when the process ends, a killed one too): a second live run into
+  the same --out is refused instead of interleaving its metrics with the first's."""
+
+  def __init__(self, out: pathlib.Path):
+    self.path = out / ".lock"
+    self.file = open(self.path, "a+")
+    try:
+      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      self.file.seek(0)
+      holder = self.file.read().strip() or "another process"
+      self.file.close()
+      raise ConfigError(f"--out {out} is in use by a live run ({holder} holds {self.path}); "
+                        f"wait for it or pass another --out") from None
+    self.file.seek(0)
+    self.file.truncate()
+    self.file.write(f"pid {os.getpid()} on {platform.node()}\n")
+    self.file.flush()
+
+  def release(self) -> None:
+    if not self.file.closed:
+      fcntl.flock(self.file, fcntl.LOCK_UN)
+      self.file.close()
+
+
+def truncate_metrics(path: pathlib.Path, last_step: int) -> None:
+  """Keeps the lines of metrics.jsonl up to `last_step` (a resumed run then appends the
+  steps after it, so the file reads as one run)."""
+  if path.exists():
+    kept = [l for l in path.read_text().splitlines()
+            if l.strip() and json.loads(l).get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(l + "\n" for l in kept))
+    tmp.replace(path)
+
+
+def check_data(cfg: TrainConfig, data: Dataset) -> None:
+  """The flags against the data, before anything compiles."""
+  for split, tokens in (("training", data.train), ("held-out", data.heldout)):
+    if len(tokens) < cfg.seq + 2:
+      raise ConfigError(f"--seq {cfg.seq} needs windows of {cfg.seq + 1} tokens; the {split} "
+                        f"split has {len(tokens)} (a larger --data or --data-bytes, or a "
+                        f"smaller --seq)")
+
+
 def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
-  """Run training; returns per-step losses, held-out losses, checksum and timings."""
+  """Run training; returns per-step losses, held-out losses, checksum and timings.
+  Raises ConfigError for a configuration that cannot run (before anything compiles)
+  and Diverged when `cfg.max_skipped_steps` steps in a row were not finite."""
   t_start = time.perf_counter()
-  s = make_setup(cfg)
   main = is_main_process()
   out = pathlib.Path(cfg.out)
+  lock = None
   if main:
     out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out)
+  try:
+    return _train(cfg, data, out, main, t_start)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(cfg: TrainConfig, data: Optional[Dataset], out: pathlib.Path, main: bool,
+           t_start: float) -> dict:
+  metrics_path = out / "metrics.jsonl"
+  if (main and not cfg.resuming and not cfg.overwrite and metrics_path.exists()
+      and metrics_path.stat().st_size):
+    raise ConfigError(f"--out {out} holds the metrics of an earlier run; pass --overwrite to "
+                      f"replace them, --resume to continue that run, or another --out")
+  check_backend_platform(cfg)
+  s = make_setup(cfg)
   if data is None:
     data = make_dataset(cfg.data, max_bytes=cfg.data_bytes, heldout_fraction=cfg.heldout_fraction, seq=cfg.seq)
   if data.vocab_needed > s.model_cfg.vocab_size:
     raise ConfigError(f"the data has token ids up to {data.vocab_needed - 1}, "
                      f"beyond model {s.model_cfg.name!r}'s vocab_size={s.model_cfg.vocab_size}")
+  check_data(cfg, data)
   h_uni = unigram_entropy(data.train)
+  run_id = uuid.uuid4().hex[:12]
   _log(format_report(model_report(s.model_cfg, cfg.seq)))
   procs = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
   _log(f"mesh {dict(s.mesh.shape)} on {len(s.mesh.devices.flat)} {jax.devices()[0].platform} devices{procs}; "
-       f"backend {cfg.backend}; batch {cfg.batch}x{cfg.seq} tokens; aux-free bias rate {s.bias_rate}")
+       f"backend {cfg.backend}; batch {cfg.batch}x{cfg.seq} tokens; aux-free bias rate {s.bias_rate}; "
+       f"run {run_id}")
   moe = moe_options(cfg, s.mesh.shape.get("expert"))
   if moe:
     _log("expert FFN: " + ", ".join(f"{k} {v}" for k, v in moe.items()))
@@ -451,21 +553,37 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
   start = 0
   ckpt = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
-  if ckpt and not cfg.resume and ckpt.latest_step() is not None:
-    raise ConfigError(f"{cfg.ckpt_dir} already holds checkpoints (latest step {ckpt.latest_step()}); "
-                      f"pass --resume to continue, or another --ckpt-dir")
-  if cfg.resume:
-    latest = ckpt.latest_step()
-    if latest is None:
-      _log(f"--resume: no checkpoint in {cfg.ckpt_dir}; starting from step 0")
-    else:
-      restored = ckpt.restore(latest, dict(params=params, rest=rest, opt_state=opt_state))
-      params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
-      start = latest
-      _log(f"resumed from {ckpt.directory} at step {start}")
-  if start >= cfg.last_step:
-    raise ConfigError(f"nothing to do: the checkpoint is at step {start} >= {cfg.last_step}")
+  try:
+    if ckpt and not cfg.resuming and ckpt.latest_step() is not None:
+      raise ConfigError(f"{cfg.ckpt_dir} already holds checkpoints (latest step "
+                        f"{ckpt.latest_step()}); pass --resume to continue, or another --ckpt-dir")
+    if cfg.resuming:
+      found = ckpt.restore_latest(dict(params=params, rest=rest, opt_state=opt_state), log=_log)
+      if found is None:
+        if not cfg.resume_or_start:
+          raise ConfigError(f"--resume: no usable checkpoint in {ckpt.directory}; pass "
+                            f"--resume-or-start to start from step 0 when there is none")
+        _log(f"--resume-or-start: no usable checkpoint in {ckpt.directory}; starting from step 0")
+      else:
+        start, restored = found
+        params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
+        _log(f"resumed from {ckpt.directory} at step {start} (checksums verified)")
+    if start >= cfg.last_step:
+      raise ConfigError(f"nothing to do: the checkpoint is at step {start} >= {cfg.last_step}")
+    if main:
+      if start:
+        truncate_metrics(metrics_path, start)
+      else:
+        metrics_path.write_text("")
+    return _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest,
+                 opt_state, opt_sh, h_uni, moe, metrics_path)
+  finally:
+    if ckpt:
+      ckpt.close()
 
+
+def _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest, opt_state,
+          opt_sh, h_uni, moe, metrics_path) -> dict:
   train_step = make_train_step(s, opt_sh)
   eval_step = make_eval_step(s)
   # this process builds only its rows of each global [batch, seq] batch (all rows in one process)
@@ -477,13 +595,11 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
     vals = [np.float32(eval_step(params, rest, x, y)) for x, y in held_batches]
     return float(np.mean(np.asarray(vals, np.float64)))
 
-  metrics_path = out / "metrics.jsonl"
-  if main and not cfg.resume:
-    metrics_path.write_text("")
   mf = metrics_path.open("a") if main else None
   records_here: list[dict] = []  # this run's records (every process)
 
   def emit(rec: dict) -> None:
+    rec = dict(rec, run=run_id)
     records_here.append(rec)
     if mf is not None:
       mf.write(json.dumps(rec) + "\n")
@@ -500,45 +616,62 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
   tokens_per_step = cfg.batch * cfg.seq
   t_loop = time.perf_counter()
   step_times = []
-  for step in range(start, cfg.last_step):
-    t0 = time.perf_counter()
-    x, y = data.batch(cfg.seed, step, cfg.batch, cfg.seq, rows)
-    params, rest, opt_state, m = train_step(params, rest, opt_state, put(x), put(y))
-    m = {k: float(np.asarray(v)) for k, v in jax.device_get(m).items()}  # waits for the step
-    dt = time.perf_counter() - t0
-    step_times.append(dt)
-    done = step + 1
-    losses[done] = m["loss"]
-    rec = dict(step=done, **m, lr=float(s.schedule(step)), step_s=dt, tokens_per_s=tokens_per_step / dt)
-    if done % cfg.eval_every == 0 or done == cfg.last_step:
-      heldout[done] = rec["heldout_loss"] = heldout_loss()
-    emit(rec)
-    bar.update(1)
-    post = dict(loss=f"{m['ce']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-    if done in heldout:
-      post["heldout"] = f"{heldout[done]:.3f}"
-    bar.set_postfix(post, refresh=False)
-    if ckpt and (done % cfg.ckpt_every == 0 or done == cfg.last_step):
-      ckpt.save(done, dict(params=params, rest=rest, opt_state=opt_state))
-  bar.close()
-  if mf is not None:
-    mf.close()
-  if ckpt:
-    ckpt.close()
+  skipped_in_a_row = skipped_total = 0
+  try:
+    for step in range(start, cfg.last_step):
+      t0 = time.perf_counter()
+      x, y = data.batch(cfg.seed, step, cfg.batch, cfg.seq, rows)
+      params, rest, opt_state, m = train_step(params, rest, opt_state, put(x), put(y))
+      m = {k: float(np.asarray(v)) for k, v in jax.device_get(m).items()}  # waits for the step
+      m["skipped"] = int(m["skipped"])
+      dt = time.perf_counter() - t0
+      step_times.append(dt)
+      done = step + 1
+      losses[done] = m["loss"]
+      rec = dict(step=done, **m, lr=float(s.schedule(step)), step_s=dt, tokens_per_s=tokens_per_step / dt)
+      if m["skipped"]:
+        skipped_in_a_row += 1
+        skipped_total += 1
+        bar.clear()
+        _log(f"step {done}: loss {m['loss']}, gradient norm {m['grad_norm']}: not finite, the "
+             f"update is not applied ({skipped_in_a_row} in a row)")
+      else:
+        skipped_in_a_row = 0
+      if done % cfg.eval_every == 0 or done == cfg.last_step:
+        heldout[done] = rec["heldout_loss"] = heldout_loss()
+      emit(rec)
+      if skipped_in_a_row >= cfg.max_skipped_steps:
+        raise Diverged(f"step {done}: {skipped_in_a_row} steps in a row with a non-finite loss or "
+                       f"gradient norm (--max-skipped-steps {cfg.max_skipped_steps}); the "
+                       f"parameters are those after step {done - skipped_in_a_row}"
+                       + (f", the newest checkpoint step {ckpt.latest_step()}"
+                          if ckpt and ckpt.latest_step() else ""))
+      bar.update(1)
+      post = dict(loss=f"{m['ce']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+      if done in heldout:
+        post["heldout"] = f"{heldout[done]:.3f}"
+      bar.set_postfix(post, refresh=False)
+      if ckpt and (done % cfg.ckpt_every == 0 or done == cfg.last_step):
+        ckpt.save(done, dict(params=params, rest=rest, opt_state=opt_state))
+  finally:
+    bar.close()
+    if mf is not None:
+      mf.close()
   t_end = time.perf_counter()
 
   cs = checksum(params, rest)
   # process 0 reads the whole file (a resumed run's too); the others have this run's records
   records = _read_metrics(metrics_path) if main else records_here
-  tail = [r["ce"] for r in records if "ce" in r][-20:]
+  tail = [r["ce"] for r in records if "ce" in r and not r.get("skipped")][-20:]
   final_train = float(np.mean(tail))
   final_held = heldout[cfg.last_step]
   # steady-state throughput: skip the first step (compilation)
   steady = step_times[1:] or step_times
   summary = dict(
-      config=cfg.config, mesh=dict(s.mesh.shape), backend=cfg.backend, steps=cfg.last_step,
-      peak_lr=s.lr, grad_reduction=cfg.grad_reduction, grad_buckets=cfg.num_grad_buckets, moe=moe,
-      start_step=start, unigram_entropy_nats=h_uni, unigram_entropy_bits=h_uni / LN2,
+      run=run_id, config=cfg.config, mesh=dict(s.mesh.shape), backend=cfg.backend,
+      steps=cfg.last_step, peak_lr=s.lr, grad_reduction=cfg.grad_reduction,
+      grad_buckets=cfg.num_grad_buckets, moe=moe, start_step=start,
+      skipped_steps=skipped_total, unigram_entropy_nats=h_uni, unigram_entropy_bits=h_uni / LN2,
       final_train_loss_nats=final_train, final_heldout_loss_nats=final_held,
       final_train_loss_bits=final_train / LN2, final_heldout_loss_bits=final_held / LN2,
       tokens_per_s=tokens_per_step / float(np.mean(steady)), loop_s=t_end - t_loop,
@@ -549,7 +682,9 @@ def train(cfg: TrainConfig, *, data: Optional[Dataset] = None) -> dict:
     plot_losses(records, h_uni, out / "loss.png",
                 f"{cfg.config} / {cfg.backend} / mesh {cfg.mesh}")
   _log(f"unigram entropy of the training tokens: {h_uni:.4f} nats = {h_uni / LN2:.4f} bits per token")
-  _log(f"final train loss (mean of last {len(tail)} steps): {final_train:.4f} nats = {final_train / LN2:.4f} bits per token")
+  _log(f"final train loss (mean of the last {len(tail)} applied steps): {final_train:.4f} nats = "
+       f"{final_train / LN2:.4f} bits per token" + (f"; {skipped_total} steps skipped (not finite)"
+                                                    if skipped_total else ""))
   _log(f"final held-out loss: {final_held:.4f} nats = {final_held / LN2:.4f} bits per token")
   _log(f"throughput {summary['tokens_per_s']:,.0f} tokens/s; wall {summary['wall_s']:.1f} s")
   _log(f"param checksum: sum={cs['param_sum']!r} sha256={cs['sha256']} "
