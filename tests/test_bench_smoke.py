@@ -416,7 +416,7 @@ def test_run_gpu_phases_are_documented_and_an_unknown_one_fails_first(tmp_path):
   subprocess.run(["bash", "-n", str(RUN_GPU)], check=True)
   text = RUN_GPU.read_text()
   phases = re.search(r'^PHASES="([a-z ]+)"$', text, flags=re.M).group(1).split()
-  assert phases == ["layer", "gemm", "check", "sweep", "train", "profile", "stepdiff",
+  assert phases == ["layer", "gemm", "check", "odd", "sweep", "train", "profile", "stepdiff",
                     "tune", "mp"]
   header = text[:text.index("set -u")]
   for phase in phases:

@@ -10,7 +10,7 @@ one after another (4x H200, qwen3-like EP 4, profile run 53, ms per call):
 Here one launch per rank does all three, with three roles on disjoint CTAs; the GEMM's
 row tiles of receive-layout chunk k start as soon as chunk k has been expanded, which
 needs only the unique rows of the expert groups up to chunk k's last expert. Sized in
-pallas_kernels/NOTES_fused.md ("The dispatch overlap re-sized"): ~-0.5 ms at best on
+pallas_kernels/NOTES_fused.md at 1ef9d76 ("The dispatch overlap re-sized"): ~-0.5 ms at best on
 qwen3-like at EP 4. Status (NOTES_dedup_dispatch_gemm.md): bit for bit on 2x H200
 (`bench/check_moe_gpu.py --backends uniep_dd,uniep_dd_ov`, and the layer's checksums);
 slower there than the launches it replaces (EP 2, qwen3-like: +0.36 ms forward, +0.31
