@@ -1078,15 +1078,26 @@ def down_projection(a, w_down, group_sizes, *, config: KernelConfig, interpret=N
   return y
 
 
+def swiglu_forward(x, w_gate_up, w_down, group_sizes, *, config: KernelConfig, interpret=None,
+                   zero_window: Optional[int] = None):
+  """The forward pass of `grouped_swiglu_ffn` with its residuals: (y, (a, h, u)), the
+  inputs of `swiglu_backward`."""
+  return _swiglu_forward(x, w_gate_up, w_down, group_sizes, config, resolve_interpret(interpret),
+                         save=True, zero_window=zero_window)
+
+
 def swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, *, config: KernelConfig,
-                    interpret=None, zero_window: Optional[int] = None):
+                    interpret=None, zero_window: Optional[int] = None, wgrad_dtype=None):
   """The backward pass of `grouped_swiglu_ffn` (formulas in its docstring) from its
   saved residuals a, h, u ([m_p, F_p], the gate/up epilogue's outputs). Returns
-  (dx [M, H], dw_gate_up [G, H, 2F], dw_down)."""
+  (dx [M, H], dw_gate_up [G, H, 2F], dw_down), the weight gradients in `wgrad_dtype`
+  (default: the weights' own; float32 keeps the accumulators unrounded, for sums of
+  several groups' gradients)."""
   dhu = swiglu_dhu(x, w_down, group_sizes, h, u, dy, config=config, interpret=interpret,
                    zero_window=zero_window)
   return swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, config=config,
-                                  interpret=interpret, zero_window=zero_window)
+                                  interpret=interpret, zero_window=zero_window,
+                                  wgrad_dtype=wgrad_dtype)
 
 
 def swiglu_dhu(x, w_down, group_sizes, h, u, dy, *, config: KernelConfig, interpret=None,
@@ -1111,7 +1122,7 @@ def swiglu_dhu(x, w_down, group_sizes, h, u, dy, *, config: KernelConfig, interp
 
 def swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, *,
                              config: KernelConfig, interpret=None,
-                             zero_window: Optional[int] = None):
+                             zero_window: Optional[int] = None, wgrad_dtype=None):
   """The rest of `swiglu_backward` once [dh | du] ([m_p, 2 F_p], its "dswiglu" launch's
   output) is known: dx and the two weight gradients."""
   kw = dict(config=config, interpret=interpret)
@@ -1119,8 +1130,9 @@ def swiglu_backward_from_dhu(x, w_gate_up, w_down, group_sizes, a, dy, dhu, *,
   m_p = a.shape[0]
   # [dw_gate | dw_up] = x^T [dh | du]: one wgrad over N = 2 f_p
   dw_gate_up = _unpad_gate_up(gmm_wgrad(_pad_axis(x, 0, m_p), dhu, group_sizes,
-                                        out_dtype=w_gate_up.dtype, **kw), w_down.shape[1])
-  return dx, dw_gate_up, swiglu_dw_down(a, dy, w_down, group_sizes, **kw)
+                                        out_dtype=wgrad_dtype or w_gate_up.dtype, **kw),
+                              w_down.shape[1])
+  return dx, dw_gate_up, swiglu_dw_down(a, dy, w_down, group_sizes, out_dtype=wgrad_dtype, **kw)
 
 
 def swiglu_dx_from_dhu(x, w_gate_up, group_sizes, dhu, *, config: KernelConfig, interpret=None,
@@ -1138,10 +1150,12 @@ def swiglu_dx_from_dhu(x, w_gate_up, group_sizes, dhu, *, config: KernelConfig, 
   return dx[:m, :h_dim]
 
 
-def swiglu_dw_down(a, dy, w_down, group_sizes, *, config: KernelConfig, interpret=None):
-  """dw_down = a^T dy for a [m_p, F_p] (the gate/up launch's output) and dy [<= m_p, H]."""
+def swiglu_dw_down(a, dy, w_down, group_sizes, *, config: KernelConfig, interpret=None,
+                   out_dtype=None):
+  """dw_down = a^T dy for a [m_p, F_p] (the gate/up launch's output) and dy [<= m_p, H],
+  in `out_dtype` (default: w_down's)."""
   return gmm_wgrad(a, _pad_axis(dy.astype(a.dtype), 0, a.shape[0]), group_sizes,
-                   out_dtype=w_down.dtype, config=config,
+                   out_dtype=out_dtype or w_down.dtype, config=config,
                    interpret=resolve_interpret(interpret))[:, :w_down.shape[1], :]
 
 

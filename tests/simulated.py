@@ -193,9 +193,10 @@ def gmm_wgrad(lhs, dout, group_sizes, *, out_dtype=None, config=None, interpret=
   return out.astype(out_dtype or lhs.dtype)
 
 
-def swiglu_dw_down(a, dy, w_down, group_sizes, *, config, interpret=None):
+def swiglu_dw_down(a, dy, w_down, group_sizes, *, config, interpret=None, out_dtype=None):
   dy_p = jnp.pad(dy.astype(a.dtype), ((0, a.shape[0] - dy.shape[0]), (0, 0)))
-  return gmm_wgrad(a, dy_p, group_sizes, out_dtype=w_down.dtype)[:, :w_down.shape[1], :]
+  return gmm_wgrad(a, dy_p, group_sizes,
+                   out_dtype=out_dtype or w_down.dtype)[:, :w_down.shape[1], :]
 
 
 def down_gemm_return(a, w_down, group_sizes, seg_src, seg_dst, seg_len, *, out_rows, live_rows,

@@ -155,3 +155,55 @@ def test_bf16x3_router_runs_only_bf16_gemms():
           and src.params["new_dtype"] == jnp.bfloat16 and src.invars[0].aval.dtype == jnp.float32):
         round_trips.append(str(eqn))
   assert not round_trips, round_trips
+
+
+def _np_exact_rank(select, logits, k):
+  """numpy reference of the ranking: descending select, then descending logit, then
+  ascending index (np.lexsort sorts by its last key first)."""
+  e = select.shape[1]
+  idx = np.broadcast_to(np.arange(e), select.shape)
+  order = np.lexsort((idx, -logits, -select), axis=1)
+  return order[:, :k]
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_saturated_scores_are_ranked_by_their_logits(score_fn):
+  """Logits far apart: sigmoid scores saturate at 1.0 above ~17 and softmax
+  probabilities underflow to 0; float32 top-k over the scores would tie them and pick
+  the lowest indices. The ranking is the logits' own (both maps are monotone), and the
+  chosen experts' weights are their scores."""
+  t, e, k = 256, 16, 4
+  rng = np.random.default_rng(3)
+  # an identity router: the logits are x itself (exact in the bf16x3 product: the
+  # values are small integers times a power of two)
+  logits = rng.integers(-64, 65, size=(t, e)).astype(np.float32) * 0.5
+  if score_fn == "sigmoid":
+    logits += 40.0                                    # every score rounds to 1.0
+  else:                                               # one dominant expert per token:
+    logits[np.arange(t), rng.integers(0, e, t)] = 200.0  # the others underflow to 0
+  router = jnp.eye(e, dtype=jnp.float32)
+  out = jax.jit(lambda x: route(x, router, k, RoutingConfig(score_fn=score_fn)))(
+      jnp.asarray(logits))
+  np.testing.assert_array_equal(np.asarray(out.logits), logits)
+  scores = np.asarray(out.scores)
+  # the scores do tie where the logits do not: the case the ranking must get right
+  ties = [(scores[i] == scores[i, j]).sum() > (logits[i] == logits[i, j]).sum()
+          for i in range(t) for j in np.argsort(-logits[i])[:k]]
+  assert any(ties)
+  want = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(np.asarray(out.topk_experts), want)
+  np.testing.assert_array_equal(np.asarray(out.topk_experts), _np_exact_rank(scores, logits, k))
+
+
+def test_bias_ties_are_broken_by_the_logits():
+  """With a bias, experts whose biased scores round to the same float32 are ordered by
+  their logits; true ties (equal logits too) go to the lower index."""
+  e, k = 8, 3
+  logits = np.array([[30.0, 31.0, 29.0, 32.0, 0.0, 0.0, -5.0, 1.0],
+                     [20.0, 20.0, 20.0, 20.0, 20.0, 20.0, 20.0, 20.0]], np.float32)
+  bias = jnp.array([0.5, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0])
+  out = route(jnp.asarray(logits), jnp.eye(e, dtype=jnp.float32), k,
+              RoutingConfig(score_fn="sigmoid"), expert_bias=bias)
+  # row 0: experts 0-2 score 1.0 + 0.5 (tied in float32), ordered by logit: 1, 0, 2
+  # row 1: all logits equal: experts 0-2 (biased) by index
+  np.testing.assert_array_equal(np.asarray(out.topk_experts), [[1, 0, 2], [0, 1, 2]])

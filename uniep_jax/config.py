@@ -139,6 +139,13 @@ class UniEPConfig:
   overlap: `OverlapConfig` ("uniep"): transfers inside GEMM launches. None: every
     transfer and GEMM its own launch. With kernel and transfer both None, a tuned
     cache entry's overlap point is used too.
+  replica_slots: exact-load balancing (the dropless backends; uniep_jax/balance.py):
+    S > 0 gives every EP rank S replica slots, which per layer call take the weights
+    of hot experts and a contiguous range of their rows, so that every rank computes
+    the same number of rows under any routing (as far as S slots allow; aux["rank_rows"]
+    shows what was reached). 0: off. At most the experts per rank. The output and dx
+    do not change with it on "pallas" and "uniep" (bit for bit); weight gradients of
+    replicated experts are summed at the owner in a fixed order. Off at one rank.
   """
 
   backend: str = "xla_dropless"
@@ -149,6 +156,7 @@ class UniEPConfig:
   kernel: Optional[KernelConfig] = dataclasses.field(default_factory=KernelConfig)
   transfer: Optional[TransferConfig] = dataclasses.field(default_factory=TransferConfig)
   overlap: Optional[OverlapConfig] = None
+  replica_slots: int = 0
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -176,6 +184,12 @@ class UniEPConfig:
     if self.transfer is not None and not isinstance(self.transfer, TransferConfig):
       raise ValueError(f"transfer must be a TransferConfig or None (auto), "
                        f"got {type(self.transfer).__name__}")
+    if isinstance(self.replica_slots, bool) or not isinstance(self.replica_slots, int) \
+        or self.replica_slots < 0:
+      raise ValueError(f"replica_slots={self.replica_slots!r} must be an int >= 0 (0: off)")
+    if self.replica_slots and self.backend not in DROPLESS_BACKENDS:
+      raise ValueError(f"replica_slots={self.replica_slots} balances the dropless backends "
+                       f"{DROPLESS_BACKENDS}, not backend={self.backend!r}")
     if self.overlap is not None:
       if not isinstance(self.overlap, OverlapConfig):
         raise ValueError(f"overlap must be an OverlapConfig or None, "
@@ -183,12 +197,16 @@ class UniEPConfig:
       if self.backend != "uniep":
         raise ValueError(f"overlap (transfers inside GEMM launches) is for backend 'uniep', "
                          f"got backend={self.backend!r}")
+      if self.replica_slots:
+        raise ValueError(f"replica_slots={self.replica_slots} with overlap: the overlapped "
+                         f"launches take no replica weights; set overlap=None (replicas "
+                         f"run with the plain 'uniep' launches)")
 
   def one_rank_form(self) -> "UniEPConfig":
     """This config where the expert axis has one rank (every expert local): nothing
     moves between ranks, so the rows reach the experts with the "local" transport (no
     collective, no copy), without the overlapped launches (whose roles move rows
-    between GPUs); backend "uniep" becomes "pallas" (the same layout and grouped GEMM:
+    between GPUs) and without replicas (no other rank to share the rows); backend "uniep" becomes "pallas" (the same layout and grouped GEMM:
     the same bits). An explicit transport other than "local" is kept for
     "xla_dropless" and "pallas"."""
     if self.backend not in PALLAS_BACKENDS + ("xla_dropless",):
@@ -196,4 +214,4 @@ class UniEPConfig:
     if self.backend != "uniep" and self.transport not in (None, "local"):
       return self
     return dataclasses.replace(self, backend="pallas" if self.backend == "uniep" else self.backend,
-                               transport="local", overlap=None)
+                               transport="local", overlap=None, replica_slots=0)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_gemm import grouped_swiglu_ffn, split_gate_up, swiglu_grad
+from pallas_kernels.grouped_gemm import (grouped_swiglu_ffn, split_gate_up, swiglu_backward,
+                                         swiglu_forward, swiglu_grad)
 from uniep_jax.rows import int_cotangent, sum_to_type_of
 
 
@@ -41,16 +42,17 @@ def swiglu_activation(h: jax.Array, u: jax.Array, dtype) -> jax.Array:
 #   dw_gate_up = x^T [dh | du], dw_down = a^T dy (f32 accumulation, cast to the
 #   weights' dtype)
 # ---------------------------------------------------------------------------
-def _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad):
+def _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, *, mm, mm_t, wgrad, wgrad_dtype=None):
   """The backward pass above; mm(p, w): p @ w, mm_t(p, w): p @ w^T (per group),
-  wgrad(p, q): p^T q (per group), all with float32 accumulation."""
+  wgrad(p, q): p^T q (per group), all with float32 accumulation; the weight gradients
+  in `wgrad_dtype` (default: the weights' own)."""
   dt = x.dtype
   dy = dy.astype(dt)
   da = mm_t(dy, w_down)
   dhu = jnp.concatenate(swiglu_grad(da, h, u), axis=-1).astype(dt)
   dx = sum_to_type_of(mm_t(dhu, w_gate_up).astype(dt), x)
-  return (dx, sum_to_type_of(wgrad(x, dhu).astype(w_gate_up.dtype), w_gate_up),
-          sum_to_type_of(wgrad(a, dy).astype(w_down.dtype), w_down))
+  return (dx, sum_to_type_of(wgrad(x, dhu).astype(wgrad_dtype or w_gate_up.dtype), w_gate_up),
+          sum_to_type_of(wgrad(a, dy).astype(wgrad_dtype or w_down.dtype), w_down))
 
 
 def _ragged_ops(x, group_sizes):
@@ -131,6 +133,35 @@ def _batched_bwd(res, dy):
 
 
 swiglu_batched.defvjp(_batched_fwd, _batched_bwd)
+
+
+# ---------------------------------------------------------------------------
+# The grouped FFN as a forward/backward pair, for callers that wrap it in their own VJP
+# (uniep_jax/replicas.py sums the weight gradients of several groups in float32):
+# kernel_config None is "xla_dropless"'s `swiglu_ragged_dot`, a KernelConfig the Pallas
+# grouped GEMM of "pallas" and "uniep" (`swiglu_pallas`), the same math and bits as those.
+# ---------------------------------------------------------------------------
+def grouped_forward(x, w_gate_up, w_down, group_sizes, *, kernel_config=None,
+                    zero_dead_rows: bool = True):
+  """(y, residuals) of the grouped SwiGLU FFN (see `grouped_backward`)."""
+  if kernel_config is None:
+    return _ragged_forward(x, w_gate_up, w_down, group_sizes)
+  zw = None if zero_dead_rows else kernel_config.block_k
+  return swiglu_forward(x, w_gate_up, w_down, group_sizes, config=kernel_config, zero_window=zw)
+
+
+def grouped_backward(x, w_gate_up, w_down, group_sizes, residuals, dy, *, kernel_config=None,
+                     zero_dead_rows: bool = True, wgrad_dtype=None):
+  """(dx, dw_gate_up, dw_down) of the grouped SwiGLU FFN from `grouped_forward`'s
+  residuals, the weight gradients in `wgrad_dtype` (default: the weights' own)."""
+  if kernel_config is None:
+    h, u, a = residuals
+    return _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, wgrad_dtype=wgrad_dtype,
+                         **_ragged_ops(x, group_sizes))
+  zw = None if zero_dead_rows else kernel_config.block_k
+  a, h, u = residuals
+  return swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, config=kernel_config,
+                         zero_window=zw, wgrad_dtype=wgrad_dtype)
 
 
 def swiglu_pallas(x, w_gate_up, w_down, group_sizes, *, kernel_config,

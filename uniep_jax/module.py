@@ -11,7 +11,8 @@ added to the routed output) and the auxiliary-loss-free balancing bias.
       y = moe(x)                    # x, y: [B, S, H]; B * S must divide by the mesh size
     aux = moe.aux.get_value()       # None before the first call; then expert_counts [E],
                                     # load_balance_loss, router_z_loss, dropped,
-                                    # nonfinite_tokens
+                                    # nonfinite_tokens, rank_rows [R],
+                                    # replica_weight_bytes (uniep_jax.moe_ffn)
     moe.update_expert_bias(aux["expert_counts"], rate=1e-3)
 
 The bits repeat run after run on the CPU; on GPUs the whole program's do with XLA's

@@ -11,8 +11,11 @@ per-shard form `moe_ffn_shard` in `jax.shard_map`:
 Per shard (one EP rank of one data replica), the data flow:
   1 route     (routing.py)      x -> top-k experts and weights, aux sums
   2 plan      (layout.py)       stable sort + one all_gather of the counts -> DispatchPlan
+  2a balance  (balance.py)      with replica_slots: replicas of hot experts, the routing
+                                relabelled onto virtual experts (El own + S slots per rank)
   3 dispatch  (dispatch.py)     x -> the owners' receive layout (transport.py moves rows)
-  4 experts   (experts.py)      grouped SwiGLU over the receive layout
+  4 experts   (experts.py)      grouped SwiGLU over the receive layout (replicas.py: the
+                                replica slots' weights from their owners, gradients back)
   5 combine   (combine.py)      expert outputs back home, weighted top-k sum
 "xla_capacity" runs its own dispatch (capacity.py); "uniep" with `overlap` runs steps
 3-5 with transfers inside GEMM launches (overlap.py).
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from uniep_jax import balance
 from uniep_jax import routing as routing_lib
 from uniep_jax import tuning
 from uniep_jax.capacity import capacity_moe_shard
@@ -35,15 +39,17 @@ from uniep_jax.config import PALLAS_BACKENDS, UniEPConfig
 from uniep_jax.determinism import warn_if_nondeterministic
 from uniep_jax.dispatch import compiled_row_kernels, dispatch, dispatch_unique
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
-from uniep_jax.layout import local_group_sizes, make_plan, plan_with_dedup, receive_rows
+from uniep_jax.layout import make_plan, plan_with_dedup, receive_rows, sort_assignments
 from uniep_jax.ordered_reduce import ordered_allsum, stack_replicas, stacked_spec
 from uniep_jax.overlap import overlapped_moe_experts
 from uniep_jax.params import MoEParams, place
 from uniep_jax.reference import dense_reference_moe
+from uniep_jax.replicas import expert_bytes, replicated_swiglu
 from uniep_jax.transport import resolve_transport
-from uniep_jax.validate import check_kernel_inputs, validate_inputs
+from uniep_jax.validate import check_kernel_inputs, check_replica_slots, validate_inputs
 
-AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens")
+AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens",
+            "rank_rows", "replica_weight_bytes")
 
 
 def _shard_transport(config: UniEPConfig, ep: int) -> str:
@@ -92,63 +98,93 @@ def moe_ffn_shard(x, params: MoEParams, *, top_k: int, config: UniEPConfig = Uni
                                            capacity_factor=config.capacity_factor,
                                            axis_name=expert_axis)
     y = weighted_topk_sum(y_assign, out.topk_weights, out_dtype=x.dtype)
+    rank_rows = jnp.sum(counts.reshape(ep, -1), axis=1, dtype=jnp.int32)
+    copies = jnp.zeros((), jnp.int32)
   elif config.backend == "dense_reference":
     raise ValueError("backend 'dense_reference' has no per-shard form: call moe_ffn")
   else:
-    y, dropped = _dropless_shard(x, params, out, top_k=top_k, config=config,
-                                 expert_axis=expert_axis, transport=transport)
+    y, dropped, computed, copies = _dropless_shard(x, params, out, top_k=top_k, config=config,
+                                                   expert_axis=expert_axis, transport=transport)
+    # each rank's own entry, summed over the data replicas (integers: any order)
+    mine = jnp.arange(ep) == jax.lax.axis_index(expert_axis)
+    rank_rows = jax.lax.psum(jnp.where(mine, computed, 0).astype(jnp.int32), token_axes)
   nonfinite = jnp.sum(~routing_lib.finite_tokens(out.logits), dtype=jnp.int32)
+  per_copy = expert_bytes(x.shape[1], params.ffn, jnp.dtype(params.w_gate_up.dtype).itemsize)
   aux = dict(expert_counts=counts, load_balance_loss=lb, router_z_loss=z,
              dropped=jax.lax.psum(dropped, token_axes),
-             nonfinite_tokens=jax.lax.psum(nonfinite, token_axes))
+             nonfinite_tokens=jax.lax.psum(nonfinite, token_axes),
+             rank_rows=rank_rows,
+             replica_weight_bytes=jax.lax.psum(copies, token_axes).astype(jnp.float32)
+             * jnp.float32(per_copy))
   return y, aux
 
 
 def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, expert_axis,
                     transport):
-  """Steps 2-5 of the dropless backends: (y [T, H], rows this rank dropped)."""
+  """Steps 2-5 of the dropless backends: (y [T, H], rows this rank dropped, rows this
+  rank computes, expert weight copies this rank received)."""
   t = x.shape[0]
   num_experts = params.router.shape[1]
-  ep = num_experts // params.w_gate_up.shape[0]
+  el = params.w_gate_up.shape[0]
+  ep = num_experts // el
+  slots = config.replica_slots if ep > 1 else 0
+  check_replica_slots(slots, num_experts, ep)
+  rank = jax.lax.axis_index(expert_axis)
   recv_rows = receive_rows(t, top_k, ep, config.receive_capacity_factor)
   weights = out.topk_weights
+  topk = out.topk_experts
+  sort = count_matrix = slot_expert = None
+  copies = jnp.zeros((), jnp.int32)
+  if slots or transport != "nvlink":
+    sort = sort_assignments(topk, num_experts)
+    count_matrix = jax.lax.all_gather(sort[3], expert_axis)          # [R, E]
+  if slots:   # 2a: relabel onto virtual experts (El own + S replica slots per rank)
+    rplan = balance.plan_replicas(count_matrix, slots)
+    topk, count_matrix = balance.virtual_routing(topk, count_matrix, rplan, rank, sort=sort)
+    num_experts, sort, slot_expert = count_matrix.shape[1], None, rplan.slot_expert
+    copies = jnp.sum(slot_expert[rank] >= 0, dtype=jnp.int32)
+
+  def experts(recv, group_sizes, kernel_config):
+    """Step 4 (kernel_config None: `lax.ragged_dot`); with replicas, the slots' weights
+    come from their owners and their gradients go back (replicas.py)."""
+    if slots:
+      return replicated_swiglu(recv, params.w_gate_up, params.w_down, slot_expert,
+                               group_sizes, kernel_config, kernel_config is None, expert_axis,
+                               transport, config.transfer)
+    if kernel_config is None:
+      return swiglu_ragged_dot(recv, params.w_gate_up, params.w_down, group_sizes)
+    return swiglu_pallas(recv, params.w_gate_up, params.w_down, group_sizes,
+                         kernel_config=kernel_config, zero_dead_rows=False)
+
   if transport == "nvlink":   # "uniep": each (token, owner) row sent once
-    plan, dplan = plan_with_dedup(out.topk_experts, weights, num_experts=num_experts,
+    plan, dplan = plan_with_dedup(topk, weights, num_experts=num_experts,
                                   axis_name=expert_axis, recv_rows=recv_rows)
-    if config.overlap is not None:
+    if config.overlap is not None:   # no replicas (UniEPConfig refuses both)
       y = overlapped_moe_experts(x, params.w_gate_up, params.w_down, weights, plan, dplan,
                                  axis_name=expert_axis, kernel=config.kernel,
                                  transfer=config.transfer, overlap=config.overlap,
                                  out_dtype=x.dtype)
-      return y, plan.dropped
+      return y, plan.dropped, plan.num_received, copies
     recv = dispatch_unique(x, plan, dplan, expert_axis, config.transfer)   # [recv_rows, H]
-    y_recv = swiglu_pallas(recv, params.w_gate_up, params.w_down, plan.recv_group_sizes,
-                           kernel_config=config.kernel, zero_dead_rows=False)
+    y_recv = experts(recv, plan.recv_group_sizes, config.kernel)
     y = combine_unique(y_recv, weights, plan, dplan, expert_axis, config.transfer, x.dtype)
-    return y, plan.dropped
+    return y, plan.dropped, plan.num_received, copies
 
-  count_matrix = jax.lax.all_gather(local_group_sizes(out.topk_experts, num_experts),
-                                    expert_axis)                     # [R, E]
-  plan = make_plan(out.topk_experts, count_matrix, jax.lax.axis_index(expert_axis),
-                   recv_rows=recv_rows)
+  plan = make_plan(topk, count_matrix, rank, recv_rows=recv_rows, sort=sort)
   pallas = config.backend in PALLAS_BACKENDS
   # the Pallas backends move rows with the live-rows copy where kernels compile
   row_kernel = pallas and compiled_row_kernels(x.shape[1], x.dtype)
   recv = dispatch(x, plan, axis_name=expert_axis, transport=transport,
                   row_kernel=row_kernel)                             # [recv_rows, H]
-  if pallas:
-    # the receive layout holds the worst case (R*T*K rows); its dead rows are never read
-    # back (the combine takes the live rows only): the kernels skip them
-    y_recv = swiglu_pallas(recv, params.w_gate_up, params.w_down, plan.recv_group_sizes,
-                           kernel_config=config.kernel, zero_dead_rows=False)
-  else:
-    y_recv = swiglu_ragged_dot(recv, params.w_gate_up, params.w_down, plan.recv_group_sizes)
+  # the receive layout holds the worst case (R*T*K rows); its dead rows are never read
+  # back (the combine takes the live rows only): the Pallas kernels skip them
+  y_recv = experts(recv, plan.recv_group_sizes, config.kernel if pallas else None)
   if transport == "local" and row_kernel and recv_rows is None:
     y = combine_sorted_rows(y_recv, weights, plan, x.dtype)   # its backward: one row copy
   else:
     y = combine(y_recv, weights, plan, axis_name=expert_axis, transport=transport,
                 out_dtype=x.dtype)                               # [T, K, H] -> [T, H]
-  return y, plan.dropped
+  return y, plan.dropped, plan.num_received, copies
 
 
 # ---------------------------------------------------------------------------
@@ -205,6 +241,12 @@ def moe_ffn(x, params: MoEParams, *, mesh, top_k: int, config: UniEPConfig = Uni
                                       or a receive_capacity_factor bound overflows)
   aux["nonfinite_tokens"]  int32      tokens with a non-finite router logit (NaN or inf
                                       in x): routed to experts 0..K-1, see routing.py
+  aux["rank_rows"]         [R] int32  rows each EP rank computes (summed over the data
+                                      replicas); max / mean is the imbalance the layer
+                                      waits for ("xla_capacity": rows its experts are
+                                      sent before the capacity cut; "dense_reference": [1])
+  aux["replica_weight_bytes"] f32     bytes of expert weights copied to replica slots
+                                      (`UniEPConfig.replica_slots`; one direction)
   """
   if config.backend == "dense_reference":
     validate_inputs(x, params, top_k=top_k, config=config)

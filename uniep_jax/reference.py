@@ -34,5 +34,7 @@ def dense_reference_moe(x, params: MoEParams, *, top_k: int, config: UniEPConfig
   lb, z = routing_lib.aux_losses(counts, prob_sum, z_sum, n, top_k)
   aux = dict(expert_counts=counts, load_balance_loss=lb, router_z_loss=z,
              dropped=jnp.zeros((), jnp.int32),
-             nonfinite_tokens=jnp.sum(~routing_lib.finite_tokens(out.logits), dtype=jnp.int32))
+             nonfinite_tokens=jnp.sum(~routing_lib.finite_tokens(out.logits), dtype=jnp.int32),
+             rank_rows=jnp.full((1,), n * top_k, jnp.int32),
+             replica_weight_bytes=jnp.zeros((), jnp.float32))
   return y, aux

@@ -7,15 +7,23 @@
     group-limited routing (optional): only the `topk_groups` best of `n_groups`
       contiguous expert groups stay eligible (group score: sum of its best two
       `select` values, DeepSeek-V3)
-    topk_experts = top_k(select)  (ties: the lowest expert index wins)
+    topk_experts = the K best experts by (select, then logits), descending; a true tie
+                   (equal select and equal logit) goes to the lower expert index
     topk_weights = scores[topk_experts], renormalised to sum to 1 if
                    `normalize_topk`, times `scale`
 
+The logits break ties of `select`: float32 scores lose the order of the logits where
+the maps saturate (a sigmoid of a logit above ~17 rounds to 1.0, a softmax probability
+far below the largest underflows to 0), and without the logits those experts would tie
+and fall to the lowest index. Both maps are monotone, so without a bias the ranking is
+exactly the logits' ranking; with one, the logits order the experts whose biased scores
+round to the same float.
+
 The bias changes which experts are chosen, never the weights, and gets no
 gradient. A token with a non-finite logit (a NaN or an infinity in its input) is sent
-to experts 0..K-1 (its selection scores are all -inf, and ties go to the lowest index),
-with its non-finite weights; `moe_ffn` counts such tokens in aux["nonfinite_tokens"].
-Everything here is a pure function of its inputs.
+to experts 0..K-1 (its selection scores are all -inf, its tie-break logits 0, so the
+lowest indices win), with its non-finite weights; `moe_ffn` counts such tokens in
+aux["nonfinite_tokens"]. Everything here is a pure function of its inputs.
 """
 
 from __future__ import annotations
@@ -46,6 +54,16 @@ def _top_k_lowest_index_wins(values: jax.Array, k: int) -> jax.Array:
   """
   _, idx = jax.lax.top_k(values, k)
   return idx.astype(jnp.int32)
+
+
+def _rank_experts(select: jax.Array, tie_break: jax.Array, k: int) -> jax.Array:
+  """[T, k] int32: per row, the experts in descending (select, tie_break) order, equal
+  pairs by ascending index: one lexicographic sort (`lax.sort` with three keys)."""
+  t, e = select.shape
+  index = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (t, e))
+  # + 0.0 makes -0.0 keys +0.0: lax.sort orders -0.0 before +0.0
+  keys = (-select + 0.0, -tie_break + 0.0, index)
+  return jax.lax.sort(keys, dimension=1, num_keys=3)[2][:, :k]
 
 
 def _group_mask(select: jax.Array, n_groups: int, topk_groups: int) -> jax.Array:
@@ -91,11 +109,13 @@ def route(
   select = jax.lax.stop_gradient(scores)
   if expert_bias is not None:
     select = select + jax.lax.stop_gradient(expert_bias.astype(jnp.float32))[None, :]
-  select = jnp.where(finite_tokens(logits)[:, None], select, -jnp.inf)
+  finite = finite_tokens(logits)[:, None]
+  select = jnp.where(finite, select, -jnp.inf)
   if routing.n_groups > 1:
     eligible = _group_mask(select, routing.n_groups, routing.topk_groups)
     select = jnp.where(eligible, select, -jnp.inf)
-  topk_experts = _top_k_lowest_index_wins(select, top_k)            # [T, K]
+  tie_break = jnp.where(finite, jax.lax.stop_gradient(logits), 0.0)
+  topk_experts = _rank_experts(select, tie_break, top_k)            # [T, K]
 
   # a select over E (exactly one hit per slot), not a gather, so that the backward
   # pass holds no scatter-add

@@ -30,7 +30,7 @@ the user cache ($UNIEP_TUNE_CACHE, or an explicit path), then in the cache shipp
 with the package (uniep_jax/tuned_configs.json), and otherwise uses
 `heuristic_config`. Explicit configs are used exactly as given. A cached winner's
 overlap point is applied only when kernel and transfer are both None, the config names
-no overlap and the backend is "uniep". A cache entry holds only measured numbers (the
+no overlap nor replica slots and the backend is "uniep". A cache entry holds only measured numbers (the
 autotuner writes them); a cache file of another `CACHE_FORMAT` is refused, not guessed at.
 """
 
@@ -526,7 +526,7 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
   Per-rank shapes (T = this shard's tokens). Lookup order: the "bwd" entry then the
   "fwd" entry of the user cache (`cache_path` or $UNIEP_TUNE_CACHE), then of the
   shipped cache; else `heuristic_config`. A cached overlap point is taken when both are
-  auto (and the backend is "uniep") and the config names none."""
+  auto (and the backend is "uniep") and the config names none and no replica slots."""
   if config.kernel is not None and config.transfer is not None:
     return config
   device = device or jax.devices()[0]
@@ -544,8 +544,8 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
     cand = heuristic_config(dataclasses.replace(problem, direction="bwd"), facts)
   fully_auto = config.kernel is None and config.transfer is None
   overlap = config.overlap
-  if fully_auto and overlap is None and config.backend == "uniep":
-    overlap = cand.overlap
+  if fully_auto and overlap is None and config.backend == "uniep" and not config.replica_slots:
+    overlap = cand.overlap   # (the overlapped launches take no replica weights)
   return dataclasses.replace(
       config,
       kernel=config.kernel if config.kernel is not None else cand.kernel,

@@ -84,10 +84,19 @@ def validate_inputs(x, params: MoEParams, *, top_k, config: UniEPConfig,
     if num_experts % ep:
       raise ValueError(f"num_experts={num_experts} is not divisible by the size of "
                        f"expert_axis {expert_axis!r} ({ep})")
+    check_replica_slots(config.replica_slots, num_experts, ep)
     shards = math.prod(mesh.shape.values())
     if x.shape[0] % shards:
       raise ValueError(f"x has {x.shape[0]} tokens, not divisible by the {shards} token shards "
                        f"of mesh {dict(mesh.shape)}")
+
+
+def check_replica_slots(replica_slots: int, num_experts: int, ep: int) -> None:
+  """A rank holds at most as many replica slots as it has experts (more would only ever
+  hold pieces of experts it could already take)."""
+  if ep > 1 and replica_slots > num_experts // ep:
+    raise ValueError(f"config.replica_slots={replica_slots} exceeds the {num_experts // ep} "
+                     f"experts per rank (num_experts={num_experts} over {ep} ranks)")
 
 
 def check_kernel_inputs(config: UniEPConfig, platform: str, transport: str, x,
@@ -102,6 +111,14 @@ def check_kernel_inputs(config: UniEPConfig, platform: str, transport: str, x,
     return
   check_kernel_dtypes(backend, platform, x, params)
   transfer = config.transfer or TransferConfig()
+  if transport == "nvlink" and config.replica_slots:
+    # replica weights move as rows of 2F (gate/up) and H (down) elements
+    two_f = params.w_gate_up.shape[2]
+    if not transfer.rows_fit(two_f, jnp.dtype(x.dtype).itemsize):
+      raise ValueError(f"config.replica_slots={config.replica_slots} on backend 'uniep' moves "
+                       f"gate/up weights as rows of 2F={two_f} elements, which the TMA boxes "
+                       f"cannot hold (rows of a multiple of {ROW_ALIGN_BYTES} bytes); use "
+                       f"backend 'pallas'")
   if transport == "nvlink" and not transfer.rows_fit(x.shape[1], jnp.dtype(x.dtype).itemsize):
     raise ValueError(f"backend='uniep' moves rows of hidden={x.shape[1]} {jnp.dtype(x.dtype)} "
                      f"elements with TMA boxes that need rows (and column tiles) of a multiple "
