@@ -10,6 +10,7 @@
 #   gemm      python -m bench.grouped_gemm --out OUT_DIR       $GEMM_ARGS
 #   check     python -m bench.check_moe_gpu --out OUT_DIR      $CHECK_ARGS
 #   odd       python -m bench.check_odd_shapes --out OUT_DIR   $ODD_ARGS
+#   balance   python -m bench.replication --out OUT_DIR        $BALANCE_ARGS
 #   sweep     python -m bench.determinism_sweep --out OUT_DIR  $SWEEP_ARGS
 #   train     python -m bench.train_throughput --out OUT_DIR   $TRAIN_ARGS
 #   profile   python -m bench.profile_layer --out OUT_DIR      $PROFILE_ARGS
@@ -38,7 +39,7 @@
 # would name its commit.
 set -u
 
-PHASES="layer gemm check odd sweep train profile stepdiff tune mp"
+PHASES="layer gemm check odd balance sweep train profile stepdiff tune mp"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 DEFAULT_LIMIT_S="${DEFAULT_LIMIT_S:-600}"
@@ -118,6 +119,7 @@ for spec in "$@"; do
     gemm)     cmd=("$PYTHON" -m bench.grouped_gemm --out "$dir") ;;
     check)    cmd=("$PYTHON" -m bench.check_moe_gpu --out "$dir") ;;
     odd)      cmd=("$PYTHON" -m bench.check_odd_shapes --out "$dir") ;;
+    balance)  cmd=("$PYTHON" -m bench.replication --out "$dir") ;;
     sweep)    cmd=("$PYTHON" -m bench.determinism_sweep --out "$dir") ;;
     train)    cmd=("$PYTHON" -m bench.train_throughput --out "$dir") ;;
     profile)  cmd=("$PYTHON" -m bench.profile_layer --out "$dir") ;;
