@@ -401,7 +401,7 @@ def test_check_moe_gpu_bitwise_partners():
 @pytest.mark.parametrize("module", [
     "bench.moe_layer", "bench.check_moe_gpu", "bench.determinism_sweep",
     "bench.train_throughput", "bench.profile_layer", "bench.train_step_diff",
-    "bench.grouped_gemm", "uniep_jax.autotune"])
+    "bench.grouped_gemm", "bench.replication", "uniep_jax.autotune"])
 def test_benchmarks_answer_help(module, capsys):
   """Every benchmark bench/run_gpu.sh runs imports on the CPU and answers --help."""
   with pytest.raises(SystemExit) as e:
@@ -416,7 +416,8 @@ def test_run_gpu_phases_are_documented_and_an_unknown_one_fails_first(tmp_path):
   subprocess.run(["bash", "-n", str(RUN_GPU)], check=True)
   text = RUN_GPU.read_text()
   phases = re.search(r'^PHASES="([a-z ]+)"$', text, flags=re.M).group(1).split()
-  assert phases == ["layer", "gemm", "check", "odd", "sweep", "train", "profile", "stepdiff",
+  assert phases == ["layer", "gemm", "check", "odd", "balance", "sweep", "train", "profile",
+                    "stepdiff",
                     "tune", "mp"]
   header = text[:text.index("set -u")]
   for phase in phases:
@@ -449,3 +450,22 @@ def test_run_gpu_runs_phases_under_their_limits(tmp_path):
   report = json.loads(path.read_text())
   assert report["complete"] and (report["passed"], report["failed"]) == (4, 0)
   assert report["configurations"] == ["xla_dropless"]
+
+
+def test_replication_bench_routings_and_rank_groups():
+  """bench/replication.py's routings (distinct experts per token; all-to-one puts expert 0
+  in every top-k; Zipf is skewed) and each rank's groups from the plan (every row once,
+  the plan's rows per rank)."""
+  import numpy as np
+  from bench import replication as rb
+  for kind in rb.ROUTINGS:
+    tk = rb.routing(kind, 16, 512, 4, seed=0)
+    assert all(len(set(row)) == 4 for row in tk)
+  assert (rb.routing("all_to_one", 16, 64, 4, seed=1) == 0).any(axis=1).all()
+  c = rb.counts(rb.routing("zipf", 16, 4 * 256, 4, seed=2), 4, 16)
+  n = c.sum(0)
+  assert n.max() > 3 * n.mean()
+  for slots in (0, 1, 2):
+    groups, rows, _, _ = rb.rank_groups(c, slots)
+    assert groups.sum() == n.sum() and (groups.sum(1) == rows).all()
+  assert rb.rank_groups(c, 2)[1].max() <= -(-n.sum() // 4)
