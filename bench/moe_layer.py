@@ -1,9 +1,16 @@
 """MoE layer benchmark: every backend on the target shapes over all local GPUs.
 
 For each shape of targets.md (per-rank sizes) on a mesh data=1, expert=R (R = the
-GPUs of this host, or --ep), forward and forward+backward, balanced routing
-(random router) and skewed routing (an expert-selection bias puts expert 0 in
-every token's top-k), it times each backend and, in the same run:
+GPUs of this host, or --ep), forward and forward+backward, and each routing of
+--routings (`make_inputs`):
+  balanced  a random router on random tokens;
+  skewed    an expert-selection bias puts expert 0 in every token's top-k (all to one);
+  zipf      each token's K experts drawn without replacement with probabilities
+            proportional to a Zipf law of exponent ZIPF_EXPONENT over the experts, their
+            popularity order a fixed random permutation (ZIPF_SEED) so that the hot
+            experts fall on several ranks instead of all on rank 0 by index (a
+            heavy-tailed load between the other two);
+it times each backend and, in the same run:
   * the compute floor: forward FLOPs per rank (x3 for fwd+bwd) over the dense
     bf16 matmul rate measured here (cuBLAS, 8192^3);
   * the communication floor: dispatch + combine bytes per rank (x2 for fwd+bwd)
@@ -42,6 +49,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import uniep_jax
@@ -53,10 +61,39 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
   return common.layer_config(name)
 
 
-def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):
-  """Sharded bf16 x [R*T, H] and params, created on the devices."""
+ROUTINGS = ("balanced", "skewed", "zipf")
+ZIPF_EXPONENT = 1.2
+ZIPF_SEED = 20261129  # the experts' popularity order: fixed, whatever --routings
+
+
+def zipf_popularity(experts: int, exponent: float = ZIPF_EXPONENT, seed: int = ZIPF_SEED):
+  """[E] float64 probabilities: expert perm[i] has weight (i + 1)^-exponent, normalised,
+  with perm a fixed random permutation of the experts."""
+  weights = np.arange(1, experts + 1, dtype=np.float64) ** -exponent
+  p = np.empty(experts)
+  p[np.random.default_rng(seed).permutation(experts)] = weights / weights.sum()
+  return p
+
+
+def make_inputs(shape: common.MoEShape, mesh, *, routing: str = "balanced", seed: int = 0):
+  """Sharded bf16 x [R*T, H] and params, created on the devices, routing as `routing`
+  (one of ROUTINGS; the module docstring). Every routing has the same shapes and
+  dtypes, so one compiled program runs them all.
+
+  zipf: the router is [I_E; 0] (the first E features of x are the logits) and those
+  features hold log p + Gumbel noise per token (p = `zipf_popularity`): the top-k of
+  log p + Gumbel noise is K draws without replacement with probabilities p (the
+  Gumbel-top-k trick); the other H - E features stay random. x is bfloat16: the logits
+  are rounded to it, and near-ties fall to the routing's tie-break.
+  """
+  if routing not in ROUTINGS:
+    raise ValueError(f"routing={routing!r} is unknown; expected one of {ROUTINGS}")
   r = mesh.shape["expert"] * mesh.shape["data"]
   e, h, f = shape.experts, shape.hidden, shape.ffn
+  if routing == "zipf" and h < e:
+    raise ValueError(f"routing 'zipf' writes the logits into x's first E features: "
+                     f"hidden={h} must be >= experts={e}")
+  log_p = np.log(zipf_popularity(e)).astype(np.float32)
   specs = uniep_jax.MoEParams(router=P(), w_gate_up=P("expert"), w_down=P("expert"),
                               expert_bias=P())
   shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
@@ -65,14 +102,19 @@ def make_inputs(shape: common.MoEShape, mesh, *, skewed: bool, seed: int = 0):
     k = jax.random.split(key, 5)
     bf = jnp.bfloat16
     bias = jnp.zeros((e,), jnp.float32)
-    if skewed:
+    if routing == "skewed":
       bias = bias.at[0].set(1e3)
+    router = jax.random.normal(k[0], (h, e), jnp.float32) * h ** -0.5
+    x = jax.random.normal(k[4], (r * shape.tokens, h), bf)
+    if routing == "zipf":
+      router = jnp.eye(h, e, dtype=jnp.float32)                               # [I_E; 0]
+      logits = jnp.asarray(log_p) + jax.random.gumbel(k[2], (r * shape.tokens, e))
+      x = x.at[:, :e].set(logits.astype(bf))                                 # [R*T, H]
     p = uniep_jax.MoEParams(
-        router=jax.random.normal(k[0], (h, e), jnp.float32) * h ** -0.5,
+        router=router,
         w_gate_up=(jax.random.normal(k[1], (e, h, 2 * f), bf) * h ** -0.5).astype(bf),
         w_down=(jax.random.normal(k[3], (e, f, h), bf) * f ** -0.5).astype(bf),
         expert_bias=bias)
-    x = jax.random.normal(k[4], (r * shape.tokens, h), bf)
     return x, p
 
   out_sh = (shard(P(("data", "expert"))), jax.tree.map(shard, specs))
@@ -85,8 +127,9 @@ def rank_loads(mesh, x, p, shape: common.MoEShape, ranks: int) -> dict:
   A dropless layer is as slow as its hottest rank: under the skewed routing, the rank
   owning expert 0 receives every token once more, so the floors of the balanced
   routing (every rank doing 1/R of the work) do not bound it. Returns the [R, R] matrix
-  rows[src][dst], the hottest rank's expert rows (GEMM work) and its largest send or
-  receive volume off the rank (NVLink traffic).
+  rows[src][dst], the hottest rank's expert rows (GEMM work), its largest send or
+  receive volume off the rank (NVLink traffic) and the most loaded expert's count over
+  the mean count (max_expert_load: 1 balanced, E/K all to one).
   """
   cfg = uniep_jax.UniEPConfig()
 
@@ -95,15 +138,18 @@ def rank_loads(mesh, x, p, shape: common.MoEShape, ranks: int) -> dict:
     # replicated, so that the reshape by source rank is a plain one
     topk = jax.sharding.reshard(out.topk_experts, NamedSharding(mesh, P()))
     dst = topk.reshape(ranks, -1) // (shape.experts // ranks)                   # [R, T*K]
-    return jnp.sum(dst[:, :, None] == jnp.arange(ranks)[None, None, :], axis=1)
+    per_expert = jnp.sum(topk.reshape(-1, 1) == jnp.arange(shape.experts)[None, :], axis=0)
+    return jnp.sum(dst[:, :, None] == jnp.arange(ranks)[None, None, :], axis=1), per_expert
 
-  m = jax.device_get(jax.jit(count)(x, p.router, p.expert_bias)).tolist()
+  m, per_expert = jax.device_get(jax.jit(count)(x, p.router, p.expert_bias))
+  m, per_expert = m.tolist(), per_expert.tolist()
   off = [[m[s][d] if s != d else 0 for d in range(ranks)] for s in range(ranks)]
   send = [sum(row) for row in off]
   recv = [sum(off[s][d] for s in range(ranks)) for d in range(ranks)]
   return dict(rows=m, hot_rank_expert_rows=max(sum(m[s][d] for s in range(ranks))
                                                for d in range(ranks)),
-              hot_rank_offrank_rows=max(send + recv))
+              hot_rank_offrank_rows=max(send + recv),
+              max_expert_load=max(per_expert) * shape.experts / sum(per_expert))
 
 
 def layer_fns(mesh, shape, cfg):
@@ -180,7 +226,8 @@ def main(argv=None):
   ap.add_argument("--backends", default="xla_capacity,xla_dropless,pallas,uniep,uniep:overlap",
                   help="comma list of configuration names (bench/common.py, layer_config)")
   ap.add_argument("--directions", default="fwd,fwdbwd")
-  ap.add_argument("--routings", default="balanced,skewed")
+  ap.add_argument("--routings", default=",".join(ROUTINGS),
+                  help=f"comma list of {', '.join(ROUTINGS)} (the module docstring)")
   ap.add_argument("--ep", type=int, default=0, help="GPUs to use (default: all)")
   ap.add_argument("--budget-s", type=float, default=480.0)
   ap.add_argument("--out", default=None)
@@ -196,6 +243,9 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.compile_workers < 1:
     raise ValueError(f"--compile-workers={args.compile_workers} must be >= 1")
+  bad = sorted(set(r for r in args.routings.split(",") if r) - set(ROUTINGS))
+  if bad:
+    raise ValueError(f"--routings: unknown {bad}; expected some of {ROUTINGS}")
   t_start = time.time()
   for backend in (b for b in args.backends.split(",") if b):
     backend_config(backend)   # a bad name or combination fails now, not after others ran
@@ -222,7 +272,7 @@ def main(argv=None):
     ahead = {}             # compile_ahead's futures, when --compile-workers > 1
     for routing in args.routings.split(","):
       try:
-        x, p = make_inputs(shape, mesh, skewed=routing == "skewed")
+        x, p = make_inputs(shape, mesh, routing=routing)
         loads = rank_loads(mesh, x, p, shape, ep)
       except Exception as e:  # noqa: BLE001
         skipped.append(dict(shape=name, routing=routing, why=repr(e)[:300]))
@@ -250,7 +300,7 @@ def main(argv=None):
         row_base = dict(shape=name, routing=routing, direction=direction, ep=ep,
                         compute_floor_ms=compute_floor, comm_floor_ms=comm_floor,
                         hot_rank_compute_floor_ms=hot_compute, hot_rank_comm_floor_ms=hot_comm,
-                        rank_rows=loads["rows"],
+                        rank_rows=loads["rows"], max_expert_load=loads["max_expert_load"],
                         receive_buffer_bytes=uniep_jax.receive_buffer_bytes(
                             shape.tokens, shape.top_k, shape.hidden, ep))
         timed = {}   # backend -> (fn, row): the interleaved pass below

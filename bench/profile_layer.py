@@ -1,7 +1,7 @@
 """Where does one MoE layer call spend its time on the GPU? A kernel-level profile.
 
 Runs one case of bench/moe_layer.py (same inputs, a configuration name of
-bench/common.py's `layer_config`, balanced or skewed routing) a few times under
+bench/common.py's `layer_config`, its balanced, skewed or zipf routing) a few times under
 `jax.profiler.trace` and reduces the trace to a table per device: every kernel (Mosaic
 GPU kernels, XLA fusions, NCCL, cuBLAS) with its count, total and mean time, its share
 of the span of one call, and how much of it ran while another kernel was running on the
@@ -133,7 +133,8 @@ def main(argv=None):
                   help="a configuration name (bench/common.py, layer_config; with "
                        "--train-model a training configuration, train_throughput.parse_backend)")
   ap.add_argument("--direction", default="fwd", choices=("fwd", "fwdbwd"))
-  ap.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
+  ap.add_argument("--routing", default="balanced", choices=("balanced", "skewed", "zipf"),
+                  help="bench/moe_layer.py's routings (make_inputs)")
   ap.add_argument("--reps", type=int, default=3, help="profiled calls (after a warm-up call)")
   ap.add_argument("--back-to-back", action="store_true",
                   help="layer calls enqueued back to back, one wait at the end (as the layer "
@@ -203,7 +204,7 @@ def _layer_fn(args, r):
   from bench import common, moe_layer
   shape = {**common.SHAPES, **common.SMOKE_SHAPES}[args.shape]
   mesh = jax.make_mesh((1, r), ("data", "expert"))
-  x, p = moe_layer.make_inputs(shape, mesh, skewed=args.routing == "skewed")
+  x, p = moe_layer.make_inputs(shape, mesh, routing=args.routing)
   f_fwd, f_bwd = moe_layer.layer_fns(mesh, shape, moe_layer.backend_config(args.backend))
   fn = f_fwd if args.direction == "fwd" else f_bwd
   def call(sync=True):

@@ -6,7 +6,7 @@ self-attention, `UniEPMoE` (or a dense SwiGLU) per layer, tied or untied head.
 
 `aux` stacks the routing statistics of the MoE layers (L_moe of them):
   expert_counts [L_moe, E] int32, load_balance_loss [L_moe], router_z_loss [L_moe], dropped [L_moe],
-  nonfinite_tokens [L_moe].
+  nonfinite_tokens [L_moe], rank_rows [L_moe, R] int32, replica_weight_bytes [L_moe].
 All weights except the routed experts are replicated; the batch is split over the
 whole mesh (data parallel), the experts over the expert axis (expert parallel).
 """
@@ -27,7 +27,8 @@ from models.config import ModelConfig
 from uniep_jax.config import KernelConfig, OverlapConfig, UniEPConfig
 from uniep_jax.module import SwiGLU, UniEPMoE, fan_in_normal, sharding_metadata
 
-AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens")
+AUX_KEYS = ("expert_counts", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens",
+            "rank_rows", "replica_weight_bytes")
 
 
 class RMSNorm(nnx.Module):
@@ -64,7 +65,12 @@ class Attention(nnx.Module):
     self.wq = nnx.Param(fan_in_normal(rngs.params(), (H, nh * hd), H, jnp.float32), **kw)
     self.wk = nnx.Param(fan_in_normal(rngs.params(), (H, nkv * hd), H, jnp.float32), **kw)
     self.wv = nnx.Param(fan_in_normal(rngs.params(), (H, nkv * hd), H, jnp.float32), **kw)
-    self.wo = nnx.Param(fan_in_normal(rngs.params(), (nh * hd, H), nh * hd, jnp.float32), **kw)
+    # GPT-2's scaled residual init: the output projection at 1/sqrt(2 * n_layers) of its
+    # fan-in std. The part of every attention output that all tokens share (the causal
+    # mean of the value vectors) otherwise piles up over the layers until the deeper
+    # routers see nearly the same input for every token (docs/decisions.md).
+    self.wo = nnx.Param(fan_in_normal(rngs.params(), (nh * hd, H), nh * hd, jnp.float32)
+                        * (2 * c.n_layers) ** -0.5, **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     c, dt = self.c, self.dtype
@@ -199,16 +205,29 @@ class Transformer(nnx.Module):
 
   def __init__(self, c: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
                backend: str = "xla_dropless", capacity_factor: float = 1.25,
-               kernel_stages: Optional[int] = None, overlap: bool = False, rngs: nnx.Rngs):
+               kernel_stages: Optional[int] = None, overlap: bool = False,
+               replica_slots: int = 0, rngs: nnx.Rngs):
     self.c, self.mesh = c, mesh
     self.dtype = jnp.dtype(c.dtype)
     kernel = (KernelConfig() if kernel_stages is None
               else KernelConfig(max_concurrent_steps=kernel_stages))
     moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor,
-                             kernel=kernel, overlap=OverlapConfig() if overlap else None)
+                             kernel=kernel, overlap=OverlapConfig() if overlap else None,
+                             replica_slots=replica_slots)
     kw = sharding_metadata((None, None), mesh)
+    # The table [V, H] holds rows of std 1/sqrt(H) and the forward multiplies them by
+    # sqrt(H): the residual stream starts at std ~1 (0.88, truncated normal), the scale
+    # of the other activations. Rows of std 1/sqrt(H) drown in the component the first
+    # attention adds that is nearly the same for every token (the causal mean of the
+    # value vectors, on text dominated by a few tokens): after the next RMSNorm every
+    # token looks alike and routes to the same experts. Scaled in the forward (Gemma's
+    # form) rather than stored at std 1: Adam's steps have a fixed size, so a std-1
+    # table would learn sqrt(H) times slower relative to its scale, and the tied head
+    # reads the table as it is (logits of std ~1 at initialisation). docs/decisions.md
+    # has the measurements.
     self.embed = nnx.Param(fan_in_normal(rngs.params(), (c.vocab_size, c.d_model), c.d_model,
                                           jnp.float32), **kw)
+    self.embed_scale = float(c.d_model) ** 0.5
     self.layers = nnx.List([Block(c, i, mesh=mesh, moe_config=moe_config, rngs=rngs)
                             for i in range(c.n_layers)])
     self.final_norm = RMSNorm(c.d_model, eps=c.norm_eps, mesh=mesh)
@@ -221,7 +240,9 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
     dt = self.dtype
-    x = embed_lookup(self.embed[...], tokens, self.mesh, dt).astype(dt)  # [B, S, H]
+    # scaled after the cast: the lookup's cotangent stays a `dt` value (embed_lookup)
+    x = embed_lookup(self.embed[...], tokens, self.mesh, dt).astype(dt) * jnp.asarray(
+        self.embed_scale, dt)  # [B, S, H]
     for blk in self.layers:
       x = blk(x)
     x = self.final_norm(x)

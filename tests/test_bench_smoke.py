@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import uniep_jax
-from bench import moe_layer, train_step_diff, train_throughput
+from bench import init_routing, moe_layer, train_step_diff, train_throughput
 from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -93,20 +93,22 @@ def test_compile_ahead_compiles_the_xla_backends_first_and_alone():
 
 def test_moe_layer_records_times_and_checksums(tmp_path):
   moe_layer.main(["--shapes", "tiny", "--backends", "xla_capacity,xla_dropless:padded",
-                  "--directions", "fwd", "--routings", "balanced,skewed", "--out", str(tmp_path),
-                  "--min-batch-s", "0.01", "--max-reps", "2"])
+                  "--directions", "fwd", "--out", str(tmp_path),
+                  "--min-batch-s", "0.01", "--max-reps", "2"])   # every routing by default
   (path,) = [p for p in tmp_path.glob("moe_layer_*_ep*.json") if ".partial" not in p.name]
   all_rows = json.loads(path.read_text())["results"]
   rows = [r for r in all_rows if r["routing"] == "balanced"]
   skewed = {r["backend"]: r for r in all_rows if r["routing"] == "skewed"}
+  zipf = {r["backend"]: r for r in all_rows if r["routing"] == "zipf"}
   assert {r["backend"] for r in rows} == {"xla_capacity", "xla_dropless:padded"} == set(skewed)
+  assert set(zipf) == set(skewed)
   for r in all_rows:
     assert r["median_ms"] > 0 and len(r["checksum"]) == 2 and "error" not in r
     # both backends of a case timed again, interleaved round robin
     assert r["interleaved_median_ms"] > 0 and r["interleaved_min_ms"] <= r["interleaved_median_ms"]
     assert r["short_batch_median_ms"] > 0 and r["reps"] <= 2
-    # the skewed routing runs the executable the balanced one compiled, on other data
-    assert r["executable_reused"] == (r["routing"] == "skewed")
+    # the other routings run the executable the balanced one compiled, on other data
+    assert r["executable_reused"] == (r["routing"] != "balanced")
   for r in all_rows:   # every assignment counted once in the [src][dst] rows
     assert sum(map(sum, r["rank_rows"])) == 8 * 256 * 2 and len(r["rank_rows"]) == 8
     assert r["hot_rank_compute_floor_ms"] >= r["compute_floor_ms"]   # max >= mean
@@ -122,6 +124,47 @@ def test_moe_layer_records_times_and_checksums(tmp_path):
   assert skewed["xla_capacity"]["dropped"] > cap["dropped"] and skewed["xla_dropless:padded"]["dropped"] == 0
   assert free["dropped"] == 0 and cap["dropped"] > 0     # 8 ranks of 256 tokens overflow
   assert cap["checksum"] != free["checksum"] and cap["bitwise_equal_to"] == []
+  # Zipf(1.2) popularity: hotter than balanced, cooler than all-to-one (E/K = 4), its
+  # hottest rank not rank 0 (the popularity order is a random permutation of the experts)
+  for backend, z in zipf.items():
+    balanced = next(r for r in rows if r["backend"] == backend)
+    assert balanced["max_expert_load"] < 2 < z["max_expert_load"] < skewed[backend]["max_expert_load"] == 4
+    received = [sum(z["rank_rows"][s][d] for s in range(8)) for d in range(8)]
+    assert max(received) > 1.5 * 8 * 256 * 2 / 8 and received.index(max(received)) != 0
+  assert zipf["xla_capacity"]["dropped"] > cap["dropped"] and zipf["xla_dropless:padded"]["dropped"] == 0
+
+
+def test_zipf_popularity_is_a_fixed_permutation_of_the_zipf_law():
+  p = moe_layer.zipf_popularity(128)
+  ranks = np.arange(1, 129, dtype=np.float64)
+  np.testing.assert_allclose(np.sort(p)[::-1], ranks ** -1.2 / np.sum(ranks ** -1.2))
+  np.testing.assert_array_equal(p, moe_layer.zipf_popularity(128))      # deterministic
+  hot = np.argsort(-p)[:8]
+  assert len(set(hot // 32)) > 1          # the 8 hottest experts on more than one of 4 ranks
+  with pytest.raises(ValueError, match="routing='uniform' is unknown"):
+    moe_layer.make_inputs(moe_layer.common.SMOKE_SHAPES["tiny"], None, routing="uniform")
+  with pytest.raises(ValueError, match="--routings"):
+    moe_layer.main(["--shapes", "tiny", "--routings", "balanced,zipfian"])
+
+
+def test_init_routing_probe_writes_its_json(tmp_path):
+  """bench/init_routing.py on two narrowed configs, a byte one and a word-level one."""
+  assert init_routing.main(["--configs", "tiny,small-experts", "--d-model", "128", "--batch", "2",
+                            "--seq", "64", "--data-bytes", str(256 << 10), "--tag", "smoke",
+                            "--out", str(tmp_path)]) == 0
+  payload = json.loads((tmp_path / "init_routing_cpu_smoke.json").read_text())
+  assert payload["benchmark"] == "init_routing" and payload["settings"]["d_model"] == 128
+  tiny, small = payload["results"]
+  assert tiny["tokenizer"] == "bytes (vocab 256)" and "word-level" in small["tokenizer"]
+  for row, layers, k in ((tiny, 4, 2), (small, 4, 8)):
+    counts = np.asarray(row["expert_counts"])
+    assert counts.shape == (layers, row["n_experts"]) and np.all(counts.sum(axis=1) == 2 * 64 * k)
+    load = counts / counts.mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(row["max_load_per_layer"], load.max(axis=1), atol=1e-4)
+    assert 1 <= row["max_load"] <= row["n_experts"] / row["top_k"]
+    assert row["d_model"] == 128 and row["embed_scale"] == pytest.approx(128 ** 0.5)
+  with pytest.raises(SystemExit):
+    init_routing.main(["--configs", "tiny,nope", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("grad_reduction", ["xla", "ordered"])
@@ -399,7 +442,7 @@ def test_check_moe_gpu_bitwise_partners():
 
 
 @pytest.mark.parametrize("module", [
-    "bench.moe_layer", "bench.check_moe_gpu", "bench.determinism_sweep",
+    "bench.moe_layer", "bench.check_moe_gpu", "bench.determinism_sweep", "bench.init_routing",
     "bench.train_throughput", "bench.profile_layer", "bench.train_step_diff",
     "bench.grouped_gemm", "bench.replication", "uniep_jax.autotune"])
 def test_benchmarks_answer_help(module, capsys):

@@ -35,7 +35,8 @@ from conftest import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BITWISE = ("y", "grad_x", "grad_w_gate_up", "grad_w_down", "aux_expert_counts", "aux_dropped",
-           "aux_nonfinite_tokens", "grad_router", "aux_load_balance_loss", "aux_router_z_loss")
+           "aux_nonfinite_tokens", "aux_rank_rows", "aux_replica_weight_bytes", "grad_router",
+           "aux_load_balance_loss", "aux_router_z_loss")
 REDUCED = ("loss",)
 
 

@@ -5,7 +5,9 @@ In-process tests use the 8 virtual CPU devices of conftest.py; the CLI tests run
 `python -m train` in a subprocess (it sizes its own device pool before importing jax).
 """
 
+import collections
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -19,7 +21,7 @@ from conftest import subprocess_env
 
 from train import loop
 from train.config import DEFAULT_GRAD_BUCKETS, TrainConfig, parse_args
-from train.data import make_dataset
+from train.data import CHUNK, PIECE_PATTERN, Tokenizer, heldout_chunks, make_dataset
 from train.mesh import parse_mesh, validate_mesh
 
 # 2 of tiny's 4 blocks (--n-layers): every check here holds for any depth >= 2, and the
@@ -193,8 +195,9 @@ def _cli(*args, timeout=240):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_rejects_impossible_mesh():
-  r = _cli("--mesh", "data=2,expert=3", "--batch", "6")
+def test_cli_rejects_impossible_mesh(tmp_path):
+  # its own --out: the default folder may hold a finished run, refused before the mesh
+  r = _cli("--mesh", "data=2,expert=3", "--batch", "6", "--out", str(tmp_path / "run"))
   assert r.returncode == 2, r.stderr
   assert "expert=3 must divide the number of experts 8" in r.stderr
 
@@ -212,7 +215,8 @@ def test_cli_end_to_end(tmp_path):
            "--out", str(out), "--no-progress")
   assert r.returncode == 0, r.stdout + r.stderr
   assert "param checksum: sum=" in r.stdout and "unigram entropy" in r.stdout
-  assert (out / "loss.png").stat().st_size > 0
+  assert (out / "loss.png").stat().st_size > 0 and (out / "expert_load.png").stat().st_size > 0
+  assert "bits per byte" in r.stdout
   recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
   assert [r_["step"] for r_ in recs if "ce" in r_] == [1, 2, 3, 4]
   assert [r_["step"] for r_ in recs if "heldout_loss" in r_] == [0, 2, 4]
@@ -237,6 +241,147 @@ def test_data_is_pure_and_split_is_fixed(tmp_path, data):
   np.testing.assert_array_equal(toks, ids)
   with pytest.raises(FileNotFoundError):
     load_tokens(str(tmp_path / "missing.txt"), max_bytes=0)
+
+
+# a text whose bytes the byte path must split exactly as it always has (golden below)
+CORPUS = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(4000))
+
+
+def test_byte_path_is_unchanged(tmp_path):
+  """vocab_size 256 (the default): the ids are the text's bytes, split as the byte-only
+  code split them (the golden digest of this corpus's arrays is that code's), and the
+  tokenizer is the byte one (1 byte per token: bits per byte = bits per token)."""
+  text = tmp_path / "corpus.txt"
+  text.write_text(CORPUS)
+  d = make_dataset(str(text), max_bytes=0, heldout_fraction=0.05, seq=32)
+  assert (len(d.train), len(d.heldout)) == (141589, 8192)
+  assert hashlib.sha256(d.train.tobytes() + d.heldout.tobytes()).hexdigest() == (
+      "8813ab10d33799cba37e370457ad8caec36e1cbb6684c97c6769b8032f895bd5")
+  assert d.train.dtype == np.int32 and d.tokenizer == Tokenizer()
+  assert d.heldout_bytes_per_token(2, 4, 32) == 1.0
+  np.testing.assert_array_equal(Tokenizer().encode(b"a \xff"), [97, 32, 255])
+  same = make_dataset(str(text), max_bytes=0, heldout_fraction=0.05, seq=32, vocab_size=256)
+  np.testing.assert_array_equal(same.train, d.train)
+  # ids of a .npy are taken as they are, whatever the vocabulary: no text behind them
+  np.save(tmp_path / "ids.npy", np.arange(5000) % 300)
+  ids = make_dataset(str(tmp_path / "ids.npy"), max_bytes=0, heldout_fraction=0.05, seq=32,
+                     vocab_size=32000)
+  assert ids.tokenizer is None and ids.heldout_bytes_per_token(1, 2, 32) is None
+  assert ids.vocab_needed == 300
+
+
+def test_word_tokenizer_round_trips_deterministically_within_its_vocabulary():
+  text = (CORPUS + "# héllo wörld\r\n\tx = {'a': 1}  # ¿?\n").encode() + bytes(range(256))
+  tok = Tokenizer.build(text, 300)
+  assert tok.vocab_size == 300 and Tokenizer.build(text, 300) == tok   # a pure function
+  assert tok.fingerprint == Tokenizer.build(text, 300).fingerprint
+  # the most frequent multi-byte pieces, ties by their bytes
+  counts = collections.Counter(p for p in PIECE_PATTERN.findall(text) if len(p) > 1)
+  assert list(tok.pieces) == sorted(counts, key=lambda p: (-counts[p], p))[:44]
+  for sample in (text, b"", "héllo wörld\t\r\n  x=1 \n\n".encode(), bytes(range(256)),
+                 b"never seen words, 12345"):
+    ids = tok.encode(sample)
+    assert ids.dtype == np.int32 and (ids.size == 0 or 0 <= ids.min() <= ids.max() < 300)
+    assert tok.decode(ids) == sample
+  assert tok.token_bytes[tok.encode(text)].sum() == len(text)
+  assert len(tok.encode(text)) < 0.6 * len(text)          # fewer tokens than bytes
+  # fewer distinct pieces than room: the vocabulary holds what there is, ties by bytes
+  assert Tokenizer.build(b"aa bb aa", 1000).pieces == (b" aa", b" bb", b"aa")
+  assert Tokenizer.build(b"aa bb aa", 256) == Tokenizer()
+  with pytest.raises(ValueError, match="vocab_size=255"):
+    Tokenizer.build(text, 255)
+  with pytest.raises(ValueError, match="distinct and at least 2 bytes"):
+    Tokenizer((b"a",))
+
+
+def test_word_level_vocabulary_comes_from_the_training_split_alone(tmp_path):
+  """Each CHUNK of the corpus holds a word of its own: the held-out chunks' words never
+  enter the vocabulary (their tokens fall back to bytes), the training chunks' do; the
+  vocabulary is bounded by vocab_size; both splits decode to their text; the batches
+  stay a pure function of (seed, step)."""
+  n = 60
+  blocks = [(f" q{i:04d}" * 341 + "\n\n").encode() for i in range(n)]   # CHUNK bytes each
+  assert {len(b) for b in blocks} == {CHUNK}
+  text = tmp_path / "corpus.txt"
+  text.write_bytes(b"".join(blocks))
+  stream = b"".join(blocks) + b"\n"               # the reader ends every file with a newline
+  held = heldout_chunks(len(stream), 0.05)
+  assert 0 < held[:n].sum() < n
+  d = make_dataset(str(text), max_bytes=0, heldout_fraction=0.05, seq=32, vocab_size=1000)
+  words = {b" q%04d" % i: bool(held[i]) for i in range(n)}
+  assert all((w in d.tokenizer.pieces) != is_held for w, is_held in words.items())
+  assert not any(b"q%04d" % i in d.tokenizer.pieces for i in range(n) if held[i])
+  # the one multi-byte piece of the held-out text that the training text has too: a
+  # newline and the next block's leading space; every held-out word falls back to bytes
+  shared = {d.tokenizer.decode([i]) for i in np.unique(d.heldout[d.heldout >= 256])}
+  assert shared == {b"\n "}
+  assert d.tokenizer.vocab_size <= 1000 and d.vocab_needed <= d.tokenizer.vocab_size
+  train_text = b"".join(c for i, c in enumerate(blocks) if not held[i]) + b"\n" * (not held[n])
+  held_text = b"".join(c for i, c in enumerate(blocks) if held[i]) + b"\n" * bool(held[n])
+  assert d.tokenizer.decode(d.train) == train_text and d.tokenizer.decode(d.heldout) == held_text
+  assert "word-level tokenizer" in d.description
+  # a vocabulary smaller than the training words: the tied counts go by the words' bytes
+  small = make_dataset(str(text), max_bytes=0, heldout_fraction=0.05, seq=32, vocab_size=266)
+  train_words = sorted(w for w, is_held in words.items() if not is_held)
+  assert list(small.tokenizer.pieces) == train_words[:10]
+  assert small.vocab_needed <= 266
+  again = make_dataset(str(text), max_bytes=0, heldout_fraction=0.05, seq=32, vocab_size=266)
+  assert again.tokenizer == small.tokenizer
+  np.testing.assert_array_equal(again.batch(3, 17, 4, 32)[0], small.batch(3, 17, 4, 32)[0])
+  np.testing.assert_array_equal(again.heldout, small.heldout)
+
+
+def test_routing_metrics_per_layer_and_per_rank():
+  """max load per layer, and the ranks' row imbalance from the layer's rank_rows or,
+  without them, from the counts of the experts each rank owns."""
+  import jax.numpy as jnp
+  counts = jnp.array([[4, 0, 2, 2], [1, 1, 1, 5]], jnp.int32)        # [L_moe=2, E=4]
+  m = jax.device_get(loop.routing_metrics({"expert_counts": counts}, expert_ranks=2))
+  np.testing.assert_allclose(m["max_load_per_layer"], [2.0, 2.5])
+  assert float(m["max_load"]) == 2.5
+  np.testing.assert_allclose(m["rank_imbalance_per_layer"], [1.0, 1.5])   # rows [4 4], [2 6]
+  np.testing.assert_array_equal(m["expert_counts"], counts)
+  given = {"expert_counts": counts, "rank_rows": jnp.array([[8, 0], [4, 4]], jnp.int32)}
+  np.testing.assert_allclose(loop.routing_metrics(given, 2)["rank_imbalance_per_layer"], [2.0, 1.0])
+
+
+def test_run_folder_has_routing_metrics_and_heat_map(tmp_path, data, reference, reference_programs):
+  """metrics.jsonl: per-layer max load and rank imbalance (short lines), the held-out
+  loss in bits per byte; expert_counts.jsonl: each step's counts; expert_load.png and
+  loss.png. Drawing them changes no bit of the run."""
+  with _compilation_cache(reference_programs):
+    run = _train(tmp_path, data, plot=True, stop_after=3)
+  assert all(run["losses"][k] == reference["losses"][k] for k in run["losses"])
+  assert (tmp_path / "expert_load.png").stat().st_size > 0 and (tmp_path / "loss.png").exists()
+  recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  counts = [json.loads(l) for l in (tmp_path / "expert_counts.jsonl").read_text().splitlines()]
+  assert [c["step"] for c in counts] == [r["step"] for r in recs if "ce" in r] == [1, 2, 3]
+  for rec, c in zip([r for r in recs if "ce" in r], counts):
+    per_expert = np.asarray(c["counts"], np.float64)                # [L_moe=2, E=8]
+    assert per_expert.shape == (2, 8) and np.all(per_expert.sum(axis=1) == 8 * 32 * 2)
+    load = per_expert / per_expert.mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(rec["max_load_per_layer"], load.max(axis=1), atol=1e-4)
+    assert rec["max_load"] == pytest.approx(load.max(), rel=1e-6)
+    rows = per_expert.reshape(2, 4, 2).sum(axis=2)                   # 4 ranks of 2 experts
+    np.testing.assert_allclose(rec["rank_imbalance_per_layer"],
+                               rows.max(axis=1) / rows.mean(axis=1), atol=1e-4)
+    assert len(json.dumps(rec)) < 600
+  held = [r for r in recs if "heldout_loss" in r]
+  assert [r["step"] for r in held] == [0, 3]
+  assert all(r["heldout_bpb"] == pytest.approx(r["heldout_loss"] / np.log(2)) for r in held)
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["heldout_bytes_per_token"] == 1.0 and summary["tokenizer"] == "bytes (vocab 256)"
+  assert summary["final_heldout_loss_bits_per_byte"] == pytest.approx(
+      summary["final_heldout_loss_bits"])
+
+
+def test_a_run_without_matplotlib_draws_nothing_and_says_so(tmp_path, data, reference_programs,
+                                                            monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)     # `import matplotlib` fails
+  with _compilation_cache(reference_programs):
+    _train(tmp_path, data, plot=True, stop_after=2, ckpt_dir=str(tmp_path / "ckpt"), ckpt_every=1)
+  assert capsys.readouterr().out.count("matplotlib is not installed") == 1
+  assert not list(tmp_path.glob("*.png")) and (tmp_path / "summary.json").exists()
 
 
 def test_transformer_on_explicit_and_auto_meshes(mesh_factory):
@@ -498,3 +643,33 @@ def test_checkpoint_from_before_the_gate_up_array_restores_bitwise(tmp_path):
   ckpt.save(1, got)
   ckpt.close()
   chex.assert_trees_all_equal(Checkpointer(str(tmp_path / "new")).restore(1, template), got)
+
+
+def test_replica_slots_reach_the_moe_layers_and_balance_the_ranks(tmp_path, data, reference):
+  """--replica-slots: every MoE layer's config carries it, bad values are refused before
+  anything compiles, and a run with replicas (mesh data=2, expert=4) has its expert
+  ranks' rows within one 128-row GEMM tile of each other at every step where the
+  routing alone leaves them further apart, with losses within float32 reassociation of
+  the reference's."""
+  with pytest.raises(ValueError, match="--replica-slots"):
+    TrainConfig(backend="xla_capacity", replica_slots=1)
+  with pytest.raises(ValueError, match="--replica-slots"):
+    TrainConfig(backend="uniep", overlap=True, replica_slots=1)
+  with pytest.raises(ValueError, match="--replica-slots"):
+    TrainConfig(replica_slots=-1)
+  cfg = parse_args(["--replica-slots", "2", "--mesh", "data=2,expert=4"])
+  s = loop.make_setup(cfg)
+  configs = [m.config for m in loop.build_model(cfg, s.model_cfg, s.mesh).moe_modules()]
+  assert configs and all(c.replica_slots == 2 for c in configs)
+  run = _train(tmp_path, data, replica_slots=2, stop_after=3)
+  for k in run["losses"]:
+    assert run["losses"][k] == pytest.approx(reference["losses"][k], rel=1e-5)
+  recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  imbalance = np.asarray([r["rank_imbalance_per_layer"] for r in recs if "ce" in r])
+  counts = [json.loads(l)["counts"] for l in (tmp_path / "expert_counts.jsonl").read_text().splitlines()]
+  rows = np.asarray(counts, np.float64).reshape(3, 2, 4, 2).sum(axis=3)   # [step, layer, rank]
+  routed = rows.max(axis=2) / rows.mean(axis=2)                          # without replicas
+  mean_rows = rows.mean(axis=2)
+  assert imbalance.shape == (3, 2) and routed.max() > 1.2
+  assert np.all((imbalance - 1) * mean_rows <= 128) and np.all(imbalance <= routed)
+  assert np.mean(imbalance) < 1.02 < np.mean(routed)

@@ -31,6 +31,7 @@ class TrainConfig:
   capacity_factor: float = 1.25
   kernel_stages: Optional[int] = None  # KernelConfig.max_concurrent_steps (pallas/uniep; None: its default)
   overlap: bool = False  # uniep: transfers inside GEMM launches (UniEPConfig.overlap = OverlapConfig())
+  replica_slots: int = 0  # dropless backends: exact-load replica slots per EP rank (UniEPConfig)
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -96,6 +97,14 @@ class TrainConfig:
     if self.overlap and self.backend != "uniep":
       raise ValueError(f"--overlap (transfers inside GEMM launches) is only for --backend "
                        f"uniep, got backend={self.backend!r}")
+    if self.replica_slots < 0:
+      raise ValueError(f"--replica-slots={self.replica_slots} must be >= 0 (0: off)")
+    if self.replica_slots and self.backend not in ("xla_dropless", "pallas", "uniep"):
+      raise ValueError(f"--replica-slots balances the dropless backends, not "
+                       f"--backend {self.backend}")
+    if self.replica_slots and self.overlap:
+      raise ValueError("--replica-slots with --overlap: the overlapped launches take no "
+                       "replica weights; drop one of them")
     if self.n_layers is not None and self.n_layers < 1:
       raise ValueError(f"n_layers={self.n_layers} must be >= 1")
     if self.kernel_stages is not None:
@@ -184,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     help="uniep: the down GEMM's return and the backward's dX return run inside GEMM launches "
          "(UniEPConfig.overlap = OverlapConfig(); the same bits; gradients are then summed "
          "after the whole backward pass unless --grad-buckets says otherwise)")
+  a("--replica-slots", type=int, default=d.replica_slots,
+    help="xla_dropless/pallas/uniep at EP > 1: replica slots per rank for exact-load "
+         "balancing (UniEPConfig.replica_slots; at most the experts per rank; 0: off): hot "
+         "experts are copied to other ranks per layer call so every rank computes the same "
+         "rows; metrics.jsonl shows the ranks' row imbalance")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None,
     help="stop after this many steps (the schedule still spans --steps)")
@@ -202,7 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
          "skipped); this many in a row stop the run with a non-zero exit")
   a("--seed", type=int, default=d.seed, help="seeds the parameters and the batches")
   a("--data", default=None, help="text file, folder of text files, or .npy of token ids "
-                                 "(default: the Python standard library's sources)")
+                                 "(default: the Python standard library's sources); text is "
+                                 "tokenised as bytes for a vocabulary of 256, else by a "
+                                 "word-level tokenizer built from its training split "
+                                 "(train/data.py)")
   a("--data-bytes", type=int, default=d.data_bytes, help="cap on the default corpus size")
   a("--lb-weight", type=float, default=d.lb_weight, help="load-balance loss weight")
   a("--z-weight", type=float, default=d.z_weight, help="router z-loss weight")
@@ -218,11 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
          "if there is none)")
   a("--resume-or-start", action="store_true",
     help="as --resume, but start from step 0 when --ckpt-dir holds no usable checkpoint")
-  a("--out", default=d.out, help="metrics.jsonl, loss.png and summary.json go here")
+  a("--out", default=d.out, help="metrics.jsonl, expert_counts.jsonl, summary.json, loss.png and "
+                                 "expert_load.png go here")
   a("--overwrite", action="store_true",
     help="let a new run replace the metrics an earlier run left in --out")
   a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
-  a("--no-plot", dest="plot", action="store_false", help="no loss.png")
+  a("--no-plot", dest="plot", action="store_false", help="no loss.png or expert_load.png")
   a("--no-xla-deterministic", dest="xla_deterministic", action="store_false",
     help="let XLA autotune its GEMMs on GPUs (faster dense layers; the same bits run after "
          "run, but no longer across compilations, e.g. across --backend choices)")

@@ -10,7 +10,13 @@ Batches are split over every mesh axis; the experts over "expert".
 Multi-process runs (after `train.distributed.initialize`): the mesh spans every
 process's devices, each process builds only its own rows of every batch, all of them
 take part in checkpoints and in the checksum's gathers, and process 0 alone prints and
-writes metrics.jsonl, summary.json and loss.png.
+writes the run folder's files.
+
+The run folder (--out): metrics.jsonl (one small line per step: losses, gradient norm,
+the routing's max load overall and per MoE layer, the expert-parallel ranks' row
+imbalance per layer; the held-out loss in nats per token and bits per byte at
+evaluations), expert_counts.jsonl (per step, each MoE layer's expert counts: the data of
+expert_load.png), summary.json, loss.png and expert_load.png.
 """
 
 from __future__ import annotations
@@ -112,7 +118,7 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
   """The model that `cfg` trains (its MoE options), initialised from cfg.seed."""
   return Transformer(model_cfg, mesh=mesh, backend=cfg.backend, capacity_factor=cfg.capacity_factor,
                      kernel_stages=cfg.kernel_stages, overlap=cfg.overlap,
-                     rngs=nnx.Rngs(cfg.seed))
+                     replica_slots=cfg.replica_slots, rngs=nnx.Rngs(cfg.seed))
 
 
 class Diverged(RuntimeError):
@@ -347,12 +353,11 @@ def make_train_step(s: Setup, opt_sh):
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
     params, rest, opt_state = keep((new_params, new_rest, new_opt), (params, rest, opt_state))
-    counts = aux["expert_counts"].astype(jnp.float32)  # [L_moe, E]
     metrics = dict(loss=loss, ce=ce, load_balance_loss=lb, router_z_loss=z,
                    grad_norm=grad_norm, dropped=jnp.sum(aux["dropped"]),
                    nonfinite_tokens=jnp.max(aux["nonfinite_tokens"]),
                    skipped=(~finite).astype(jnp.int32),
-                   max_load=jnp.max(counts / jnp.mean(counts, axis=-1, keepdims=True)))
+                   **routing_metrics(aux, s.mesh.shape["expert"]))
     return params, rest, opt_state, metrics
 
   rep = NamedSharding(s.mesh, P())
@@ -360,6 +365,32 @@ def make_train_step(s: Setup, opt_sh):
                  in_shardings=(s.param_sh, s.rest_sh, opt_sh, s.batch_sh, s.batch_sh),
                  out_shardings=(s.param_sh, s.rest_sh, opt_sh, rep),
                  donate_argnums=(0, 1, 2))
+
+
+def routing_metrics(aux: dict, expert_ranks: int) -> dict:
+  """The step's routing statistics from the MoE layers' stacked aux.
+
+    max_load                  [] max over layers and experts of count / mean count
+    max_load_per_layer        [L_moe] the same per layer (1: balanced, E/K: every token
+                              picks the same K experts)
+    rank_imbalance_per_layer  [L_moe] max / mean over the expert-parallel ranks of the
+                              rows each rank computes (what a dropless step waits for)
+    expert_counts             [L_moe, E] int32 (expert_counts.jsonl, not metrics.jsonl)
+
+  The rows per rank are aux["rank_rows"] [L_moe, R] when the layer reports them, else
+  the counts of the experts each rank owns (experts [r*E/R, (r+1)*E/R) on rank r).
+  """
+  counts = aux["expert_counts"]  # [L_moe, E] int32
+  load = counts.astype(jnp.float32) / jnp.mean(counts.astype(jnp.float32), axis=-1, keepdims=True)
+  rank_rows = aux.get("rank_rows")
+  if rank_rows is None:
+    n_layers, n_experts = counts.shape
+    rank_rows = jnp.sum(counts.reshape(n_layers, expert_ranks, n_experts // expert_ranks), axis=-1)
+  rows = rank_rows.astype(jnp.float32)  # [L_moe, R]
+  per_layer = jnp.max(load, axis=-1)
+  return dict(max_load=jnp.max(per_layer), max_load_per_layer=per_layer,
+              rank_imbalance_per_layer=jnp.max(rows, axis=-1) / jnp.mean(rows, axis=-1),
+              expert_counts=counts.astype(jnp.int32))
 
 
 def make_eval_step(s: Setup):
@@ -396,11 +427,24 @@ def _read_metrics(path: pathlib.Path) -> list[dict]:
   return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
 
 
-def plot_losses(records: list[dict], unigram_nats: float, path: pathlib.Path, title: str) -> None:
+def matplotlib_available() -> bool:
+  """Whether the plots can be drawn; a run without matplotlib writes none (one note)."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def _pyplot():
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  return plt
 
+
+def plot_losses(records: list[dict], unigram_nats: float, path: pathlib.Path, title: str) -> None:
+  plt = _pyplot()
   train = sorted((r["step"], r["ce"]) for r in records if "ce" in r)
   held = sorted((r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r)
   fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -417,6 +461,55 @@ def plot_losses(records: list[dict], unigram_nats: float, path: pathlib.Path, ti
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+HEATMAP_COLUMNS = 600  # at most this many step columns; longer runs average consecutive steps
+
+
+def plot_expert_load(records: list[dict], path: pathlib.Path, title: str,
+                     layer_names: Sequence[int]) -> None:
+  """A heat map of each MoE layer's expert load over the steps: one panel per layer,
+  x = step, y = expert, colour = count / mean count (white 1, red hotter, blue colder).
+
+  records: expert_counts.jsonl's lines, {"step": s, "counts": [L_moe][E]}, in step order.
+  """
+  from matplotlib.colors import TwoSlopeNorm
+  plt = _pyplot()
+  steps = [r["step"] for r in records]
+  counts = np.asarray([r["counts"] for r in records], np.float64)  # [T, L_moe, E]
+  load = counts / counts.mean(axis=-1, keepdims=True)
+  edges = np.linspace(0, len(steps), min(len(steps), HEATMAP_COLUMNS) + 1).astype(int)
+  load = np.stack([load[a:b].mean(axis=0) for a, b in zip(edges[:-1], edges[1:])])  # [cols, L, E]
+  n_layers, n_experts = load.shape[1:]
+  norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, float(load.max())))
+  extent = (steps[0] - 0.5, steps[-1] + 0.5, n_experts - 0.5, -0.5)
+  fig, axes = plt.subplots(n_layers, 1, figsize=(9, 1.0 + 2.2 * n_layers), sharex=True,
+                           squeeze=False)
+  for i, ax in enumerate(axes[:, 0]):
+    image = ax.imshow(load[:, i, :].T, aspect="auto", interpolation="nearest", cmap="RdBu_r",
+                      norm=norm, extent=extent)
+    ax.set_ylabel(f"layer {layer_names[i]}\nexpert")
+  axes[-1, 0].set_xlabel("step")
+  fig.colorbar(image, ax=list(axes[:, 0]), label="count / mean count")
+  fig.suptitle(title)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_plots(out: pathlib.Path, unigram_nats: float, title: str,
+                layer_names: Sequence[int]) -> list[pathlib.Path]:
+  """loss.png from metrics.jsonl and expert_load.png from expert_counts.jsonl (the whole
+  run's, a resumed run's earlier steps too); returns the files written."""
+  written = []
+  records = _read_metrics(out / "metrics.jsonl")
+  if records:
+    plot_losses(records, unigram_nats, out / "loss.png", title)
+    written.append(out / "loss.png")
+  counts = _read_metrics(out / "expert_counts.jsonl")
+  if counts:
+    plot_expert_load(counts, out / "expert_load.png", title, layer_names)
+    written.append(out / "expert_load.png")
+  return written
 
 
 # ----------------------------------------------------------------------------- the run
@@ -531,7 +624,8 @@ def _train(cfg: TrainConfig, data: Optional[Dataset], out: pathlib.Path, main: b
   check_backend_platform(cfg)
   s = make_setup(cfg)
   if data is None:
-    data = make_dataset(cfg.data, max_bytes=cfg.data_bytes, heldout_fraction=cfg.heldout_fraction, seq=cfg.seq)
+    data = make_dataset(cfg.data, max_bytes=cfg.data_bytes, heldout_fraction=cfg.heldout_fraction,
+                        seq=cfg.seq, vocab_size=s.model_cfg.vocab_size)
   if data.vocab_needed > s.model_cfg.vocab_size:
     raise ConfigError(f"the data has token ids up to {data.vocab_needed - 1}, "
                      f"beyond model {s.model_cfg.name!r}'s vocab_size={s.model_cfg.vocab_size}")
@@ -571,10 +665,11 @@ def _train(cfg: TrainConfig, data: Optional[Dataset], out: pathlib.Path, main: b
     if start >= cfg.last_step:
       raise ConfigError(f"nothing to do: the checkpoint is at step {start} >= {cfg.last_step}")
     if main:
-      if start:
-        truncate_metrics(metrics_path, start)
-      else:
-        metrics_path.write_text("")
+      for path in (metrics_path, out / "expert_counts.jsonl"):
+        if start:
+          truncate_metrics(path, start)
+        else:
+          path.write_text("")
     return _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest,
                  opt_state, opt_sh, h_uni, moe, metrics_path)
   finally:
@@ -591,12 +686,26 @@ def _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest, o
   put = lambda a: from_local_rows(s.batch_sh, a, (cfg.batch, cfg.seq))
   held_batches = [(put(x), put(y)) for x, y in data.heldout_batches(cfg.eval_batches, cfg.batch, cfg.seq, rows)]
 
+  # bits per byte = nats per token / ln 2 / bytes per token: compares across tokenizers
+  bytes_per_token = data.heldout_bytes_per_token(cfg.eval_batches, cfg.batch, cfg.seq)
+
   def heldout_loss() -> float:
     vals = [np.float32(eval_step(params, rest, x, y)) for x, y in held_batches]
     return float(np.mean(np.asarray(vals, np.float64)))
 
+  def heldout_record(nats: float) -> dict:
+    if bytes_per_token is None:   # ids of unknown text
+      return dict(heldout_loss=nats)
+    return dict(heldout_loss=nats, heldout_bpb=nats / LN2 / bytes_per_token)
+
   mf = metrics_path.open("a") if main else None
+  cf = (out / "expert_counts.jsonl").open("a") if main else None
   records_here: list[dict] = []  # this run's records (every process)
+  plots = cfg.plot and main
+  if plots and not matplotlib_available():
+    _log("note: matplotlib is not installed: no loss.png or expert_load.png")
+    plots = False
+  title = f"{cfg.config} / {cfg.backend} / mesh {cfg.mesh}"
 
   def emit(rec: dict) -> None:
     rec = dict(rec, run=run_id)
@@ -609,7 +718,7 @@ def _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest, o
   heldout: dict[int, float] = {}
   if start == 0:
     heldout[0] = heldout_loss()
-    emit(dict(step=0, heldout_loss=heldout[0]))
+    emit(dict(step=0, **heldout_record(heldout[0])))
 
   from tqdm.auto import tqdm
   bar = tqdm(total=cfg.last_step, initial=start, disable=not (cfg.progress and main), dynamic_ncols=True, desc="train")
@@ -622,13 +731,22 @@ def _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest, o
       t0 = time.perf_counter()
       x, y = data.batch(cfg.seed, step, cfg.batch, cfg.seq, rows)
       params, rest, opt_state, m = train_step(params, rest, opt_state, put(x), put(y))
-      m = {k: float(np.asarray(v)) for k, v in jax.device_get(m).items()}  # waits for the step
+      m = jax.device_get(m)  # waits for the step
+      counts = np.asarray(m.pop("expert_counts"))  # [L_moe, E]
+      # per-layer lists rounded: metrics.jsonl keeps one short line per step
+      per_layer = {k: [round(float(v), 4) for v in np.asarray(m.pop(k))]
+                   for k in ("max_load_per_layer", "rank_imbalance_per_layer")}
+      m = {k: float(np.asarray(v)) for k, v in m.items()}
       m["skipped"] = int(m["skipped"])
       dt = time.perf_counter() - t0
       step_times.append(dt)
       done = step + 1
       losses[done] = m["loss"]
-      rec = dict(step=done, **m, lr=float(s.schedule(step)), step_s=dt, tokens_per_s=tokens_per_step / dt)
+      rec = dict(step=done, **m, **per_layer, lr=float(s.schedule(step)), step_s=dt,
+                 tokens_per_s=tokens_per_step / dt)
+      if cf is not None:
+        cf.write(json.dumps(dict(step=done, counts=counts.tolist(), run=run_id)) + "\n")
+        cf.flush()
       if m["skipped"]:
         skipped_in_a_row += 1
         skipped_total += 1
@@ -638,7 +756,8 @@ def _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest, o
       else:
         skipped_in_a_row = 0
       if done % cfg.eval_every == 0 or done == cfg.last_step:
-        heldout[done] = rec["heldout_loss"] = heldout_loss()
+        heldout[done] = heldout_loss()
+        rec.update(heldout_record(heldout[done]))
       emit(rec)
       if skipped_in_a_row >= cfg.max_skipped_steps:
         raise Diverged(f"step {done}: {skipped_in_a_row} steps in a row with a non-finite loss or "
@@ -653,10 +772,13 @@ def _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest, o
       bar.set_postfix(post, refresh=False)
       if ckpt and (done % cfg.ckpt_every == 0 or done == cfg.last_step):
         ckpt.save(done, dict(params=params, rest=rest, opt_state=opt_state))
+        if plots and done != cfg.last_step:   # a run stopped later keeps a recent picture
+          write_plots(out, h_uni, title, s.model_cfg.moe_layers)
   finally:
     bar.close()
-    if mf is not None:
-      mf.close()
+    for f in (mf, cf):
+      if f is not None:
+        f.close()
   t_end = time.perf_counter()
 
   cs = checksum(params, rest)
@@ -674,20 +796,24 @@ def _loop(cfg, s, data, out, main, t_start, run_id, ckpt, start, params, rest, o
       skipped_steps=skipped_total, unigram_entropy_nats=h_uni, unigram_entropy_bits=h_uni / LN2,
       final_train_loss_nats=final_train, final_heldout_loss_nats=final_held,
       final_train_loss_bits=final_train / LN2, final_heldout_loss_bits=final_held / LN2,
+      tokenizer=None if data.tokenizer is None else data.tokenizer.describe(),
+      heldout_bytes_per_token=bytes_per_token,
+      final_heldout_loss_bits_per_byte=heldout_record(final_held).get("heldout_bpb"),
       tokens_per_s=tokens_per_step / float(np.mean(steady)), loop_s=t_end - t_loop,
       wall_s=t_end - t_start, environment=environment(), **cs)
   if main:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-  if cfg.plot and main:
-    plot_losses(records, h_uni, out / "loss.png",
-                f"{cfg.config} / {cfg.backend} / mesh {cfg.mesh}")
+  plotted = write_plots(out, h_uni, title, s.model_cfg.moe_layers) if plots else []
   _log(f"unigram entropy of the training tokens: {h_uni:.4f} nats = {h_uni / LN2:.4f} bits per token")
   _log(f"final train loss (mean of the last {len(tail)} applied steps): {final_train:.4f} nats = "
        f"{final_train / LN2:.4f} bits per token" + (f"; {skipped_total} steps skipped (not finite)"
                                                     if skipped_total else ""))
-  _log(f"final held-out loss: {final_held:.4f} nats = {final_held / LN2:.4f} bits per token")
+  _log(f"final held-out loss: {final_held:.4f} nats = {final_held / LN2:.4f} bits per token"
+       + ("" if bytes_per_token is None else
+          f" = {summary['final_heldout_loss_bits_per_byte']:.4f} bits per byte "
+          f"({bytes_per_token:.3f} bytes per held-out token)"))
   _log(f"throughput {summary['tokens_per_s']:,.0f} tokens/s; wall {summary['wall_s']:.1f} s")
   _log(f"param checksum: sum={cs['param_sum']!r} sha256={cs['sha256']} "
        f"(cpu {summary['environment']['cpu']}, vector ISA {summary['environment']['cpu_vector_isa']})")
-  _log(f"wrote {metrics_path}, {out / 'summary.json'}" + (f", {out / 'loss.png'}" if cfg.plot else ""))
+  _log(f"wrote {', '.join(str(p) for p in [metrics_path, out / 'expert_counts.jsonl', out / 'summary.json', *plotted])}")
   return dict(summary=summary, losses=losses, heldout=heldout, params=params, rest=rest)
