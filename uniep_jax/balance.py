@@ -50,6 +50,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from uniep_jax.layout import sort_assignments
 from uniep_jax.rows import varying_axes, widen_varying
 
 _BIG = jnp.iinfo(jnp.int32).max
@@ -129,7 +130,6 @@ def virtual_routing(topk_experts: jax.Array, count_matrix: jax.Array, plan: Repl
   topk_experts [T, K] int32 of EP rank `rank`, count_matrix C [R, E]; sort: the
   `layout.sort_assignments(topk_experts, E)` the caller already has, if any. Returns
   (virtual_topk [T, K] int32, virtual count matrix C' [R, R*(El+S)] int32)."""
-  from uniep_jax.layout import sort_assignments   # layout imports nothing from here
   t, k = topk_experts.shape
   r, e = count_matrix.shape
   el = e // r
