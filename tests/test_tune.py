@@ -828,3 +828,123 @@ def test_cli_end_to_end_interpret(tmp_path, monkeypatch):
   assert entry["median_ms"] == best["median_ms"] and entry["overlap"] is None
   # the report replays to the same best without a device run
   assert AT.replay(report).best.candidate.label() == best["label"]
+
+
+# ---------------------------------------------------------------------------
+# Replica slots (stage 4) and skewed routings
+# ---------------------------------------------------------------------------
+class SlotRunner(FakeRunner):
+  """A skewed routing: replica slots make the layer faster, and change the weight
+  gradients' bits (their reference is "pallas" with the same slots)."""
+
+  routing = "zipf"
+
+  def reference(self, kernel, replica_slots=0):
+    ref = super().reference(kernel)
+    return ref + ((f"rs{replica_slots}",) if replica_slots else ())
+
+  def measure(self, cand):
+    m = super().measure(cand)
+    if cand.replica_slots:
+      m = dataclasses.replace(m, checksum=m.checksum + (f"rs{cand.replica_slots}",))
+    return m
+
+
+def _slot_times(cand):
+  return {0: 10.0, 1: 7.0, 2: 6.0, 3: 6.5}[cand.replica_slots]
+
+
+def test_stage4_times_replica_slots_verified_against_pallas_with_the_same_slots(tmp_path):
+  space = _space(replica_slots=(0, 1, 2, 3, 65))
+  clock = FakeClock()
+  runner = SlotRunner(clock, _slot_times)
+  res = AT.tune(DEEPSEEK_BWD, runner, device=HOPPER, space=space, budget_s=1e9, progress=False,
+                clock=clock)
+  stage4 = [t for t in res.trials if t.stage == "slots"]
+  assert [t.candidate.replica_slots for t in stage4] == [1, 2, 3]
+  assert all(t.status == "ok" for t in stage4)       # each against its own reference
+  assert res.best.candidate.replica_slots == 2 and res.best.candidate.label().endswith("|rs2")
+  reasons = _reasons(res.enumeration)
+  assert any("replica_slots=0" in r for r in reasons)
+  assert any("replica_slots=65 exceeds the 64 experts per rank" in r for r in reasons)
+  assert res.to_json()["transfer_consistent"]          # slots are their own bit groups
+  js = res.to_json()
+  assert js["routing"] == "zipf" and js["replica_slot_points"] == [0, 1, 2, 3, 65]
+  # a skewed run caches nothing; its report keeps the winner
+  cache = tmp_path / "cache.json"
+  assert AT.record(res, cache) == "nothing" and not cache.exists()
+  # the same trials under balanced routing cache the best point without slots
+  res.routing = "balanced"
+  assert AT.record(res, cache, commit="abc", date="now") == "written"
+  entry = json.loads(cache.read_text())["entries"][T.cache_key(HOPPER.kind, DEEPSEEK_BWD)]
+  assert entry["median_ms"] == 10.0 and "replica_slots" not in entry
+  # a mismatching slot candidate is never picked
+  clock = FakeClock()
+  bad = res.best.candidate.label()
+  res2 = AT.tune(DEEPSEEK_BWD, SlotRunner(clock, _slot_times, bad=(bad,)), device=HOPPER,
+                 space=space, budget_s=1e9, progress=False, clock=clock)
+  assert [t.candidate.label() for t in res2.mismatches] == [bad]
+  assert res2.best.candidate.replica_slots == 3
+  # replay rebuilds the same result from the report
+  again = AT.replay(json.loads(json.dumps(dict(js, meta={}))), space)
+  assert again.best.candidate == res.best.candidate and again.routing == "zipf"
+
+
+def test_slot_candidates_and_knobs():
+  base = T.Candidate(KernelConfig(), TransferConfig(), OverlapConfig())
+  valid, rejected = T.slot_candidates(_space(replica_slots=(1, 2, 3)), base,
+                                      dataclasses.replace(DEEPSEEK_BWD, experts=8))
+  assert [c.replica_slots for c in valid] == [1, 2] and all(c.overlap is None for c in valid)
+  assert "exceeds the 2 experts per rank" in rejected[0]["reason"]
+  one_rank = dataclasses.replace(DEEPSEEK_BWD, ep=1)
+  assert T.slot_candidates(_space(replica_slots=(1,)), base, one_rank)[0] == []
+  c = valid[1]
+  assert T.candidate_from_knobs(c.knobs()) == c and c.knobs()["replica_slots"] == 2
+  assert c.apply(UniEPConfig(backend="uniep")).replica_slots == 2
+  with pytest.raises(T.InvalidCandidate, match="replica_slots"):
+    T.candidate_from_knobs(dict(base.knobs(), replica_slots=1))   # with an overlap point
+  with pytest.raises(T.InvalidCandidate, match="replica_slots"):
+    T.candidate_from_knobs(dict(replica_slots=-1))
+
+
+def test_layer_runner_routings_skew_the_routing():
+  """The runner's selection bias: "all_to_one" puts expert 0 in every top-k; "zipf" skews
+  the expert loads like drawing experts from a Zipf(1.2) popularity."""
+  import numpy as np
+  from uniep_jax.routing import route
+  from uniep_jax import RoutingConfig
+  e, k, h, t = 128, 8, 256, 4096
+  x = jax.random.normal(jax.random.key(0), (t, h))
+  router = jax.random.normal(jax.random.key(1), (h, e)) * h ** -0.5
+  assert AT.routing_bias("balanced", e) is None
+  loads = {}
+  for routing in ("zipf", "all_to_one"):
+    out = route(x, router, k, RoutingConfig(), AT.routing_bias(routing, e))
+    counts = np.bincount(np.asarray(out.topk_experts).ravel(), minlength=e)
+    loads[routing] = counts.max() / counts.mean()
+    if routing == "all_to_one":
+      assert (np.asarray(out.topk_experts) == 0).any(axis=1).all()
+  assert loads["zipf"] > 8 and loads["all_to_one"] == pytest.approx(e / k)
+  with pytest.raises(ValueError, match="routing"):
+    AT.LayerRunner(T.TuneProblem(64, 64, 128, 4, 2, 1), backend="pallas", routing="hot")
+
+
+def test_cli_times_replica_slots_under_a_skewed_routing_interpret(tmp_path, monkeypatch):
+  """The CLI at EP 2 on backend "pallas" (interpret mode), all-to-one routing, the slot
+  stage only: the default point, then one replica slot, each bit for bit its own
+  "pallas" reference; the report (named by the routing) has both, the cache nothing."""
+  monkeypatch.delenv(T.CACHE_ENV, raising=False)
+  out, cache = tmp_path / "out", tmp_path / "cache.json"
+  rc = AT.main(["--shape", "64,64,128,4,2", "--ep", "2", "--direction", "bwd",
+                "--backend", "pallas", "--num-sms", "2", "--trials", "1", "--stages", "slots",
+                "--routing", "all_to_one", "--replica-slots", "1", "--budget-s", "600",
+                "--out", os.fspath(out), "--cache", os.fspath(cache), "--no-progress"])
+  assert rc == 0
+  kind = jax.devices()[0].device_kind
+  report = json.load(open(out / (AT.report_stem(kind, "64x64x128x4x2", 2, "bwd", "all_to_one")
+                                 + ".json")))
+  trials = {t["label"]: t for t in report["trials"]}
+  slot = T.DEFAULT_CANDIDATE.label() + "|rs1"
+  assert set(trials) == {T.DEFAULT_CANDIDATE.label(), slot}
+  assert all(t["status"] == "ok" and t["bitwise_equal_to_reference"] for t in trials.values())
+  assert report["routing"] == "all_to_one" and not cache.exists()

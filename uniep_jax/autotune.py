@@ -24,7 +24,9 @@ no cache entry.
 Search. "staged" (default): stage 1 times every valid KernelConfig with the default
 TransferConfig; stage 2 every valid TransferConfig with the best verified KernelConfig
 of stage 1; stage 3 the best verified candidate so far with each overlap point
-(`SearchSpace.overlap`, "uniep" only; `tuning.overlap_candidates`). "grid": the whole
+(`SearchSpace.overlap`, "uniep" only; `tuning.overlap_candidates`); stage 4 its kernel
+and transfer with each replica slot count (`SearchSpace.replica_slots`, `--replica-slots`;
+`tuning.slot_candidates`), each verified against "pallas" with the same slots. "grid": the whole
 kernel x transfer product, no stage 3. `--stages` runs a subset: without "kernel",
 stage 1 is the default alone, so `--stages overlap` times the overlap points against
 the default in one short call.
@@ -36,6 +38,15 @@ stage 2 follows) skips what is left when it is spent; skipped candidates are lis
 only what it lacks, so a long search can run as several shorter calls (a report of
 another format, or made with other XLA_FLAGS, is not resumed). `--record-from REPORT`
 rebuilds a saved report's result without a GPU (`replay`) and records its best.
+
+Routing (`--routing`): the layer's tokens are routed "balanced" (random router, the
+default), "zipf" (a selection bias ln(p_e) / E over a Zipf(1.2) popularity p on a fixed
+permutation of the experts: on these random inputs about the skew of drawing experts from
+p, e.g. max expert load 16x the mean and the top rank 2.3x at E = 128, K = 8) or
+"all_to_one" (expert 0 in every top-k). Only a skewed routing can make replica slots win.
+The cache holds balanced-routing winners: a skewed run writes its report, and its cache
+entry only from a balanced run (the cache's key holds no routing, and which slot count
+pays depends on the routing a model has when it runs: the report says which did here).
 
 Cost: each timed candidate is one compile of the layer (tens of seconds at the target
 shapes, overlap points the longest) and each new tiling one more for its "pallas"
@@ -69,9 +80,11 @@ from uniep_jax.tuning import (CACHE_ENV, CACHE_FORMAT, DEFAULT_CANDIDATE, DIRECT
                               Enumeration, SearchSpace, TuneProblem, cache_key,
                               candidate_from_knobs, enumerate_candidates, heuristic_config,
                               kernel_label, overlap_candidates, reference_kernel,
-                              user_cache_path)
+                              slot_candidates, user_cache_path)
 
-STAGES = ("kernel", "transfer", "overlap")   # the "staged" search's stages, in order
+STAGES = ("kernel", "transfer", "overlap", "slots")   # the "staged" search's stages, in order
+ROUTINGS = ("balanced", "zipf", "all_to_one")           # LayerRunner's routings
+ZIPF_EXPONENT = 1.2
 
 
 # ---------------------------------------------------------------------------
@@ -88,7 +101,8 @@ class Measurement:
 class Runner(Protocol):
   """What the search loop needs; tests inject fakes.
 
-  reference(kernel) -> checksum of backend "pallas" with this KernelConfig
+  reference(kernel[, replica_slots]) -> checksum of backend "pallas" with this
+    KernelConfig (and these replica slots: called with them only when non-zero)
   measure(candidate) -> Measurement of the tuned backend; both raise on failure.
   Optional: prefetch_window (int) and prefetch(cands, kernels): start compiling
   the next candidates and the references of `kernels` in the background (the
@@ -103,8 +117,22 @@ class Runner(Protocol):
   def measure(self, cand: Candidate) -> Measurement: ...
 
 
+def routing_bias(routing: str, experts: int):
+  """The LayerRunner's selection bias [E] float32 for `routing` (module docstring), None
+  for "balanced"."""
+  import jax.numpy as jnp
+  import numpy as np
+  if routing == "balanced":
+    return None
+  if routing == "all_to_one":
+    return jnp.zeros((experts,), jnp.float32).at[0].set(100.0)
+  popularity = 1.0 / np.arange(1, experts + 1) ** ZIPF_EXPONENT
+  popularity = popularity[np.random.default_rng(1234).permutation(experts)]
+  return jnp.asarray(np.log(popularity / popularity.max()) / experts, jnp.float32)
+
+
 class LayerRunner:
-  """Times `moe_ffn` on a data=1, expert=R mesh with random balanced routing.
+  """Times `moe_ffn` on a data=1, expert=R mesh, routed as `routing` (`ROUTINGS`).
 
   backend: the tuned backend ("uniep" on GPUs; "pallas" runs in the CPU
   interpret mode, where it checks the machinery). num_sms overrides
@@ -122,10 +150,14 @@ class LayerRunner:
 
   def __init__(self, problem: TuneProblem, *, backend: str = "uniep", mesh=None,
                num_sms: Optional[int] = None, seed: int = 0, trials: int = 5,
-               min_batch_s: float = 0.1, max_reps: int = 10, compile_workers: int = 1):
+               min_batch_s: float = 0.1, max_reps: int = 10, compile_workers: int = 1,
+               routing: str = "balanced"):
     import jax
     if backend not in ("uniep", "pallas"):
       raise ValueError(f"backend={backend!r}: the tuner times 'uniep' (or 'pallas')")
+    if routing not in ROUTINGS:
+      raise ValueError(f"routing={routing!r} is unknown; expected one of {ROUTINGS}")
+    self.routing = routing
     if compile_workers < 1:
       raise ValueError(f"compile_workers={compile_workers} must be >= 1")
     self.prefetch_window = 2 * compile_workers if compile_workers > 1 else 0
@@ -155,7 +187,9 @@ class LayerRunner:
     p, mesh = self.problem, self.mesh
     e, h, f, dt = p.experts, p.hidden, p.ffn, jnp.dtype(p.dtype)
     n = p.tokens * mesh.size
-    specs = MoEParams(router=P(), w_gate_up=P("expert"), w_down=P("expert"), expert_bias=None)
+    bias = routing_bias(self.routing, e)
+    specs = MoEParams(router=P(), w_gate_up=P("expert"), w_down=P("expert"),
+                      expert_bias=None if bias is None else P())
     tok = P(tuple(mesh.axis_names), None)
 
     def init(key):
@@ -165,7 +199,8 @@ class LayerRunner:
           w_gate_up=join_gate_up(
               (jax.random.normal(k[1], (e, h, f), jnp.float32) * h ** -0.5).astype(dt),
               (jax.random.normal(k[2], (e, h, f), jnp.float32) * h ** -0.5).astype(dt)),
-          w_down=(jax.random.normal(k[3], (e, f, h), jnp.float32) * f ** -0.5).astype(dt))
+          w_down=(jax.random.normal(k[3], (e, f, h), jnp.float32) * f ** -0.5).astype(dt),
+          expert_bias=bias)
       x = jax.random.normal(k[4], (n, h), jnp.float32).astype(dt)
       ct = jax.random.normal(k[5], (n, h), jnp.float32).astype(dt)  # cotangent of y
       return x, params, ct
@@ -175,12 +210,13 @@ class LayerRunner:
     return jax.jit(init, out_shardings=out)(jax.random.key(seed))
 
   def _config(self, backend: str, kernel: KernelConfig, transfer: TransferConfig,
-              overlap=None) -> UniEPConfig:
+              overlap=None, replica_slots: int = 0) -> UniEPConfig:
     if self.num_sms is not None:
       kernel = dataclasses.replace(kernel, num_sms=self.num_sms)
     transport = "padded" if backend == "pallas" else None
     return UniEPConfig(backend=backend, kernel=kernel, transfer=transfer, transport=transport,
-                       overlap=overlap if backend == "uniep" else None)
+                       overlap=overlap if backend == "uniep" else None,
+                       replica_slots=replica_slots)
 
   def _jitted(self, cfg: UniEPConfig):
     """The jitted layer for `cfg`: forward, or loss value and gradients for "bwd"."""
@@ -202,7 +238,8 @@ class LayerRunner:
                    else jax.value_and_grad(loss, argnums=(0, 1)))
 
   def _candidate_config(self, cand: Candidate) -> UniEPConfig:
-    return self._config(self.backend, cand.kernel, cand.transfer, cand.overlap)
+    return self._config(self.backend, cand.kernel, cand.transfer, cand.overlap,
+                        cand.replica_slots)
 
   def _compile(self, cfg: UniEPConfig):
     t0 = time.perf_counter()
@@ -240,8 +277,9 @@ class LayerRunner:
       self._pool.shutdown(wait=wait, cancel_futures=True)
       self._pending.clear()
 
-  def reference(self, kernel: KernelConfig) -> tuple:
-    compiled, _ = self._compiled(self._config("pallas", kernel, TransferConfig()))
+  def reference(self, kernel: KernelConfig, replica_slots: int = 0) -> tuple:
+    compiled, _ = self._compiled(self._config("pallas", kernel, TransferConfig(),
+                                              replica_slots=replica_slots))
     return tree_checksum(compiled(*self.inputs))
 
   def measure(self, cand: Candidate) -> Measurement:
@@ -316,12 +354,15 @@ class _Search:
       _loud("tune: the resumed report ends in a killed candidate; compiling one candidate "
             "at a time in this run (a background compile may have been the culprit)")
 
-  def _reference(self, kernel: KernelConfig):
+  def _reference(self, kernel: KernelConfig, replica_slots: int = 0):
+    """The "pallas" reference of a tiling (with replica slots: the same slots, whose
+    weight gradients are summed differently from the unreplicated ones)."""
     kernel = reference_kernel(kernel)
-    label = kernel_label(kernel)
+    label = kernel_label(kernel) + (f"|rs{replica_slots}" if replica_slots else "")
     if label not in self.references:
       try:
-        self.references[label] = ("ok", tuple(self.runner.reference(kernel)))
+        args = (kernel, replica_slots) if replica_slots else (kernel,)
+        self.references[label] = ("ok", tuple(self.runner.reference(*args)))
       except Exception as e:  # noqa: BLE001 - recorded, the candidate is not verified
         self.references[label] = ("failed", repr(e)[:500])
     return self.references[label]
@@ -372,7 +413,7 @@ class _Search:
     self.runner.prefetch(todo, list(kernels.values()))
 
   def _one(self, cand: Candidate, stage: str) -> Trial:
-    ref_status, ref = self._reference(cand.kernel)
+    ref_status, ref = self._reference(cand.kernel, cand.replica_slots)
     if ref_status != "ok":
       return Trial(cand, stage, "reference_failed", error=f"reference (pallas) failed: {ref}")
     try:
@@ -409,6 +450,8 @@ class TuneResult:
   default: Candidate
   stages: tuple = STAGES   # the staged search's stages this run searched
   overlap_points: tuple = ()  # the space's stage-3 points (SearchSpace.overlap) this run had
+  routing: str = "balanced"   # the runner's routing (ROUTINGS)
+  slot_points: tuple = ()     # the space's stage-4 slot counts (SearchSpace.replica_slots)
 
   @property
   def best(self) -> Optional[Trial]:
@@ -439,9 +482,11 @@ class TuneResult:
   def transfer_consistency(self) -> list:
     """Per KernelConfig: do all its timed candidates (any TransferConfig) agree bitwise?"""
     groups: dict = {}   # by tiling: neither the transfer nor the tile order may change a bit
-    for t in self.trials:
+    for t in self.trials:   # (replica slots sum weight gradients differently: own groups)
       if t.checksum is not None:
-        groups.setdefault(kernel_label(reference_kernel(t.candidate.kernel)), []).append(t)
+        slots = t.candidate.replica_slots
+        groups.setdefault(kernel_label(reference_kernel(t.candidate.kernel))
+                          + (f"|rs{slots}" if slots else ""), []).append(t)
     return [dict(kernel=k, candidates=len(ts), transfers=sorted({t.candidate.label() for t in ts}),
                  distinct_checksums=len({t.checksum for t in ts}),
                  consistent=len({t.checksum for t in ts}) == 1)
@@ -463,6 +508,7 @@ class TuneResult:
         problem=dataclasses.asdict(self.problem), device=dataclasses.asdict(self.device),
         backend=self.backend, strategy=self.strategy, stages=list(self.stages),
         overlap_points=[list(p) for p in self.overlap_points],
+        routing=self.routing, replica_slot_points=list(self.slot_points),
         budget_s=self.budget_s,
         elapsed_s=self.elapsed_s, counts=self.counts(),
         default=self.default.label(),
@@ -504,7 +550,7 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
   runner: a `Runner` (`LayerRunner` on GPUs; tests inject fakes). resume: a
   previous report (`TuneResult.to_json()`) of the same key; its timed trials and
   references are reused. max_candidates caps the candidates of each stage.
-  stages ("staged" only): which of "kernel", "transfer", "overlap" to search; without
+  stages ("staged" only): which of "kernel", "transfer", "overlap", "slots" to search; without
   "kernel", stage 1 times the default alone (the baseline every report has), so
   `stages=("overlap",)` compares the overlap points with the default candidate in one
   short call (a later `resume` can add the other stages).
@@ -525,6 +571,10 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
     if resume.get("key") != cache_key(device.kind, problem):
       raise ValueError(f"resume report key {resume.get('key')!r} differs from "
                        f"{cache_key(device.kind, problem)!r}")
+    routing = getattr(runner, "routing", "balanced")
+    if resume.get("routing", "balanced") != routing:
+      raise ValueError(f"resume report routing {resume.get('routing', 'balanced')!r} differs "
+                       f"from this run's {routing!r}")
     previous = {d["label"]: Trial.from_json(d) for d in resume.get("trials", [])}
     references = {k: (v["status"], tuple(v["value"]) if v["status"] == "ok" else v["value"])
                   for k, v in resume.get("references", {}).items()}
@@ -541,7 +591,8 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
   def result_now(search):
     return TuneResult(problem, device, runner.backend, strategy, budget_s, clock() - start,
                       enum, list(search.trials) + carried(search), search.references, default,
-                      tuple(stages), tuple(tuple(p) for p in space.overlap))
+                      tuple(stages), tuple(tuple(p) for p in space.overlap),
+                      getattr(runner, "routing", "balanced"), tuple(space.replica_slots))
 
   search = _Search(runner, deadline, clock, progress, references, previous,
                    on_trial=None if on_trial is None else (lambda s: on_trial(result_now(s))))
@@ -581,6 +632,12 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
         best = best_trial(search.trials + carried(search))
         if overlap_next and best is not None:
           run_overlap(best.candidate)
+    best = best_trial(search.trials + carried(search))
+    if "slots" in stages and space.replica_slots and best is not None:
+      # stage 4: the best point's kernel and transfer with each slot count
+      stage4, rejected = slot_candidates(space, best.candidate, problem)
+      enum.rejected.extend(rejected)
+      search.run(cap(stage4), "slots")
   result = result_now(search)
   for g in result.transfer_consistency():
     if not g["consistent"]:
@@ -589,13 +646,21 @@ def tune(problem: TuneProblem, runner: Runner, *, device: Optional[DeviceFacts] 
   return result
 
 
+def cacheable_best(result: TuneResult) -> Optional[Trial]:
+  """The trial a cache entry takes: the fastest verified one without replica slots (the
+  cache's entries resolve kernel, transfer and overlap; the slot count is the user's,
+  by the routing their model has: the report says which won here)."""
+  return best_trial([t for t in result.trials if not t.candidate.replica_slots])
+
+
 def cache_entry(result: TuneResult, commit: Optional[str] = None,
                 date: Optional[str] = None) -> dict:
-  """The cache entry of a result's best verified candidate (measured numbers only);
-  commit / date: the commit that ran them and when (default: this checkout's, now)."""
+  """The cache entry of a result's best verified candidate without replica slots
+  (measured numbers only); commit / date: the commit that ran them and when (default:
+  this checkout's, now)."""
   if commit is None:
     commit = git_commit()
-  best = result.best
+  best = cacheable_best(result)
   if best is None:
     raise ValueError("no verified candidate: nothing to cache")
   k = dataclasses.asdict(best.candidate.kernel)
@@ -632,14 +697,19 @@ def update_cache(path, key: str, entry: dict) -> None:
 
 def record(result: TuneResult, cache_path, commit: Optional[str] = None,
            date: Optional[str] = None) -> str:
-  """Writes the best verified candidate into the cache file, unless the run saw
-  any bitwise mismatch (then nothing is written). Returns what happened:
-  "written", "mismatch" or "nothing" (no verified candidate)."""
+  """Writes the best verified candidate without replica slots into the cache file, unless
+  the run saw any bitwise mismatch or was routed other than "balanced" (then nothing is
+  written). Returns what happened: "written", "mismatch" or "nothing" (no verified
+  candidate, or a skewed routing)."""
   key = cache_key(result.device.kind, result.problem)
   if result.mismatches:
     _loud(f"{len(result.mismatches)} bitwise mismatch(es) for {key}: no cache entry written")
     return "mismatch"
-  if result.best is None:
+  if result.routing != "balanced":
+    print(f"routing {result.routing!r}: the cache holds balanced-routing winners; no cache "
+          f"entry written for {key} (the report has this run's)", file=sys.stderr)
+    return "nothing"
+  if cacheable_best(result) is None:
     print(f"no verified candidate for {key}: no cache entry written", file=sys.stderr)
     return "nothing"
   update_cache(cache_path, key, cache_entry(result, commit, date))
@@ -659,10 +729,10 @@ class _ReplayRunner:
   """A Runner for `replay`: every trial and reference comes from the report."""
   prefetch_window = 0
 
-  def __init__(self, backend: str):
-    self.backend, self.uses_transfer = backend, backend == "uniep"
+  def __init__(self, backend: str, routing: str = "balanced"):
+    self.backend, self.uses_transfer, self.routing = backend, backend == "uniep", routing
 
-  def reference(self, kernel):
+  def reference(self, kernel, replica_slots=0):
     raise RuntimeError(f"replay: the report has no reference for {kernel_label(kernel)}")
 
   def measure(self, cand):
@@ -682,8 +752,11 @@ def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
   device = DeviceFacts(**report["device"])
   if "overlap_points" in report and space.overlap:
     space = dataclasses.replace(space, overlap=tuple(tuple(p) for p in report["overlap_points"]))
+  if report.get("replica_slot_points"):
+    space = dataclasses.replace(space, replica_slots=tuple(report["replica_slot_points"]))
   clock = iter(range(10 ** 9)).__next__   # the budget is spent at once: nothing new runs
-  result = tune(problem, _ReplayRunner(report["backend"]), device=device, space=space,
+  runner = _ReplayRunner(report["backend"], report.get("routing", "balanced"))
+  result = tune(problem, runner, device=device, space=space,
                 budget_s=0.0, strategy=report["strategy"], resume=report, progress=False,
                 stages=tuple(report.get("stages", STAGES)),
                 clock=lambda: float(clock()))
@@ -700,9 +773,11 @@ def replay(report: dict, space: SearchSpace = SearchSpace()) -> TuneResult:
 # ---------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------
-def report_stem(device_kind: str, shape_name: str, ep: int, direction: str) -> str:
+def report_stem(device_kind: str, shape_name: str, ep: int, direction: str,
+                routing: str = "balanced") -> str:
   kind = "".join(c if c.isalnum() else "_" for c in device_kind).strip("_")
-  return f"tune_{kind}_{shape_name}_ep{ep}_{direction}"
+  return (f"tune_{kind}_{shape_name}_ep{ep}_{direction}"
+          + ("" if routing == "balanced" else f"_{routing}"))
 
 
 def plot(result: TuneResult, path: str) -> None:
@@ -769,7 +844,8 @@ def write_report(result: TuneResult, out_dir: str, shape_name: str, with_plot: b
   """Writes <stem>.json (and <stem>.png) under out_dir; returns the paths."""
   os.makedirs(out_dir, exist_ok=True)
   p = result.problem
-  stem = os.path.join(out_dir, report_stem(result.device.kind, shape_name, p.ep, p.direction))
+  stem = os.path.join(out_dir, report_stem(result.device.kind, shape_name, p.ep, p.direction,
+                                           result.routing))
   payload = dict(result.to_json(), shape_name=shape_name)
   try:
     payload["meta"] = run_metadata()
@@ -843,7 +919,7 @@ def main(argv=None) -> int:
                   help="continue from the reports of the same problems in DIR")
   ap.add_argument("--stages", default=",".join(STAGES),
                   help="comma list of the staged search's stages to run (kernel, transfer, "
-                       "overlap); without kernel, stage 1 is the default alone: "
+                       "overlap, slots); without kernel, stage 1 is the default alone: "
                        "--stages overlap times the overlap points against the default")
   ap.add_argument("--no-progress", action="store_true")
   ap.add_argument("--record-from", default=None, metavar="REPORT",
@@ -853,6 +929,12 @@ def main(argv=None) -> int:
   ap.add_argument("--compile-workers", type=int, default=1,
                   help="compile the next candidates in this many threads while one is timed "
                        "(see LayerRunner; use with XLA_FLAGS=--xla_gpu_deterministic_ops=true)")
+  ap.add_argument("--routing", default="balanced", choices=ROUTINGS,
+                  help="how the timed layer's tokens are routed (module docstring); a run not "
+                       "balanced writes its report but no cache entry")
+  ap.add_argument("--replica-slots", default="", metavar="S,S,...",
+                  help="stage 4: UniEPConfig.replica_slots values to time on the best point "
+                       "(EP > 1; with --routing zipf or all_to_one, where they can win)")
   ap.add_argument("--overlap-points", default=None, metavar="DOWN,WGRAD,CHUNK;...",
                   help="stage 3's points instead of SearchSpace().overlap: OverlapConfig's "
                        "down_return_ctas, wgrad_return_ctas, chunk_rows, ';' between points "
@@ -861,6 +943,13 @@ def main(argv=None) -> int:
   space = SearchSpace()
   if args.overlap_points is not None:
     space = dataclasses.replace(space, overlap=parse_overlap_points(args.overlap_points))
+  try:
+    slots = tuple(int(v) for v in args.replica_slots.split(",") if v.strip())
+  except ValueError:
+    ap.error(f"--replica-slots {args.replica_slots!r}: comma-separated integers")
+  if any(v < 1 for v in slots):
+    ap.error(f"--replica-slots {args.replica_slots!r}: each must be >= 1 (0 is every other stage)")
+  space = dataclasses.replace(space, replica_slots=slots)
   if args.record_from:
     with open(args.record_from) as fh:
       report = json.load(fh)
@@ -890,7 +979,8 @@ def main(argv=None) -> int:
     problem = TuneProblem(t, h, f, e, k, ep, args.dtype, direction)
     resume = None
     if args.resume:
-      prev = os.path.join(args.resume, report_stem(device.kind, shape_name, ep, direction) + ".json")
+      prev = os.path.join(args.resume, report_stem(device.kind, shape_name, ep, direction,
+                                                   args.routing) + ".json")
       if os.path.exists(prev):
         with open(prev) as fh:
           resume = json.load(fh)
@@ -908,7 +998,7 @@ def main(argv=None) -> int:
         else:
           print(f"resuming from {prev}", flush=True)
     runner = LayerRunner(problem, backend=args.backend, num_sms=args.num_sms, trials=args.trials,
-                         compile_workers=args.compile_workers)
+                         compile_workers=args.compile_workers, routing=args.routing)
     print(f"tuning {cache_key(device.kind, problem)} (budget {per_direction:.0f} s)", flush=True)
     checkpoint = lambda r: write_report(r, out, shape_name, with_plot=False)  # noqa: E731
     try:

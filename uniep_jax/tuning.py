@@ -1,12 +1,14 @@
 """The Pallas backends' parameter space and the tune cache: what `moe_ffn` uses at run time.
 
 A point of the space is one `Candidate(kernel: KernelConfig, transfer: TransferConfig,
-overlap: OverlapConfig | None)`:
+overlap: OverlapConfig | None, replica_slots: int)`:
   KernelConfig    block_m, block_n, block_k, max_concurrent_steps, raster_rows,
                   wgrad_raster                                  (the grouped GEMM)
   TransferConfig  chunk_rows, num_ctas, col_tile                (the NVLink transfer)
   OverlapConfig   down_return_ctas, wgrad_return_ctas, chunk_rows ("uniep": transfers
                   inside GEMM launches; None: every transfer its own launch)
+  replica_slots   UniEPConfig.replica_slots (exact-load balancing; only a skewed routing
+                  can make it win: the autotuner's --routing)
 `SearchSpace` lists the values of each knob. No knob changes a bit but block_k (the
 accumulation order): the autotuner (uniep_jax/autotune.py) checks every timed point
 bitwise against backend "pallas" with the same tiling walked row-major.
@@ -132,17 +134,20 @@ KERNEL_KNOBS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "raster
                 "wgrad_raster")
 TRANSFER_KNOBS = ("chunk_rows", "num_ctas", "col_tile")
 OVERLAP_KNOBS = ("down_return_ctas", "wgrad_return_ctas", "overlap_chunk_rows")
+REPLICA_KNOB = "replica_slots"
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   """One point of the space. `knobs()` flattens it (the reports' form; the overlap's
   chunk_rows as overlap_chunk_rows, TransferConfig has a chunk_rows too);
-  `candidate_from_knobs` builds it back. overlap None: every transfer its own launch."""
+  `candidate_from_knobs` builds it back. overlap None: every transfer its own launch.
+  replica_slots > 0 (no overlap then: UniEPConfig refuses both)."""
 
   kernel: KernelConfig
   transfer: TransferConfig
   overlap: Optional[OverlapConfig] = None
+  replica_slots: int = 0
 
   def label(self) -> str:
     k, t = self.kernel, self.transfer
@@ -153,6 +158,8 @@ class Candidate:
     if self.overlap is not None:
       o = self.overlap
       label += f"|ov{o.down_return_ctas}_{o.wgrad_return_ctas}_b{o.chunk_rows}"
+    if self.replica_slots:
+      label += f"|rs{self.replica_slots}"
     return label
 
   def knobs(self) -> dict:
@@ -162,12 +169,16 @@ class Candidate:
       knobs.update(down_return_ctas=self.overlap.down_return_ctas,
                    wgrad_return_ctas=self.overlap.wgrad_return_ctas,
                    overlap_chunk_rows=self.overlap.chunk_rows)
+    if self.replica_slots:
+      knobs[REPLICA_KNOB] = self.replica_slots
     return knobs
 
   def apply(self, config: UniEPConfig) -> UniEPConfig:
-    """`config` with this point's kernel and transfer (and overlap, for "uniep")."""
+    """`config` with this point's kernel, transfer and replica slots (and overlap, for
+    "uniep")."""
     return dataclasses.replace(config, kernel=self.kernel, transfer=self.transfer,
-                               overlap=self.overlap if config.backend == "uniep" else None)
+                               overlap=self.overlap if config.backend == "uniep" else None,
+                               replica_slots=self.replica_slots)
 
 
 DEFAULT_CANDIDATE = Candidate(KernelConfig(), TransferConfig())
@@ -189,7 +200,7 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
   knob takes the dataclass default, the overlap knobs make an overlap point); the
   dataclasses' own checks raise InvalidCandidate, as does a knob this space does not
   have."""
-  unknown = set(knobs) - set(KERNEL_KNOBS + TRANSFER_KNOBS + OVERLAP_KNOBS)
+  unknown = set(knobs) - set(KERNEL_KNOBS + TRANSFER_KNOBS + OVERLAP_KNOBS + (REPLICA_KNOB,))
   if unknown:
     raise InvalidCandidate(f"knobs {sorted(unknown)} are not in the parameter space")
   try:
@@ -207,7 +218,13 @@ def candidate_from_knobs(knobs: dict) -> Candidate:
                               knobs.get("overlap_chunk_rows", OverlapConfig().chunk_rows))
     except ValueError as e:
       raise InvalidCandidate(f"OverlapConfig: {e}") from None
-  return Candidate(kernel, transfer, overlap)
+  slots = knobs.get(REPLICA_KNOB, 0)
+  if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+    raise InvalidCandidate(f"replica_slots={slots!r} must be an int >= 0")
+  if slots and overlap is not None:
+    raise InvalidCandidate(f"replica_slots={slots} with an overlap point: the overlapped "
+                           f"launches take no replica weights")
+  return Candidate(kernel, transfer, overlap, slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +250,9 @@ class SearchSpace:
   # (docs/decisions.md has the measurements of the overlap points)
   overlap: Sequence[tuple] = ((16, 16, 2048), (8, 8, 2048), (4, 4, 2048), (16, 0, 2048),
                               (0, 16, 2048))
+  # replica slot counts (stage 4, `slot_candidates`): tried on the best verified point
+  # without overlap; none by default (they win only under a skewed routing)
+  replica_slots: Sequence[int] = ()
 
   def points(self) -> Iterable[dict]:
     names = KERNEL_KNOBS + TRANSFER_KNOBS
@@ -427,6 +447,29 @@ def overlap_candidates(space: SearchSpace, base: Candidate, problem: TuneProblem
       if cand in valid:
         raise InvalidCandidate(f"overlap: duplicate of {cand.label()}" + (
             " (the forward runs no wgrad)" if problem.direction == "fwd" else ""))
+    except InvalidCandidate as e:
+      rejected.append(dict(knobs=knobs, reason=str(e)))
+      continue
+    valid.append(cand)
+  return valid, rejected
+
+
+def slot_candidates(space: SearchSpace, base: Candidate,
+                    problem: TuneProblem) -> tuple[list, list]:
+  """`base` (its kernel and transfer, no overlap) with each replica slot count of
+  `space`: (valid, rejected with reasons)."""
+  valid, rejected = [], []
+  for slots in space.replica_slots:
+    knobs = dict(Candidate(base.kernel, base.transfer).knobs(), replica_slots=slots)
+    try:
+      cand = candidate_from_knobs(knobs)
+      if not slots:
+        raise InvalidCandidate("replica_slots=0: the stages before time it")
+      if problem.ep < 2:
+        raise InvalidCandidate(f"replica_slots={slots}: one rank (ep=1) has nobody to share with")
+      if slots > problem.experts // problem.ep:
+        raise InvalidCandidate(f"replica_slots={slots} exceeds the "
+                               f"{problem.experts // problem.ep} experts per rank")
     except InvalidCandidate as e:
       rejected.append(dict(knobs=knobs, reason=str(e)))
       continue
