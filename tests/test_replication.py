@@ -168,3 +168,23 @@ def test_more_slots_than_experts_per_rank_are_refused():
   with pytest.raises(ValueError, match="replica_slots=3 exceeds the 2 experts per rank"):
     uniep_jax.moe_ffn(x, p, mesh=make_mesh(1, 4), top_k=2,
                       config=UniEPConfig(backend="xla_dropless", replica_slots=3))
+
+
+def test_replicas_let_a_receive_bound_of_t_k_rows_hold_every_row():
+  """receive_capacity_factor=1.0 bounds each rank's receive buffer to T*K rows: under
+  all-to-one routing the hot rank overflows it and drops rows without replicas; with
+  them every rank receives exactly T*K rows and nothing is dropped, and the output is
+  the oracle's."""
+  experts, top_k, ep = 8, 2, 4
+  tokens = 64 * ep
+  p, x = _skewed(experts, tokens, seed=17)
+  mesh = make_mesh(1, ep)
+  f_ref, _ = _fns(UniEPConfig(backend="dense_reference"), None, top_k)
+  y_ref, _ = f_ref(x, p)
+  bounded = UniEPConfig(backend="xla_dropless", receive_capacity_factor=1.0)
+  _, aux0 = _fns(bounded, mesh, top_k)[0](x, p)
+  assert int(aux0["dropped"]) > 0
+  y, aux = _fns(dataclasses.replace(bounded, replica_slots=2), mesh, top_k)[0](x, p)
+  assert int(aux["dropped"]) == 0
+  assert np.asarray(aux["rank_rows"]).tolist() == [tokens // ep * top_k] * ep
+  assert rel_err(y, y_ref) < 1e-5
