@@ -14,8 +14,9 @@ import statistics
 
 import jax
 
-from uniep_jax.measure import (SHAPES, SMOKE_SHAPES, MoEShape, _batch_ms, block,  # noqa: F401
-                               git_commit, run_metadata, time_ms)
+from uniep_jax.measure import (SHAPES, SMOKE_SHAPES, MoEShape,  # noqa: F401
+                               _batch_ms, block, git_commit, run_metadata, time_ms,
+                               zipf_popularity)
 
 
 def dump_stacks_on_usr1() -> None:

@@ -6,8 +6,9 @@ GPUs of this host, or --ep), forward and forward+backward, and each routing of
   balanced  a random router on random tokens;
   skewed    an expert-selection bias puts expert 0 in every token's top-k (all to one);
   zipf      each token's K experts drawn without replacement with probabilities
-            proportional to a Zipf law of exponent ZIPF_EXPONENT over the experts, their
-            popularity order a fixed random permutation (ZIPF_SEED) so that the hot
+            proportional to a Zipf law of exponent 1.2 over the experts, their
+            popularity order a fixed random permutation (`zipf_popularity`, shared with
+            bench/replication.py and the autotuner's --routing zipf) so that the hot
             experts fall on several ranks instead of all on rank 0 by index (a
             heavy-tailed load between the other two);
 it times each backend and, in the same run:
@@ -62,17 +63,7 @@ def backend_config(name: str) -> uniep_jax.UniEPConfig:
 
 
 ROUTINGS = ("balanced", "skewed", "zipf")
-ZIPF_EXPONENT = 1.2
-ZIPF_SEED = 20261129  # the experts' popularity order: fixed, whatever --routings
-
-
-def zipf_popularity(experts: int, exponent: float = ZIPF_EXPONENT, seed: int = ZIPF_SEED):
-  """[E] float64 probabilities: expert perm[i] has weight (i + 1)^-exponent, normalised,
-  with perm a fixed random permutation of the experts."""
-  weights = np.arange(1, experts + 1, dtype=np.float64) ** -exponent
-  p = np.empty(experts)
-  p[np.random.default_rng(seed).permutation(experts)] = weights / weights.sum()
-  return p
+zipf_popularity = common.zipf_popularity   # uniep_jax.measure: one skew for every benchmark
 
 
 def make_inputs(shape: common.MoEShape, mesh, *, routing: str = "balanced", seed: int = 0):

@@ -39,14 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import SHAPES, SMOKE_SHAPES, dump_stacks_on_usr1, run_metadata, same_bits, time_ms
+from bench.common import (SHAPES, SMOKE_SHAPES, dump_stacks_on_usr1, run_metadata, same_bits,
+                          time_ms, zipf_popularity)
 from pallas_kernels import grouped_gemm as gg
 from uniep_jax import KernelConfig
 from uniep_jax.balance import plan_replicas, virtual_routing
 from uniep_jax.replicas import expert_bytes
 
 ROUTINGS = ("balanced", "zipf", "all_to_one")
-ZIPF_EXPONENT = 1.2
 TILE_ROWS = 128
 
 
@@ -57,8 +57,7 @@ def routing(kind: str, experts: int, tokens: int, top_k: int, seed: int) -> np.n
   if kind == "balanced":
     logp = np.zeros(experts)
   elif kind == "zipf":
-    pop = 1.0 / np.arange(1, experts + 1) ** ZIPF_EXPONENT
-    logp = np.log(pop[np.random.default_rng(1234).permutation(experts)])
+    logp = np.log(zipf_popularity(experts))
   elif kind == "all_to_one":
     logp = np.zeros(experts)
     logp[0] = 1e9

@@ -74,7 +74,7 @@ from typing import Callable, Optional, Protocol, Sequence
 from uniep_jax import tuning
 from uniep_jax.config import KernelConfig, TransferConfig, UniEPConfig
 from uniep_jax.measure import (SHAPES, SMOKE_SHAPES, block, git_commit, run_metadata, time_ms,
-                               tree_checksum)
+                               tree_checksum, zipf_popularity)
 from uniep_jax.tuning import (CACHE_ENV, CACHE_FORMAT, DEFAULT_CANDIDATE, DIRECTIONS,
                               KERNEL_KNOBS, TRANSFER_KNOBS, Candidate, DeviceFacts,
                               Enumeration, SearchSpace, TuneProblem, cache_key,
@@ -84,7 +84,6 @@ from uniep_jax.tuning import (CACHE_ENV, CACHE_FORMAT, DEFAULT_CANDIDATE, DIRECT
 
 STAGES = ("kernel", "transfer", "overlap", "slots")   # the "staged" search's stages, in order
 ROUTINGS = ("balanced", "zipf", "all_to_one")           # LayerRunner's routings
-ZIPF_EXPONENT = 1.2
 
 
 # ---------------------------------------------------------------------------
@@ -126,9 +125,8 @@ def routing_bias(routing: str, experts: int):
     return None
   if routing == "all_to_one":
     return jnp.zeros((experts,), jnp.float32).at[0].set(100.0)
-  popularity = 1.0 / np.arange(1, experts + 1) ** ZIPF_EXPONENT
-  popularity = popularity[np.random.default_rng(1234).permutation(experts)]
-  return jnp.asarray(np.log(popularity / popularity.max()) / experts, jnp.float32)
+  p = zipf_popularity(experts)
+  return jnp.asarray(np.log(p / p.max()) / experts, jnp.float32)
 
 
 class LayerRunner:

@@ -49,6 +49,19 @@ SHAPES = {
 # Not a target: a shape small enough to smoke-test the benchmark scripts on the CPU.
 SMOKE_SHAPES = {"tiny": MoEShape("tiny", 256, 64, 96, 8, 2)}
 
+# The skewed routing of the benchmarks and the autotuner (a realistic skew)
+ZIPF_EXPONENT = 1.2
+ZIPF_SEED = 1234   # the experts' popularity order: fixed
+
+
+def zipf_popularity(experts: int):
+  """[E] float64 probabilities: expert e has weight (perm[e] + 1)^-ZIPF_EXPONENT,
+  normalised, with perm a fixed random permutation (ZIPF_SEED), so that the hot experts
+  are not all on the first ranks."""
+  import numpy as np
+  weights = np.arange(1, experts + 1, dtype=np.float64) ** -ZIPF_EXPONENT
+  return weights[np.random.default_rng(ZIPF_SEED).permutation(experts)] / weights.sum()
+
 
 def block(tree):
   return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree)
