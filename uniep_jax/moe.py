@@ -137,7 +137,7 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
   copies = jnp.zeros((), jnp.int32)
   if slots or transport != "nvlink":
     sort = sort_assignments(topk, num_experts)
-    count_matrix = jax.lax.all_gather(sort[3], expert_axis)          # [R, E]
+    count_matrix = jax.lax.all_gather(sort[3], expert_axis)   # [R, E]: every rank's group sizes
   if slots:   # 2a: relabel onto virtual experts (El own + S replica slots per rank)
     rplan = balance.plan_replicas(count_matrix, slots)
     topk, count_matrix = balance.virtual_routing(topk, count_matrix, rplan, rank, sort=sort)

@@ -34,22 +34,22 @@ from uniep_jax.rows import int_cotangent, sum_to_type_of
 
 
 def _slot_table(slot_expert: jax.Array, num_local: int, rank):
-  """(owner [R, S], local index [R, S] (clipped), mine [R, S] bool: used slots whose expert
-  this rank owns)."""
+  """(local index [R, S] (clipped), mine [R, S] bool: used slots whose expert this rank
+  owns, my_owner [S]: the owner of each of this rank's slots, -1 if unused)."""
   used = slot_expert >= 0
   owner = jnp.where(used, slot_expert // num_local, -1)
   local = jnp.clip(slot_expert - owner * num_local, 0, num_local - 1)
-  return owner, local, used & (owner == rank)
+  my_owner = jax.lax.dynamic_index_in_dim(owner, rank, 0, keepdims=False)
+  return local, used & (owner == rank), my_owner
 
 
 def _send_xla(w, slot_expert, axis_name):
   """[El, A, B] -> [S, A, B]: the weights of this rank's slots (all_to_all)."""
   el = w.shape[0]
   rank = jax.lax.axis_index(axis_name)
-  owner, local, mine = _slot_table(slot_expert, el, rank)
+  local, mine, my_owner = _slot_table(slot_expert, el, rank)
   grid = jnp.where(mine[:, :, None, None], w[local], jnp.zeros((), w.dtype))   # [R, S, A, B]
   got = jax.lax.all_to_all(grid, axis_name, 0, 0, tiled=False)                # [R(owner), S, ..]
-  my_owner = jax.lax.dynamic_index_in_dim(owner, rank, 0, keepdims=False)     # [S]
   s = slot_expert.shape[1]
   pick = jnp.maximum(my_owner, 0)
   rep = got[pick, jnp.arange(s)]                                              # [S, A, B]
@@ -60,8 +60,7 @@ def _return_xla(ct_rep, slot_expert, num_local, axis_name):
   """[S, A, B] slot gradients -> [R, S, A, B] at the owners (zeros where not theirs)."""
   r, s = slot_expert.shape
   rank = jax.lax.axis_index(axis_name)
-  owner, _, _ = _slot_table(slot_expert, num_local, rank)
-  my_owner = jax.lax.dynamic_index_in_dim(owner, rank, 0, keepdims=False)     # [S]
+  _, _, my_owner = _slot_table(slot_expert, num_local, rank)
   grid = jnp.where((jnp.arange(r)[:, None] == my_owner[None, :])[:, :, None, None],
                    ct_rep[None], jnp.zeros((), ct_rep.dtype))                 # [R(owner), S, ..]
   return jax.lax.all_to_all(grid, axis_name, 0, 0, tiled=False)               # [R(slot rank), S, ..]
@@ -71,13 +70,12 @@ def _send_nvlink(w, slot_expert, axis_name, transfer):
   el, a, b = w.shape
   r, s = slot_expert.shape
   rank = jax.lax.axis_index(axis_name)
-  owner, local, mine = _slot_table(slot_expert, el, rank)
+  local, mine, my_owner = _slot_table(slot_expert, el, rank)
   slot = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))
   rows = jnp.where(mine, a, 0).astype(jnp.int32)
   out = ep_transfer.transfer_segments(
       w.reshape(el * a, b), (local * a).astype(jnp.int32), slot * a, rows, out_rows=s * a,
       config=transfer, axis_name=axis_name).reshape(s, a, b)
-  my_owner = jax.lax.dynamic_index_in_dim(owner, rank, 0, keepdims=False)
   # unused slots are never written: zero them
   return jnp.where((my_owner >= 0)[:, None, None], out, jnp.zeros((), w.dtype))
 
@@ -86,8 +84,7 @@ def _return_nvlink(ct_rep, slot_expert, num_local, axis_name, transfer):
   s, a, b = ct_rep.shape
   r = slot_expert.shape[0]
   rank = jax.lax.axis_index(axis_name)
-  owner, _, _ = _slot_table(slot_expert, num_local, rank)
-  my_owner = jax.lax.dynamic_index_in_dim(owner, rank, 0, keepdims=False)     # [S]
+  _, _, my_owner = _slot_table(slot_expert, num_local, rank)
   slot = jnp.arange(s, dtype=jnp.int32)
   to_peer = jnp.arange(r)[:, None] == my_owner[None, :]                       # [R, S]
   rows = jnp.where(to_peer, a, 0).astype(jnp.int32)
@@ -116,7 +113,7 @@ def _add_in_order(own, got, slot_expert, axis_name):
   by slot (slots not this rank's leave the bits untouched)."""
   el = own.shape[0]
   r, s = slot_expert.shape
-  _, local, mine = _slot_table(slot_expert, el, jax.lax.axis_index(axis_name))
+  local, mine, _ = _slot_table(slot_expert, el, jax.lax.axis_index(axis_name))
   total = own
   for d in range(r):
     for j in range(s):
