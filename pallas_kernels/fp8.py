@@ -1,0 +1,132 @@
+"""E4M3 quantisation with block scales: the numbers format of the FP8 grouped GEMM.
+
+Format
+------
+A quantised operand is a pair (q, s): q in float8_e4m3fn, s float32, and the
+value it stands for is q * s, s shared by one block of QUANT_BLOCK (128) elements
+along the contraction dimension:
+
+  activations  [M, K]     one scale per (row, 128 columns)      s [M, K / 128]
+  weights      [G, K, N]  one scale per (128 x 128) block       s [G, K / 128, N / 128]
+  transposed   [C, Mt]    one scale per (channel, 128 tokens)   s [Mt / 128, C]
+               (the wgrad's operands: contraction over tokens)
+
+Scales are powers of two: s = 2^e with e the smallest exponent such that
+amax(block) / s <= 448 (E4M3's largest finite value), so
+
+  * q = round_to_nearest_even(x / s) is the only rounding (x / s is exact), and
+    saturation never happens: |x / s| <= 448 by construction;
+  * dequantisation q * s is exact, and so is applying a scale to a float32
+    partial sum inside a kernel: the FP8 GEMM's float32 result differs from the
+    same math in float64 only by its float32 accumulation;
+  * an all-zero block gets s = 1 (q = 0); a block holding inf or NaN gets s = NaN,
+    so the product is NaN (the training loop then skips the step): nothing non-finite
+    is hidden by a scale.
+Everything is elementwise or a fixed-order max: bit for bit deterministic.
+
+K (and, for weights, N) not a multiple of 128: the operand is zero-padded to the
+next multiple first (zeros quantise to zeros and add nothing).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+QUANT_BLOCK = 128
+E4M3_MAX = 448.0
+FP8_DTYPE = jnp.float8_e4m3fn
+# a scale's exponent stays a normal float32 exponent (2^-126 .. 2^127)
+_MIN_EXP, _MAX_EXP = -126, 127
+
+
+def round_up(x: int, m: int = QUANT_BLOCK) -> int:
+  return -(-x // m) * m
+
+
+def _pad_to(x, axis: int, size: int):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def pow2_scale(amax):
+  """The smallest power of two s with amax / s <= E4M3_MAX (float32, elementwise);
+  1 where amax == 0, NaN where amax is not finite."""
+  amax = amax.astype(jnp.float32)
+  ratio = amax / E4M3_MAX
+  mant, exp = jnp.frexp(ratio)   # ratio = mant * 2^exp, mant in [0.5, 1)
+  # ratio is a power of two exactly when mant == 0.5: then 2^(exp - 1) is enough
+  exp = jnp.where(mant == 0.5, exp - 1, exp)
+  exp = jnp.clip(exp, _MIN_EXP, _MAX_EXP)
+  s = jnp.ldexp(jnp.ones_like(ratio), exp)
+  s = jnp.where(amax == 0, 1.0, s)
+  return jnp.where(jnp.isfinite(amax), s, jnp.nan).astype(jnp.float32)
+
+
+def quantise_rows(x):
+  """x [M, K] -> (q [M, Kp] e4m3, s [M, Kp / 128] float32), Kp = round_up(K, 128):
+  one scale per row and 128 consecutive columns."""
+  m, k = x.shape
+  kp = round_up(k)
+  xb = _pad_to(x, 1, kp).astype(jnp.float32).reshape(m, kp // QUANT_BLOCK, QUANT_BLOCK)
+  s = pow2_scale(jnp.max(jnp.abs(xb), axis=2))
+  q = (xb / s[:, :, None]).astype(FP8_DTYPE)
+  return q.reshape(m, kp), s
+
+
+def quantise_blocks(w):
+  """w [G, K, N] -> (q [G, Kp, Np] e4m3, s [G, Kp / 128, Np / 128] float32): one
+  scale per 128 x 128 block. The same (q, s) serve w (contraction over K) and its
+  transpose (contraction over N)."""
+  g, k, n = w.shape
+  kp, np_ = round_up(k), round_up(n)
+  wb = _pad_to(_pad_to(w, 1, kp), 2, np_).astype(jnp.float32)
+  wb = wb.reshape(g, kp // QUANT_BLOCK, QUANT_BLOCK, np_ // QUANT_BLOCK, QUANT_BLOCK)
+  s = pow2_scale(jnp.max(jnp.abs(wb), axis=(2, 4)))
+  q = (wb / s[:, :, None, :, None]).astype(FP8_DTYPE)
+  return q.reshape(g, kp, np_), s
+
+
+def quantise_columns(xt):
+  """xt [C, Mt] (Mt a multiple of 128) -> (q [C, Mt] e4m3, s [Mt / 128, C] float32):
+  one scale per row c and 128 consecutive columns, stored block-major (the kernel
+  loads one block's scales of a run of rows as one contiguous vector)."""
+  c, mt = xt.shape
+  if mt % QUANT_BLOCK:
+    raise ValueError(f"xt.shape={xt.shape}: the token axis must be a multiple of {QUANT_BLOCK}")
+  q, s = quantise_rows(xt)
+  return q, s.T
+
+
+def dequantise_rows(q, s):
+  """Inverse of `quantise_rows` (exact): [M, Kp] float32."""
+  m, kp = q.shape
+  return (q.astype(jnp.float32).reshape(m, kp // QUANT_BLOCK, QUANT_BLOCK)
+          * s[:, :, None]).reshape(m, kp)
+
+
+def dequantise_blocks(q, s):
+  """Inverse of `quantise_blocks` (exact): [G, Kp, Np] float32."""
+  g, kp, np_ = q.shape
+  qb = q.astype(jnp.float32).reshape(g, kp // QUANT_BLOCK, QUANT_BLOCK,
+                                     np_ // QUANT_BLOCK, QUANT_BLOCK)
+  return (qb * s[:, :, None, :, None]).reshape(g, kp, np_)
+
+
+def column_scales(block_scales, axis: int):
+  """Per-output-column scales of a block-quantised weight, block-major, for the FP8
+  GEMM's B operand. block_scales [G, Kb, Nb]:
+    axis=2  B = w^T (contraction over K, output columns N): [G, Kb, Nb * 128]
+    axis=1  B = w   (contraction over N, output columns K): [G, Nb, Kb * 128]."""
+  if axis == 2:
+    return jnp.repeat(block_scales, QUANT_BLOCK, axis=2)
+  if axis == 1:
+    return jnp.repeat(jnp.swapaxes(block_scales, 1, 2), QUANT_BLOCK, axis=2)
+  raise ValueError(f"{axis=} must be 1 or 2")
+
+
+__all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "pow2_scale", "quantise_rows",
+           "quantise_blocks", "quantise_columns", "dequantise_rows", "dequantise_blocks",
+           "column_scales", "round_up"]
