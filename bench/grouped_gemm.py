@@ -13,9 +13,15 @@ the per-call times is reported.
 
   python -m bench.grouped_gemm [--out DIR] [--configs a,b] [--loads balanced,skewed]
       [--reps N] [--trials N] [--no-check] [--block-m M --block-n N --block-k K --stages S]
+      [--precision bf16|fp8]
 
 Writes grouped_gemm_<device>.json into --out (default $OUT or bench/results), rewritten
-after every shape. GPU only (the kernels are compiled for Mosaic GPU); importable on the
+after every shape. --precision fp8 (grouped_gemm_fp8_<device>.json) times, in one run:
+the FP8 kernel (pallas_kernels.fp8_gemm) fwd, dgrad and wgrad on operands quantised
+beforehand, the same with the quantisation and layout copies they need, our bf16
+kernel on the same shapes, and XLA's dense bf16 and e4m3 dots of the same FLOPs; the
+FP8 FFN forward and forward+backward against the bf16 one; and checks each FP8
+direction against the float32 product of the dequantised operands. GPU only (the kernels are compiled for Mosaic GPU); importable on the
 CPU (nothing runs at import).
 """
 
@@ -237,6 +243,136 @@ def bench_shape(shape: MoeShape, load: str, config: KernelConfig, reps: int, tri
   return res
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_fp8(config):
+  from pallas_kernels import fp8_gemm as fg
+  kw = dict(config=config, interpret=False)
+  kernel_rows = jax.jit(lambda a, sa, b, sb, s: fg.fp8_gmm(a, sa, b, sb, s, **kw))
+  kernel_tokens = jax.jit(lambda a, sa, b, sb, bl: fg.fp8_gmm_tokens(a, sa, b, sb, bl, **kw))
+  fwd = jax.jit(lambda x, w, s: fg.gmm_fp8(x, fg.quantise_weight(w, dgrad=False), s, **kw))
+  dgrad = jax.jit(lambda d, w, s: fg.gmm_fp8(d, fg.quantise_weight(w, forward=False), s,
+                                             transpose=True, **kw))
+  wgrad = jax.jit(lambda x, d, s: fg.wgrad_fp8(x, d, s, out_dtype=jnp.bfloat16, **kw))
+  ffn = jax.jit(lambda *a: fg.fp8_grouped_swiglu_ffn(*a, **kw))
+
+  def ffn_train(x, wgu, wd, s, dy):
+    y, vjp = jax.vjp(lambda *a: fg.fp8_grouped_swiglu_ffn(*a, s, **kw), x, wgu, wd)
+    return y, vjp(dy)
+
+  dense8 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))
+  return kernel_rows, kernel_tokens, fwd, dgrad, wgrad, ffn, jax.jit(ffn_train), dense8
+
+
+def bench_shape_fp8(shape: MoeShape, load: str, config, bf16_config: KernelConfig, reps: int,
+                    trials: int, check_on: bool, log) -> dict:
+  from pallas_kernels import fp8
+  from pallas_kernels import fp8_gemm as fg
+  m, h, f, g = shape.rows, shape.hidden, shape.ffn, shape.local_experts
+  gs_np = group_sizes_for(m, g, load)
+  gs = jnp.asarray(gs_np)
+  ks = jax.random.split(jax.random.key(hash((shape.name, load)) % (2**31)), 6)
+  bf = jnp.bfloat16
+  x = jax.random.normal(ks[0], (m, h), jnp.float32).astype(bf)
+  w = (jax.random.normal(ks[1], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
+  dout = jax.random.normal(ks[2], (m, f), jnp.float32).astype(bf)
+  flops = 2.0 * m * h * f
+  res = {"config": shape.name, "load": load, "M": m, "K": h, "N": f, "G": g,
+         "group_sizes_min": int(gs_np.min()), "group_sizes_max": int(gs_np.max()),
+         "flops_per_gemm": flops, "ms": {}, "tflops": {}, "rel_err": {}, "errors": {}}
+
+  def record(name, fn, *args, flop=flops):
+    try:
+      t = time_fn(fn, *args, reps=reps, trials=trials)
+      res["ms"][name] = t * 1e3
+      res["tflops"][name] = flop / t / 1e12
+      log(f"  {shape.name:14s} {load:8s} {name:26s} {t * 1e3:9.3f} ms {flop / t / 1e12:7.1f} TFLOP/s")
+    except Exception as e:
+      res["errors"][name] = f"{type(e).__name__}: {str(e)[:600]}"
+      log(f"  {shape.name:14s} {load:8s} {name:26s} FAILED {type(e).__name__}: {str(e)[:300]}")
+
+  k_rows, k_tokens, fwd8, dgrad8, wgrad8, ffn8, ffn8_train, dense8 = _jitted_fp8(config)
+  fwd, dgrad, wgrad, ffn, ffn_train, _, dense = _jitted(bf16_config)
+  # operands quantised beforehand (the kernel alone)
+  prep = jax.jit(lambda x, w, d, s: (fp8.quantise_rows(x), fg.quantise_weight(w),
+                                     fp8.quantise_rows(d)))
+  (xq, xs), qw, (dq, ds) = prep(x, w, dout, gs)
+  blocks, slot_row = jax.jit(fg.token_layout, static_argnums=1)(gs, m)
+  tok = jax.jit(lambda a, r: fp8.quantise_columns(fg.to_token_major(a, r)))
+  (xtq, xts), (dtq, dts) = tok(x, slot_row), tok(dout, slot_row)
+  x8 = x.astype(fp8.FP8_DTYPE)
+  w8 = w[0].astype(fp8.FP8_DTYPE)
+
+  if check_on:
+    ends = np.cumsum(gs_np)
+    sel = np.unique(np.array([0, int(np.argmax(gs_np)), g - 1]))
+    spans = [(int(ends[i] - gs_np[i]), int(ends[i])) for i in sel]
+    xd = fp8.dequantise_rows(xq, xs)
+    dd = fp8.dequantise_rows(dq, ds)
+    wq, wsc = fp8.quantise_blocks(w)
+    wd_ = fp8.dequantise_blocks(wq, wsc)
+    hi = jax.lax.Precision.HIGHEST
+    def chk(name, got, ref):
+      res["rel_err"][name] = rel_err(got, ref)
+      log(f"  {shape.name:14s} {load:8s} check {name:10s} rel_err {res['rel_err'][name]:.2e}")
+    try:
+      out = k_rows(xq, xs, *qw.fwd, gs)
+      chk("fp8_fwd", jnp.concatenate([out[a:b] for a, b in spans]),
+          jnp.concatenate([jnp.dot(xd[a:b], wd_[i], precision=hi) for i, (a, b) in zip(sel, spans)]))
+      out = k_rows(dq, ds, *qw.dgrad, gs)
+      chk("fp8_dgrad", jnp.concatenate([out[a:b] for a, b in spans]),
+          jnp.concatenate([jnp.dot(dd[a:b], wd_[i].T, precision=hi) for i, (a, b) in zip(sel, spans)]))
+      out = k_tokens(xtq, xts, dtq, dts, blocks)
+      xtd = fp8.dequantise_rows(xtq, xts.T)
+      dtd = fp8.dequantise_rows(dtq, dts.T)
+      bl = np.asarray(blocks)
+      refs = [jnp.dot(xtd[:, bl[i] * 128:(bl[i] + bl[g + i]) * 128],
+                      dtd[:, bl[i] * 128:(bl[i] + bl[g + i]) * 128].T, precision=hi) for i in sel]
+      chk("fp8_wgrad", out[sel], jnp.stack(refs))
+      # against the unquantised bf16 product: the error of FP8 itself
+      chk("fp8_fwd_vs_bf16", fwd8(x, w, gs)[spans[0][0]:spans[0][1]],
+          jnp.dot(x[spans[0][0]:spans[0][1]], w[sel[0]], preferred_element_type=jnp.float32))
+    except Exception as e:
+      res["errors"]["check"] = f"{type(e).__name__}: {str(e)[:600]}"
+      log(f"  check FAILED {type(e).__name__}: {str(e)[:300]}")
+
+  record("dense_bf16", dense, x, w[0])
+  record("dense_e4m3", dense8, x8, w8)
+  record("bf16_fwd", fwd, x, w, gs)
+  record("bf16_dgrad", dgrad, dout, w, gs)
+  record("bf16_wgrad", wgrad, x, dout, gs)
+  record("fp8_kernel_fwd", k_rows, xq, xs, *qw.fwd, gs)
+  record("fp8_kernel_dgrad", k_rows, dq, ds, *qw.dgrad, gs)
+  record("fp8_kernel_wgrad", k_tokens, xtq, xts, dtq, dts, blocks)
+  record("fp8_fwd_with_quant", fwd8, x, w, gs)
+  record("fp8_dgrad_with_quant", dgrad8, dout, w, gs)
+  record("fp8_wgrad_with_quant", wgrad8, x, dout, gs)
+
+  wu = (jax.random.normal(ks[3], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
+  wgu = jnp.concatenate([w, wu], axis=2)
+  wd = (jax.random.normal(ks[4], (g, f, h), jnp.float32) / np.sqrt(f)).astype(bf)
+  dy = jax.random.normal(ks[5], (m, h), jnp.float32).astype(bf)
+  record("bf16_ffn_fwd", ffn, x, wgu, wd, gs, flop=3 * flops)
+  record("fp8_ffn_fwd", ffn8, x, wgu, wd, gs, flop=3 * flops)
+  record("bf16_ffn_fwd_bwd", ffn_train, x, wgu, wd, gs, dy, flop=9 * flops)
+  record("fp8_ffn_fwd_bwd", ffn8_train, x, wgu, wd, gs, dy, flop=9 * flops)
+  if check_on:
+    try:
+      res["rel_err"]["fp8_ffn_fwd_vs_bf16"] = rel_err(ffn8(x, wgu, wd, gs), ffn(x, wgu, wd, gs))
+    except Exception as e:
+      res["errors"]["check_ffn"] = f"{type(e).__name__}: {str(e)[:600]}"
+
+  t = res["tflops"]
+  for d in ("fwd", "dgrad", "wgrad"):
+    if f"fp8_kernel_{d}" in t and f"bf16_{d}" in t:
+      res[f"speedup_fp8_kernel_{d}_vs_bf16"] = t[f"fp8_kernel_{d}"] / t[f"bf16_{d}"]
+    if f"fp8_kernel_{d}" in t and "dense_e4m3" in t:
+      res[f"ratio_fp8_kernel_{d}_vs_dense_e4m3"] = t[f"fp8_kernel_{d}"] / t["dense_e4m3"]
+  for d in ("ffn_fwd", "ffn_fwd_bwd"):
+    if f"fp8_{d}" in t and f"bf16_{d}" in t:
+      res[f"speedup_fp8_{d}_vs_bf16"] = t[f"fp8_{d}"] / t[f"bf16_{d}"]
+  return res
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -252,6 +388,10 @@ def main(argv=None):
   p.add_argument("--block-n", type=int, default=KernelConfig.block_n)
   p.add_argument("--block-k", type=int, default=KernelConfig.block_k)
   p.add_argument("--stages", type=int, default=KernelConfig.max_concurrent_steps)
+  p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+  p.add_argument("--fp8-block-m", type=int, default=64)
+  p.add_argument("--fp8-block-n", type=int, default=128)
+  p.add_argument("--fp8-stages", type=int, default=4)
   args = p.parse_args(argv)
   unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
   if unknown:
@@ -260,10 +400,18 @@ def main(argv=None):
                         max_concurrent_steps=args.stages)
   dev = jax.devices()[0]
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"grouped_gemm_{device_lib.device_name(dev)}.json")
+  fp8_config = None
+  if args.precision == "fp8":
+    from pallas_kernels.fp8_gemm import Fp8Config
+    fp8_config = Fp8Config(block_m=args.fp8_block_m, block_n=args.fp8_block_n,
+                           max_concurrent_steps=args.fp8_stages)
+  tag = "_fp8" if fp8_config else ""
+  path = os.path.join(args.out, f"grouped_gemm{tag}_{device_lib.device_name(dev)}.json")
   report = {"device": dev.device_kind, "num_sms": device_lib.num_sms(None, dev),
             "jax_version": jax.__version__, "git_commit": git_commit(),
-            "config": dataclasses.asdict(config), "reps": args.reps, "trials": args.trials,
+            "config": dataclasses.asdict(config), "precision": args.precision,
+            "fp8_config": dataclasses.asdict(fp8_config) if fp8_config else None,
+            "reps": args.reps, "trials": args.trials,
             "timing": "median over trials of (wall time of reps back-to-back jitted calls, "
                       "block_until_ready at the end) / reps",
             "results": []}
@@ -274,8 +422,12 @@ def main(argv=None):
   for name in args.configs.split(","):
     for load in args.loads.split(","):
       try:
-        r = bench_shape(CONFIGS[name], load, config, args.reps, args.trials,
-                        not args.no_check, log, args.lax_ragged_max_groups)
+        if fp8_config:
+          r = bench_shape_fp8(CONFIGS[name], load, fp8_config, config, args.reps, args.trials,
+                              not args.no_check, log)
+        else:
+          r = bench_shape(CONFIGS[name], load, config, args.reps, args.trials,
+                          not args.no_check, log, args.lax_ragged_max_groups)
       except Exception as e:
         traceback.print_exc()
         r = {"config": name, "load": load, "fatal": f"{type(e).__name__}: {str(e)[:1000]}"}
@@ -286,6 +438,10 @@ def main(argv=None):
   print(f"\n{report['device']}  jax {report['jax_version']}  commit {report['git_commit'][:12]}")
   cols = ("dense_jnp_dot", "ours_fwd", "ours_dgrad", "ours_wgrad", "lax_ragged_dot_fwd",
           "ragged_dot_mgpu_fwd", "ours_ffn_fwd", "ours_ffn_fwd_bwd")
+  if fp8_config:
+    cols = ("dense_bf16", "dense_e4m3", "bf16_fwd", "fp8_kernel_fwd", "bf16_dgrad",
+            "fp8_kernel_dgrad", "bf16_wgrad", "fp8_kernel_wgrad", "bf16_ffn_fwd_bwd",
+            "fp8_ffn_fwd_bwd")
   print("TFLOP/s " + " ".join(f"{c[:14]:>14s}" for c in cols))
   for r in report["results"]:
     t = r.get("tflops", {})
