@@ -6,10 +6,8 @@ A quantised operand is a pair (q, s): q in float8_e4m3fn, s float32, and the
 value it stands for is q * s, s shared by one block of QUANT_BLOCK (128) elements
 along the contraction dimension:
 
-  activations  [M, K]     one scale per (row, 128 columns)      s [M, K / 128]
-  weights      [G, K, N]  one scale per (128 x 128) block       s [G, K / 128, N / 128]
-  transposed   [C, Mt]    one scale per (channel, 128 tokens)   s [Mt / 128, C]
-               (the wgrad's operands: contraction over tokens)
+  activations  [M, K]     one scale per (row, 128 columns)   s [M, K / 128]
+  weights      [G, K, N]  one scale per (128 x 128) block    s [G, K / 128, N / 128]
 
 Scales are powers of two: s = 2^e with e the smallest exponent such that
 amax(block) / s <= 448 (E4M3's largest finite value), so
@@ -89,17 +87,6 @@ def quantise_blocks(w):
   return q.reshape(g, kp, np_), s
 
 
-def quantise_columns(xt):
-  """xt [C, Mt] (Mt a multiple of 128) -> (q [C, Mt] e4m3, s [Mt / 128, C] float32):
-  one scale per row c and 128 consecutive columns, stored block-major (the kernel
-  loads one block's scales of a run of rows as one contiguous vector)."""
-  c, mt = xt.shape
-  if mt % QUANT_BLOCK:
-    raise ValueError(f"xt.shape={xt.shape}: the token axis must be a multiple of {QUANT_BLOCK}")
-  q, s = quantise_rows(xt)
-  return q, s.T
-
-
 def dequantise_rows(q, s):
   """Inverse of `quantise_rows` (exact): [M, Kp] float32."""
   m, kp = q.shape
@@ -128,5 +115,5 @@ def column_scales(block_scales, axis: int):
 
 
 __all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "pow2_scale", "quantise_rows",
-           "quantise_blocks", "quantise_columns", "dequantise_rows", "dequantise_blocks",
+           "quantise_blocks", "dequantise_rows", "dequantise_blocks",
            "column_scales", "round_up"]

@@ -5,40 +5,37 @@ Problem
 Both operands are K-major (the contraction dimension contiguous), because
 Hopper's wgmma takes 8-bit operands only that way:
 
-  rows   out[r, n] = sum_kb (a[r, kb] . b[g(r), n, kb]) * sa[kb, r] * sb[g(r), kb, n]
-         a [M, K] e4m3, sa [K/128, M];  b [G, N, K] e4m3, sb [G, K/128, N]
-         rows ordered by group as in grouped_gemm.py (group_sizes, dead rows zero)
-  tokens out[g, r, n] = sum_kb over g's token blocks (a[r, kb] . b[n, kb]) sa[kb, r] sb[kb, n]
-         a [C, Mt] e4m3, sa [Mt/128, C];  b [N, Mt] e4m3, sb [Mt/128, N]
-         (the wgrad: contraction over tokens; group g owns the 128-aligned token
-         blocks [first_g, first_g + count_g), see `token_layout`)
+  out[r, n] = sum_kb (a[r, kb] . b[g(r), n, kb]) * sa[kb, r] * sb[g(r), kb, n]
+  a [M, K] e4m3, sa [K/128, M];  b [G, N, K] e4m3, sb [G, K/128, N] float32
 
-kb runs over blocks of QUANT_BLOCK = 128 contraction elements: `fp8.py` gives
-every 128 contraction elements of a row (a) or of an output column (b) one
-power-of-two scale. The forward x @ w uses b = w^T (a K-major copy of the weight,
-made once per step), the dgrad dy @ w^T uses b = w as stored, the wgrad uses
-transposed copies of both activations laid out by `token_layout`.
+rows ordered by group as in grouped_gemm.py (`group_sizes`; rows past the groups
+come back zero, or with a zero window only the first of them). kb runs over blocks
+of QUANT_BLOCK = 128 contraction elements: `fp8.py` gives every 128 contraction
+elements of a row one power-of-two scale (sa) and every 128 x 128 block of a weight
+one (sb, repeated over the block's 128 columns: `fp8.column_scales`). The forward
+x @ w uses b = w^T (a K-major copy of the quantised weight, made once per call),
+the dgrad dy @ w^T uses b = w as stored.
 
 Accumulation (DeepSeek-V3's recipe): each kb's product runs on the tensor cores
-into a fresh float32 accumulator (4 wgmma of k = 32), is scaled by its row and
-column scales on the CUDA cores, and added to the running float32 sum, kb in
-increasing order. Scales are powers of two, so the scaling is exact; the result's
-only roundings are the tensor cores' within a block and the float32 sum across
-blocks, both in a fixed order: bitwise deterministic, and a row's result depends
-only on that row, its group's weights and K (row-split invariant).
+into a fresh float32 accumulator (4 wgmma of k = 32), is scaled on the CUDA cores
+by its row's scale times the warpgroup's column-block scale (one multiply-add per
+element), and added to the running float32 sum, kb in increasing order. Scales are
+powers of two, so the scaling is exact; the only roundings are the tensor cores'
+within a block and the float32 sum across blocks, both in a fixed order: bitwise
+deterministic, and a row's result depends only on that row, its group's weights and
+K (row-split invariant).
 
 Tiling
 ------
 CTA = 2 compute warpgroups + 1 memory warpgroup (`emit_pipeline_warp_specialized`).
 CTA tile block_m x (2 block_n); compute warpgroup w owns columns
-[w block_n, (w + 1) block_n). Each warpgroup holds two float32 accumulators of
-block_m x block_n (the running sum and the block product), so
-block_m * block_n <= 8192 (64 x 128 or 128 x 64: 128 registers per thread).
-Row tiles come from grouped_gemm's work list (`_row_tile_plan`: a group's rows from
-its first row rounded down to 8, only its last tile partial); token tiles are
-(g, row tile, column tile) with a dynamic pipeline length count_g (0 for an empty
-group: the tile is stored as zeros). A persistent grid of num_sms CTAs walks the
-tiles with `plgpu.nd_loop`.
+[w block_n, (w + 1) block_n), which lie in one 128-column scale block (block_n
+divides 128). Each warpgroup holds two float32 accumulators of block_m x block_n
+(the running sum and the block product), so block_m * block_n <= 8192 (64 x 128 or
+128 x 64: 128 registers per thread). Row tiles come from grouped_gemm's work list
+(`_row_tile_plan`: a group's rows from its first row rounded down to 8, only its last
+tile partial, dead rows as zero tiles without MMA). A persistent grid of num_sms CTAs
+walks the (row tile, column tile) grid row-major with `plgpu.nd_loop`.
 
 Buffers (SMEM, per stage, 128-byte swizzle on the operands):
   A [block_m, 128] e4m3, B [2 block_n, 128] e4m3, row scales [1, block_m] f32,
@@ -48,10 +45,17 @@ Buffers (SMEM, per stage, 128-byte swizzle on the operands):
 
 Synchronisation: that of grouped_gemm.py's row-tiled kernel (the pipeline's
 produced/consumed barriers per stage, 4 operands per stage; a stage is released
-after the step's accumulator has been read, i.e. its wgmma are done; each
-compute warpgroup waits for its previous TMA stores to have read its epilogue
-slot before writing it, then `commit_smem()`). No atomics; no barrier shared by
-the two compute warpgroups.
+after the step's accumulator has been read, i.e. its wgmma are done; each compute
+warpgroup waits for its previous TMA stores to have read its epilogue slot before
+writing it, then `commit_smem()`). With `pingpong` one more barrier (2 arrivals, the
+compute warpgroups) orders their wgmma issues: warpgroup 1 starts one turn behind
+and warpgroup 0 takes one extra turn at the end, so both pass it equally often.
+No atomics.
+
+The FFN (`fp8_grouped_swiglu_ffn`) runs its four row GEMMs (gate/up, down, da, dx)
+in FP8 and its two weight gradients with grouped_gemm's bf16 wgrad: an FP8 wgrad needs
+token-major quantised copies of x, [dh | du], a and dy, and measured with them it lost
+to the bf16 kernel on every shape (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -70,9 +74,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels import fp8
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
-from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _NONE, _group_bounds,
-                                         _row_tile_plan, num_row_tiles, resolve_interpret,
-                                         swiglu_grad)
+from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _NONE, KernelConfig,
+                                         _row_tile_plan, gmm_wgrad, num_row_tiles,
+                                         resolve_interpret, swiglu_grad)
 from pallas_kernels.tma import ladder_store
 
 _NUM_COMPUTE_WGS = 2
@@ -87,21 +91,24 @@ class Fp8Config:
   (the scale block), so no field changes a bit of any result.
 
   block_m: rows per tile (a power of two, >= 64); block_n: columns per compute
-  warpgroup (a multiple of 64); block_m * block_n <= 8192 (two float32
+  warpgroup (64 or 128: a divisor of the 128-column scale block); block_m * block_n <= 8192 (two float32
   accumulators per warpgroup). max_concurrent_steps: pipeline stages (clamped to
   what fits). num_sms: persistent grid size (None: the device's SM count).
+  pingpong: the compute warpgroups alternate their wgmma issues (see `_fp8_kernel`).
   """
 
   block_m: int = 64
   block_n: int = 128
   max_concurrent_steps: int = 4
   num_sms: Optional[int] = None
+  pingpong: bool = False
 
   def __post_init__(self):
     if self.block_m < 64 or self.block_m & (self.block_m - 1):
       raise ValueError(f"block_m={self.block_m} must be a power of two >= 64")
-    if self.block_n < 64 or self.block_n % 64:
-      raise ValueError(f"block_n={self.block_n} must be a positive multiple of 64")
+    if self.block_n not in (64, 128):
+      raise ValueError(f"block_n={self.block_n} must be 64 or 128 (a divisor of the "
+                       f"{QUANT_BLOCK}-column scale block)")
     if self.block_m * self.block_n > _MAX_ACC_ELEMS:
       raise ValueError(f"block_m * block_n = {self.block_m * self.block_n} must be <= "
                        f"{_MAX_ACC_ELEMS} (two float32 accumulators per warpgroup)")
@@ -123,44 +130,44 @@ def _stages(config: Fp8Config, out_itemsize: int, k_blocks: int,
   return int(stages)
 
 
-def _fp8_kernel(meta_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, variant: str,
-                total_tiles: int, n_tiles: int, row_tiles: int, k_blocks: int, num_groups: int,
-                block_m: int, wg_n: int, stages: int):
-  """variant "rows": meta = the row-tile plan (5 x row_tiles); tiles (t, nt), t over
-  the plan's row_tiles. variant "tokens": meta = [first block | block count] per
-  group; tiles (g, rt, nt) with rt over the row_tiles of out[g]. k_blocks: the
-  contraction blocks of the "rows" variant (the largest pipeline either way)."""
+def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_tiles: int,
+                n_tiles: int, k_blocks: int, block_m: int, wg_n: int, stages: int,
+                pingpong: bool):
+  """The kernel body: tiles (t, nt) of the row-tile plan (5 x num_tiles int32) and the
+  column tiles. pingpong: the two compute warpgroups take turns issuing their wgmma
+  (a barrier of both after each issue, warpgroup 1 one turn behind), so that one's
+  promotion overlaps the other's MMA."""
   cta_n = _NUM_COMPUTE_WGS * wg_n
   transforms = (plgpu.TilingTransform((8, QUANT_BLOCK)), plgpu.SwizzleTransform(128))
   acc_layout = plgpu.Layout.WGMMA
 
-  def step(_, a_smem, b_smem, as_smem, bs_smem, carry):
-    wg = lax.axis_index("wg")
-    b = plgpu.transpose_ref(b_smem.at[pl.ds(wg * wg_n, wg_n), :], (1, 0))
+  def make_pipeline(compute_context, k_steps, sched):
+    def step(_, a_smem, b_smem, as_smem, bs_smem, carry):
+      wg = lax.axis_index("wg")
+      b = plgpu.transpose_ref(b_smem.at[pl.ds(wg * wg_n, wg_n), :], (1, 0))
 
-    def mma(acc_ref):
-      plgpu.wgmma(acc_ref, a_smem, b)
-      return acc_ref[...]
+      def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b)
+        if sched is not None:   # the other warpgroup may issue now
+          plgpu.barrier_arrive(sched)
+          plgpu.barrier_wait(sched)
+        return acc_ref[...]
 
-    part = pl.run_scoped(mma, plgpu.ACC((block_m, wg_n), jnp.float32))
-    rs = plgpu.load(as_smem.at[0], layout=acc_layout.reduce(1))
-    cs = plgpu.load(bs_smem.at[0, pl.ds(wg * wg_n, wg_n)], layout=acc_layout.reduce(0))
-    part = part * lax.broadcast_in_dim(rs, part.shape, [0])
-    part = part * lax.broadcast_in_dim(cs, part.shape, [1])
-    return carry + part
+      part = pl.run_scoped(mma, plgpu.ACC((block_m, wg_n), jnp.float32))
+      # this warpgroup's wg_n columns lie in one 128-column scale block: its scale is
+      # one scalar, folded into the row scales (exact: powers of two)
+      rs = plgpu.load(as_smem.at[0], layout=acc_layout.reduce(1)) * bs_smem[0, wg * wg_n]
+      return carry + part * lax.broadcast_in_dim(rs, part.shape, [0])
 
-  def make_pipeline(compute_context, k_steps, first):
-    idx_rows = lambda ki: (0, first + ki)     # operand tiles: [rows, 128] at block first + ki
-    idx_scales = lambda ki: (first + ki, 0)   # scale vectors: [1, rows] at block first + ki
     return plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(k_steps,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
-            plgpu.BlockSpec((block_m, QUANT_BLOCK), idx_rows, transforms=transforms),
-            plgpu.BlockSpec((cta_n, QUANT_BLOCK), idx_rows, transforms=transforms),
-            plgpu.BlockSpec((1, block_m), idx_scales),
-            plgpu.BlockSpec((1, cta_n), idx_scales),
+            plgpu.BlockSpec((block_m, QUANT_BLOCK), lambda ki: (0, ki), transforms=transforms),
+            plgpu.BlockSpec((cta_n, QUANT_BLOCK), lambda ki: (0, ki), transforms=transforms),
+            plgpu.BlockSpec((1, block_m), lambda ki: (ki, 0)),
+            plgpu.BlockSpec((1, cta_n), lambda ki: (ki, 0)),
         ],
         wg_axis="wg",
         num_compute_wgs=_NUM_COMPUTE_WGS,
@@ -168,80 +175,73 @@ def _fp8_kernel(meta_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, varian
         compute_context=compute_context,
     )
 
-  def views(group, row0, nt):
+  def views(group, load_row, nt):
     cols = pl.ds(nt * cta_n, cta_n)
-    rows = pl.ds(row0, block_m)
-    if variant == "rows":
-      return (a_gmem.at[rows, :], b_gmem.at[group, cols, :],
-              as_gmem.at[:, rows], bs_gmem.at[group, :, cols])
-    return (a_gmem.at[rows, :], b_gmem.at[cols, :], as_gmem.at[:, rows], bs_gmem.at[:, cols])
+    rows = pl.ds(load_row, block_m)
+    return (a_gmem.at[rows, :], b_gmem.at[group, cols, :], as_gmem.at[:, rows],
+            bs_gmem.at[group, :, cols])
 
   ignore = lambda *_, **__: None
-  alloc_pipeline = make_pipeline(ignore, jnp.int32(max(k_blocks, 1)), 0)
+  alloc_pipeline = make_pipeline(ignore, jnp.int32(k_blocks), None)
+  sched_alloc = dict(sched=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS)) if pingpong else {}
 
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=alloc_pipeline.get_allocations(*views(0, 0, 0)),
       epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, wg_n), out_gmem.dtype),
       collective_axes="wg",
+      **sched_alloc,
   )
-  def _scope(pipeline_allocs, epi_smem):
-    def run_tile(group, row0, nt, k_steps, first, store):
+  def _scope(pipeline_allocs, epi_smem, sched=None):
+    wg = lax.axis_index("wg")
+
+    def turn():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    if pingpong:   # warpgroup 1 starts one turn behind warpgroup 0
+      pl.when(wg == 1)(turn)
+
+    def tile(lin):
+      t = lin // n_tiles
+      nt = lin % n_tiles
+      group = plan_gmem[t]
+      load_row = pl.multiple_of(plan_gmem[num_tiles + t], GROUP_TILE_ALIGN)
+      lo = plan_gmem[2 * num_tiles + t]
+      hi = plan_gmem[3 * num_tiles + t]
+      kind = plan_gmem[4 * num_tiles + t]
+
       def compute_context(eval_pipeline):
-        zeros = plgpu.layout_cast(jnp.zeros((block_m, wg_n), jnp.float32), acc_layout)
-        acc = eval_pipeline(zeros)
-        wg = lax.axis_index("wg")
+        acc = eval_pipeline(
+            plgpu.layout_cast(jnp.zeros((block_m, wg_n), jnp.float32), acc_layout))
         slot = epi_smem.at[wg]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # slot free again
         slot[...] = acc.astype(slot.dtype)
         plgpu.commit_smem()
-        store(slot, nt * cta_n + wg * wg_n)
+        ladder_store(slot, out_gmem.at[:, pl.ds(nt * cta_n + wg * wg_n, wg_n)],
+                     lo - load_row, lo, hi - lo, block_m, commit_group=True)
 
-      make_pipeline(compute_context, k_steps, first)(
-          *views(group, row0, nt), allocations=pipeline_allocs)
+      @pl.when(kind != _NONE)
+      def _():
+        k_steps = jnp.where(kind == _COMPUTE, k_blocks, 0)   # zero tiles: no MMA
+        make_pipeline(compute_context, k_steps, sched)(
+            *views(group, load_row, nt), allocations=pipeline_allocs)
 
-    def tile(lin):
-      if variant == "rows":
-        t = lin // n_tiles
-        nt = lin % n_tiles
-        group = meta_gmem[t]
-        load_row = pl.multiple_of(meta_gmem[row_tiles + t], GROUP_TILE_ALIGN)
-        lo = meta_gmem[2 * row_tiles + t]
-        hi = meta_gmem[3 * row_tiles + t]
-        kind = meta_gmem[4 * row_tiles + t]
-
-        def store(slot, col0):
-          ladder_store(slot, out_gmem.at[:, pl.ds(col0, wg_n)], lo - load_row, lo, hi - lo,
-                       block_m, commit_group=True)
-
-        @pl.when(kind != _NONE)
-        def _():
-          run_tile(group, load_row, nt, jnp.where(kind == _COMPUTE, k_blocks, 0), 0, store)
-      else:
-        per_group = row_tiles * n_tiles
-        g = lin // per_group
-        rt = (lin % per_group) // n_tiles
-        nt = lin % n_tiles
-        row0 = pl.multiple_of(rt * block_m, block_m)
-
-        def store(slot, col0):
-          plgpu.copy_smem_to_gmem(slot, out_gmem.at[g, pl.ds(row0, block_m), pl.ds(col0, wg_n)],
-                                  commit_group=True)
-
-        run_tile(g, row0, nt, meta_gmem[num_groups + g], meta_gmem[g], store)
-
-    @plgpu.nd_loop((total_tiles,), collective_axes="sm")
+    @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
     def _tile_loop(loop_info):
       (s,) = loop_info.index
       tile(s)
 
+    if pingpong:   # warpgroup 0 takes the turn warpgroup 1 started with
+      pl.when(wg == 0)(turn)
+
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _launch(body_kw, meta, operands, out_type, config: Fp8Config, interpret, name: str):
+def _launch(body_kw, plan, operands, out_type, config: Fp8Config, interpret):
   kernel = device_lib.kernel(
       functools.partial(_fp8_kernel, **body_kw),
-      kernel_name=name,
+      kernel_name="fp8_grouped_gemm",
       out_type=out_type,
       grid=(device_lib.num_sms(config.num_sms),),
       grid_names=("sm",),
@@ -249,7 +249,7 @@ def _launch(body_kw, meta, operands, out_type, config: Fp8Config, interpret, nam
       thread_name="wg",
       interpret=resolve_interpret(interpret),
   )
-  return kernel(meta, *operands)
+  return kernel(plan, *operands)
 
 
 def _check_fp8(**arrays):
@@ -277,13 +277,15 @@ def _round_up(x: int, m: int) -> int:
 
 def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
             config: Fp8Config = Fp8Config(), interpret=None, zero_window: Optional[int] = None):
-  """Rows variant: out[rows of g] = sum_kb (a[rows, kb] . b[g, :, kb]) * scales.
+  """out[rows of g] = sum_kb (a[rows, kb] . b[g, :, kb]) * scales.
 
   a [M, K] e4m3 with a_scales [M, K/128] (`fp8.quantise_rows`); b [G, N, K] e4m3
   (K-major) with b_scales [G, K/128, N] (per output column, `fp8.column_scales`);
   K a multiple of 128. Returns [M, N] in out_dtype; rows past sum(group_sizes) are 0
   (zero_window W: only those before round_up(sum, W); the later ones are not written,
-  see grouped_gemm's `_row_tile_plan`).
+  see grouped_gemm's `_row_tile_plan`). b_scales must be constant
+  over aligned runs of 128 columns (`fp8.column_scales` of 128 x 128 block scales):
+  the kernel reads one per warpgroup.
   """
   _check_fp8(a=a, b=b)
   m, k = a.shape
@@ -304,75 +306,13 @@ def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
   bs_p = _pad(b_scales, 2, n_p)
   plan = _row_tile_plan(group_sizes, m_p, config.block_m, zero_window)
   num_tiles = num_row_tiles(m_p, g, config.block_m)
-  body_kw = dict(variant="rows", total_tiles=num_tiles * (n_p // cta_n), n_tiles=n_p // cta_n,
-                 row_tiles=num_tiles, k_blocks=kb, num_groups=g, block_m=config.block_m,
-                 wg_n=config.block_n,
-                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb))
-  out = _launch(body_kw, plan, (a_p, as_t, b_p, bs_p),
-                jax.ShapeDtypeStruct((m_p, n_p), out_dtype), config, interpret, "fp8_gemm_rows")
-  return out[:m, :n] if (m_p, n_p) != (m, n) else out
-
-
-def token_layout(group_sizes, m: int):
-  """Where the wgrad's transposed operands put each row: group g's rows at token
-  slots [128 first_g, 128 first_g + size_g), each group starting a fresh 128-slot
-  block, so no scale block or contraction block mixes two groups.
-
-  Returns (blocks [2G] int32 = [first_g | count_g] in 128-slot blocks, slot_row
-  [Mt] int32: the source row of each slot, m for an empty slot), with the static
-  Mt = round_up(m + G * 127, 128) >= sum_g round_up(size_g, 128)."""
-  g = group_sizes.shape[0]
-  starts, ends = _group_bounds(group_sizes, m)
-  sizes = ends - starts
-  count = (sizes + QUANT_BLOCK - 1) // QUANT_BLOCK
-  first = jnp.cumsum(count) - count
-  mt = _round_up(m + g * (QUANT_BLOCK - 1), QUANT_BLOCK)
-  slot = jnp.arange(mt, dtype=jnp.int32)
-  # the group of each slot block: the last group whose first block is <= it
-  blk = slot // QUANT_BLOCK
-  gi = jnp.clip(jnp.searchsorted(first, blk, side="right") - 1, 0, g - 1)
-  within = slot - first[gi] * QUANT_BLOCK
-  live = (blk < first[gi] + count[gi]) & (within < sizes[gi])
-  slot_row = jnp.where(live, starts[gi] + within, m)
-  return jnp.concatenate([first, count]).astype(jnp.int32), slot_row.astype(jnp.int32)
-
-
-def to_token_major(x, slot_row):
-  """x [M, C] -> [C, Mt]: slot j holds row slot_row[j] of x (zeros where it is M)."""
-  xz = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
-  return jnp.take(xz, slot_row, axis=0).T
-
-
-def fp8_gmm_tokens(a, a_scales, b, b_scales, blocks, *, out_dtype=jnp.float32,
-                   config: Fp8Config = Fp8Config(), interpret=None):
-  """Tokens variant (the wgrad): out[g] = sum over g's token blocks of a . b^T, scaled.
-
-  a [C, Mt] e4m3 with a_scales [Mt/128, C]; b [N, Mt] e4m3 with b_scales [Mt/128, N]
-  (`fp8.quantise_columns` of `to_token_major` copies); blocks [2G] from
-  `token_layout`. Returns [G, C, N] in out_dtype; an empty group gives zeros.
-  """
-  _check_fp8(a=a, b=b)
-  c, mt = a.shape
-  n, mt2 = b.shape
-  if mt != mt2 or mt % QUANT_BLOCK:
-    raise ValueError(f"a.shape={a.shape}, b.shape={b.shape}: the token axis must agree and "
-                     f"be a multiple of {QUANT_BLOCK}")
-  if blocks.ndim != 1 or blocks.shape[0] % 2:
-    raise ValueError(f"blocks.shape={blocks.shape} must be [2 G] (`token_layout`)")
-  g = blocks.shape[0] // 2
-  _check_scales("a_scales", a_scales, (mt // QUANT_BLOCK, c))
-  _check_scales("b_scales", b_scales, (mt // QUANT_BLOCK, n))
-  cta_n = _NUM_COMPUTE_WGS * config.block_n
-  c_p, n_p = _round_up(c, config.block_m), _round_up(n, cta_n)
-  row_tiles, n_tiles = c_p // config.block_m, n_p // cta_n
-  body_kw = dict(variant="tokens", total_tiles=g * row_tiles * n_tiles, n_tiles=n_tiles,
-                 row_tiles=row_tiles, k_blocks=mt // QUANT_BLOCK, num_groups=g,
+  body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb,
                  block_m=config.block_m, wg_n=config.block_n,
-                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, mt // QUANT_BLOCK))
-  operands = (_pad(a, 0, c_p), _pad(a_scales, 1, c_p), _pad(b, 0, n_p), _pad(b_scales, 1, n_p))
-  out = _launch(body_kw, blocks, operands, jax.ShapeDtypeStruct((g, c_p, n_p), out_dtype),
-                config, interpret, "fp8_gemm_tokens")
-  return out[:, :c, :n] if (c_p, n_p) != (c, n) else out
+                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb),
+                 pingpong=config.pingpong)
+  out = _launch(body_kw, plan, (a_p, as_t, b_p, bs_p),
+                jax.ShapeDtypeStruct((m_p, n_p), out_dtype), config, interpret)
+  return out[:m, :n] if (m_p, n_p) != (m, n) else out
 
 
 # ----------------------------------------------------------------------------
@@ -417,18 +357,6 @@ def gmm_fp8(x, qw: QuantisedWeight, group_sizes, *, transpose: bool = False,
   return out[:, :width] if out.shape[1] != width else out
 
 
-def wgrad_fp8(lhs, dout, group_sizes, *, out_dtype=jnp.float32,
-              config: Fp8Config = Fp8Config(), interpret=None):
-  """[G, K, N]: lhs[rows of g]^T @ dout[rows of g], both quantised per (channel,
-  128 tokens of one group) in the token-major layout of `token_layout`."""
-  m = lhs.shape[0]
-  blocks, slot_row = token_layout(group_sizes, m)
-  aq, as_ = fp8.quantise_columns(to_token_major(lhs, slot_row))
-  bq, bs = fp8.quantise_columns(to_token_major(dout, slot_row))
-  return fp8_gmm_tokens(aq, as_, bq, bs, blocks, out_dtype=out_dtype, config=config,
-                        interpret=interpret)
-
-
 # ----------------------------------------------------------------------------
 # The SwiGLU expert FFN in FP8, with its VJP
 # ----------------------------------------------------------------------------
@@ -436,43 +364,46 @@ def wgrad_fp8(lhs, dout, group_sizes, *, out_dtype=jnp.float32,
 
 def fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, *, config: Fp8Config,
                        interpret=None, zero_window: Optional[int] = None):
-  """(y, residuals) of the FP8 FFN: the math of grouped_gemm's SwiGLU FFN with every
-  GEMM operand quantised (x, a per row and 128 columns; weights per 128 x 128 block)."""
+  """(y, residuals) of the FP8 FFN: grouped_gemm's SwiGLU FFN with the operands of
+  its two GEMMs quantised (x, a per row and 128 columns; weights per 128 x 128 block):
+    [h | u] = q(x) @ q(w_gate_up)[g]   float32 accumulation, stored in x.dtype
+    a = silu(h) * u                    in float32 from the stored h, u, cast to x.dtype
+    y = q(a) @ q(w_down)[g]            float32 accumulation, cast to x.dtype."""
   f = w_down.shape[1]
   qw1 = quantise_weight(w_gate_up)
   qw2 = quantise_weight(w_down)
   kw = dict(config=config, interpret=interpret, zero_window=zero_window)
-  hu = gmm_fp8(x, qw1, group_sizes, out_dtype=jnp.float32, **kw)
+  hu = gmm_fp8(x, qw1, group_sizes, out_dtype=x.dtype, **kw)
   h, u = hu[:, :f], hu[:, f:]
-  a = (jax.nn.silu(h) * u).astype(x.dtype)
+  a = (jax.nn.silu(h.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
   y = gmm_fp8(a, qw2, group_sizes, out_dtype=x.dtype, **kw)
-  res = (h.astype(x.dtype), u.astype(x.dtype), a,
-         dataclasses.replace(qw1, fwd=None), dataclasses.replace(qw2, fwd=None))
+  res = (h, u, a, dataclasses.replace(qw1, fwd=None), dataclasses.replace(qw2, fwd=None))
   return y, res
 
 
-def fp8_swiglu_backward(x, group_sizes, residuals, dy, *, config: Fp8Config, interpret=None,
+def fp8_swiglu_backward(x, group_sizes, residuals, dy, *, config: Fp8Config,
+                        wgrad_config: KernelConfig, interpret=None,
                         zero_window: Optional[int] = None, wgrad_dtype=jnp.float32):
-  """(dx, dw_gate_up, dw_down) from `fp8_swiglu_forward`'s residuals: the
-  derivative of grouped_gemm's SwiGLU FFN with the backward GEMMs' operands
-  quantised the same way (dy, [dh | du] per row; a, x, dy, [dh | du] token-major
-  for the weight gradients), the quantised weights reused from the forward."""
+  """(dx, dw_gate_up, dw_down) from `fp8_swiglu_forward`'s residuals:
+    da = q(dy) @ q(w_down)[g]^T        (FP8, float32 out; the weights' quantised
+                                        copies of the forward)
+    dh, du = swiglu_grad(da, h, u)     cast to x.dtype, one buffer [dh | du]
+    dx = q([dh | du]) @ q(w_gate_up)[g]^T   (FP8)
+    dw_gate_up = x^T [dh | du], dw_down = a^T dy   (grouped_gemm's bf16 wgrad, float32
+                                        accumulation)."""
   h, u, a, qw1, qw2 = residuals
-  kw = dict(config=config, interpret=interpret)
+  kw = dict(config=config, interpret=interpret, zero_window=zero_window)
   dy = dy.astype(x.dtype)
-  da = gmm_fp8(dy, qw2, group_sizes, transpose=True, out_dtype=jnp.float32,
-               zero_window=zero_window, **kw)
+  da = gmm_fp8(dy, qw2, group_sizes, transpose=True, out_dtype=jnp.float32, **kw)
   dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
   dhu = jnp.concatenate([dh, du], axis=-1).astype(x.dtype)
-  dx = gmm_fp8(dhu, qw1, group_sizes, transpose=True, out_dtype=x.dtype,
-               zero_window=zero_window, **kw)
-  dw1 = wgrad_fp8(x, dhu, group_sizes, out_dtype=wgrad_dtype, **kw)
-  dw2 = wgrad_fp8(a, dy, group_sizes, out_dtype=wgrad_dtype, **kw)
-  return dx, dw1, dw2
+  dx = gmm_fp8(dhu, qw1, group_sizes, transpose=True, out_dtype=x.dtype, **kw)
+  wkw = dict(out_dtype=wgrad_dtype, config=wgrad_config, interpret=interpret)
+  return dx, gmm_wgrad(x, dhu, group_sizes, **wkw), gmm_wgrad(a, dy, group_sizes, **wkw)
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_swiglu_fn(config: Fp8Config, interpret, zero_window):
+def _fp8_swiglu_fn(config: Fp8Config, wgrad_config: KernelConfig, interpret, zero_window):
   kw = dict(config=config, interpret=interpret, zero_window=zero_window)
 
   @jax.custom_vjp
@@ -485,28 +416,28 @@ def _fp8_swiglu_fn(config: Fp8Config, interpret, zero_window):
 
   def bwd(saved, dy):
     x, group_sizes, res = saved
-    dx, dw1, dw2 = fp8_swiglu_backward(x, group_sizes, res, dy, **kw)
-    return dx, dw1.astype(res[3].dtype), dw2.astype(res[4].dtype), _int_zero(group_sizes)
+    dx, dw1, dw2 = fp8_swiglu_backward(x, group_sizes, res, dy, wgrad_config=wgrad_config, **kw)
+    return (dx, dw1.astype(res[3].dtype), dw2.astype(res[4].dtype),
+            np.zeros(group_sizes.shape, jax.dtypes.float0))
 
   f.defvjp(fwd, bwd)
   return f
 
 
-def _int_zero(x):
-  return np.zeros(x.shape, jax.dtypes.float0)
-
-
 def fp8_grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
-                           config: Fp8Config = Fp8Config(), interpret=None,
+                           config: Fp8Config = Fp8Config(),
+                           wgrad_config: KernelConfig = KernelConfig(), interpret=None,
                            zero_dead_rows: bool = True):
-  """`grouped_gemm.grouped_swiglu_ffn` with FP8 GEMMs (e4m3, block scales, float32
-  accumulation), differentiable. Weights stay in their dtype; their quantised
-  copies are made per call. zero_dead_rows=False: rows of y and dx past
-  round_up(sum(group_sizes), block_m) are left undefined (never written)."""
+  """`grouped_gemm.grouped_swiglu_ffn` with FP8 row GEMMs (e4m3, block scales,
+  float32 accumulation; `fp8_swiglu_forward` / `fp8_swiglu_backward`), differentiable.
+  Weights stay in their dtype; their quantised copies are made per call, once for the
+  forward and backward. zero_dead_rows=False: rows of y and dx past
+  round_up(sum(group_sizes), W) are left undefined (never written), W the larger of
+  block_m and the wgrad's block_k (the wgrad reads [dh | du] that far)."""
   two_f = w_gate_up.shape[-1]
   if w_gate_up.ndim != 3 or two_f % 2 or w_down.ndim != 3 or w_down.shape[1] != two_f // 2:
     raise ValueError(f"w_gate_up {w_gate_up.shape} must be [G, H, 2F] and w_down "
                      f"{w_down.shape} [G, F, H]")
-  zw = None if zero_dead_rows else config.block_m
-  return _fp8_swiglu_fn(config, resolve_interpret(interpret), zw)(
+  zw = None if zero_dead_rows else max(config.block_m, wgrad_config.block_k)
+  return _fp8_swiglu_fn(config, wgrad_config, resolve_interpret(interpret), zw)(
       x, w_gate_up, w_down, group_sizes)
