@@ -144,7 +144,7 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
   def make_pipeline(compute_context, k_steps, sched):
     def step(_, a_smem, b_smem, as_smem, bs_smem, carry):
       wg = lax.axis_index("wg")
-      b = plgpu.transpose_ref(b_smem.at[pl.ds(wg * wg_n, wg_n), :], (1, 0))
+      b = b_smem.at[pl.ds(wg * wg_n, wg_n), :].transpose((1, 0))   # K-major B
 
       def mma(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b)
@@ -441,3 +441,33 @@ def fp8_grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
   zw = None if zero_dead_rows else max(config.block_m, wgrad_config.block_k)
   return _fp8_swiglu_fn(config, wgrad_config, resolve_interpret(interpret), zw)(
       x, w_gate_up, w_down, group_sizes)
+
+
+# ----------------------------------------------------------------------------
+# Pure-JAX reference (the test oracle of the quantised math)
+# ----------------------------------------------------------------------------
+
+
+def reference_fp8_gmm(x, w, group_sizes, *, transpose: bool = False):
+  """x @ w[g] (or x @ w[g]^T) per row group with the kernel's quantisation, the
+  products of the dequantised operands in float32 at HIGHEST precision (exact
+  dequantisation: powers of two). Rows past the groups are zero. float32 out."""
+  xq, xs = fp8.quantise_rows(x)
+  wq, ws = fp8.quantise_blocks(w)
+  wd = fp8.dequantise_blocks(wq, ws)
+  if transpose:
+    wd = jnp.swapaxes(wd, 1, 2)
+  xd = fp8.dequantise_rows(xq, xs)
+  out = lax.ragged_dot(xd, wd, group_sizes.astype(jnp.int32), precision=lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32)
+  width = w.shape[1] if transpose else w.shape[2]
+  live = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+  return jnp.where(live[:, None], out[:, :width], 0.0)
+
+
+def reference_fp8_swiglu_ffn(x, w_gate_up, w_down, group_sizes):
+  """The forward of `fp8_grouped_swiglu_ffn` with `reference_fp8_gmm` (same casts)."""
+  f = w_down.shape[1]
+  hu = reference_fp8_gmm(x, w_gate_up, group_sizes).astype(x.dtype)
+  a = (jax.nn.silu(hu[:, :f].astype(jnp.float32)) * hu[:, f:].astype(jnp.float32)).astype(x.dtype)
+  return reference_fp8_gmm(a, w_down, group_sizes).astype(x.dtype)
