@@ -115,6 +115,39 @@ def _mgpu_ragged_dot():
     return None
 
 
+def _shape_inputs(shape: MoeShape, load: str):
+  """The operands of one (shape, load) point, the same in every mode: (m, h, f, g,
+  group sizes (numpy, jax), spare keys, x [M, H], w [G, H, F], dout [M, F], FLOPs of one
+  GEMM, the result record)."""
+  m, h, f, g = shape.rows, shape.hidden, shape.ffn, shape.local_experts
+  gs_np = group_sizes_for(m, g, load)
+  ks = jax.random.split(jax.random.key(hash((shape.name, load)) % (2**31)), 6)
+  bf = jnp.bfloat16
+  x = jax.random.normal(ks[0], (m, h), jnp.float32).astype(bf)
+  w = (jax.random.normal(ks[1], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
+  dout = jax.random.normal(ks[2], (m, f), jnp.float32).astype(bf)
+  flops = 2.0 * m * h * f
+  res = {"config": shape.name, "load": load, "M": m, "K": h, "N": f, "G": g,
+         "group_sizes_min": int(gs_np.min()), "group_sizes_max": int(gs_np.max()),
+         "flops_per_gemm": flops, "ms": {}, "tflops": {}, "rel_err": {}, "errors": {}}
+  return m, h, f, g, gs_np, jnp.asarray(gs_np), ks, x, w, dout, flops, res
+
+
+def _recorder(res: dict, shape: MoeShape, load: str, reps: int, trials: int, log):
+  """record(name, fn, *args, flop=...): times fn into res (ms, TFLOP/s) and logs it; a
+  failure is recorded in res["errors"] and the run goes on."""
+  def record(name, fn, *args, flop=res["flops_per_gemm"]):
+    try:
+      t = time_fn(fn, *args, reps=reps, trials=trials)
+      res["ms"][name] = t * 1e3
+      res["tflops"][name] = flop / t / 1e12
+      log(f"  {shape.name:14s} {load:8s} {name:30s} {t * 1e3:9.3f} ms {flop / t / 1e12:7.1f} TFLOP/s")
+    except Exception as e:  # keep going: one failing baseline must not lose the run
+      res["errors"][name] = f"{type(e).__name__}: {str(e)[:600]}"
+      log(f"  {shape.name:14s} {load:8s} {name:30s} FAILED {type(e).__name__}: {str(e)[:300]}")
+  return record
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted(config: KernelConfig):
   """Jitted ops, one set per config, so both loads of a shape share compilations."""
@@ -137,29 +170,9 @@ def _jitted(config: KernelConfig):
 
 def bench_shape(shape: MoeShape, load: str, config: KernelConfig, reps: int, trials: int,
                 check_on: bool, log, lax_ragged_max_groups: int = 16) -> dict:
-  m, h, f, g = shape.rows, shape.hidden, shape.ffn, shape.local_experts
-  gs_np = group_sizes_for(m, g, load)
-  gs = jnp.asarray(gs_np)
-  key = jax.random.key(hash((shape.name, load)) % (2**31))
-  ks = jax.random.split(key, 6)
+  m, h, f, g, gs_np, gs, ks, x, w, dout, flops, res = _shape_inputs(shape, load)
+  record = _recorder(res, shape, load, reps, trials, log)
   bf = jnp.bfloat16
-  x = jax.random.normal(ks[0], (m, h), jnp.float32).astype(bf)
-  w = (jax.random.normal(ks[1], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
-  dout = jax.random.normal(ks[2], (m, f), jnp.float32).astype(bf)
-  flops = 2.0 * m * h * f
-  res = {"config": shape.name, "load": load, "M": m, "K": h, "N": f, "G": g,
-         "group_sizes_min": int(gs_np.min()), "group_sizes_max": int(gs_np.max()),
-         "flops_per_gemm": flops, "ms": {}, "tflops": {}, "rel_err": {}, "errors": {}}
-
-  def record(name, fn, *args, flop=flops):
-    try:
-      t = time_fn(fn, *args, reps=reps, trials=trials)
-      res["ms"][name] = t * 1e3
-      res["tflops"][name] = flop / t / 1e12
-      log(f"  {shape.name:14s} {load:8s} {name:22s} {t * 1e3:9.3f} ms {flop / t / 1e12:7.1f} TFLOP/s")
-    except Exception as e:  # keep going: one failing baseline must not lose the run
-      res["errors"][name] = f"{type(e).__name__}: {str(e)[:400]}"
-      log(f"  {shape.name:14s} {load:8s} {name:22s} FAILED {type(e).__name__}: {str(e)[:200]}")
 
   fwd, dgrad, wgrad, ffn, ffn_train, ragged, dense = _jitted(config)
   w_dense = w[0]  # [H, F]: a dense [M, H] @ [H, F] has the same FLOPs
@@ -269,28 +282,9 @@ def bench_shape_fp8(shape: MoeShape, load: str, configs, bf16_config: KernelConf
   """configs: {name: Fp8Config}; the first is the one the FFN and checks use."""
   from pallas_kernels import fp8
   from pallas_kernels import fp8_gemm as fg
-  m, h, f, g = shape.rows, shape.hidden, shape.ffn, shape.local_experts
-  gs_np = group_sizes_for(m, g, load)
-  gs = jnp.asarray(gs_np)
-  ks = jax.random.split(jax.random.key(hash((shape.name, load)) % (2**31)), 6)
+  m, h, f, g, gs_np, gs, ks, x, w, dout, flops, res = _shape_inputs(shape, load)
+  record = _recorder(res, shape, load, reps, trials, log)
   bf = jnp.bfloat16
-  x = jax.random.normal(ks[0], (m, h), jnp.float32).astype(bf)
-  w = (jax.random.normal(ks[1], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
-  dout = jax.random.normal(ks[2], (m, f), jnp.float32).astype(bf)
-  flops = 2.0 * m * h * f
-  res = {"config": shape.name, "load": load, "M": m, "K": h, "N": f, "G": g,
-         "group_sizes_min": int(gs_np.min()), "group_sizes_max": int(gs_np.max()),
-         "flops_per_gemm": flops, "ms": {}, "tflops": {}, "rel_err": {}, "errors": {}}
-
-  def record(name, fn, *args, flop=flops):
-    try:
-      t = time_fn(fn, *args, reps=reps, trials=trials)
-      res["ms"][name] = t * 1e3
-      res["tflops"][name] = flop / t / 1e12
-      log(f"  {shape.name:14s} {load:8s} {name:30s} {t * 1e3:9.3f} ms {flop / t / 1e12:7.1f} TFLOP/s")
-    except Exception as e:
-      res["errors"][name] = f"{type(e).__name__}: {str(e)[:600]}"
-      log(f"  {shape.name:14s} {load:8s} {name:30s} FAILED {type(e).__name__}: {str(e)[:300]}")
 
   fwd, dgrad, wgrad, ffn, ffn_train, _, dense = _jitted(bf16_config)
   dense8 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))

@@ -4,6 +4,9 @@ synchronisation contract (SYNC.md collects the communicating ones):
 
   grouped_gemm      the grouped GEMM (forward, dgrad, wgrad) and the SwiGLU expert FFN
                     with its VJP; owns `KernelConfig`
+  fp8               e4m3 quantisation with power-of-two block scales
+  fp8_gemm          the FP8 grouped GEMM (forward, dgrad) and the FP8 SwiGLU FFN;
+                    owns `Fp8Config`
   ep_transfer       row segments pushed over NVLink into peers' buffers; owns
                     `TransferConfig`
   row_gather        rows gathered by index into consecutive rows (live rows only)

@@ -100,6 +100,11 @@ def lowering_for_gpu():
     _LOWER_FOR_GPU.reset(token)
 
 
+def lowering_only() -> bool:
+  """Inside `lowering_for_gpu()`: GPU programs are lowered here without a GPU to run on."""
+  return _LOWER_FOR_GPU.get()
+
+
 def default_interpret():
   """What interpret=None means: the CPU interpret mode on a CPU backend (unless
   inside `lowering_for_gpu()`), else False (compile for the GPU)."""

@@ -47,10 +47,8 @@ Synchronisation: that of grouped_gemm.py's row-tiled kernel (the pipeline's
 produced/consumed barriers per stage, 4 operands per stage; a stage is released
 after the step's accumulator has been read, i.e. its wgmma are done; each compute
 warpgroup waits for its previous TMA stores to have read its epilogue slot before
-writing it, then `commit_smem()`). With `pingpong` one more barrier (2 arrivals, the
-compute warpgroups) orders their wgmma issues: warpgroup 1 starts one turn behind
-and warpgroup 0 takes one extra turn at the end, so both pass it equally often.
-No atomics.
+writing it, then `commit_smem()`). No barrier is shared by the two compute
+warpgroups; no atomics.
 
 The FFN (`fp8_grouped_swiglu_ffn`) runs its four row GEMMs (gate/up, down, da, dx)
 in FP8 and its two weight gradients with grouped_gemm's bf16 wgrad: an FP8 wgrad needs
@@ -75,8 +73,9 @@ from pallas_kernels import device as device_lib
 from pallas_kernels import fp8
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
 from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _NONE, KernelConfig,
-                                         _row_tile_plan, gmm_wgrad, num_row_tiles,
-                                         resolve_interpret, swiglu_grad)
+                                         _pad_axis, _round_up, _row_tile_plan, gmm_wgrad,
+                                         num_row_tiles, read_plan, resolve_interpret,
+                                         swiglu_grad)
 from pallas_kernels.tma import ladder_store
 
 _NUM_COMPUTE_WGS = 2
@@ -94,14 +93,12 @@ class Fp8Config:
   warpgroup (64 or 128: a divisor of the 128-column scale block); block_m * block_n <= 8192 (two float32
   accumulators per warpgroup). max_concurrent_steps: pipeline stages (clamped to
   what fits). num_sms: persistent grid size (None: the device's SM count).
-  pingpong: the compute warpgroups alternate their wgmma issues (see `_fp8_kernel`).
   """
 
   block_m: int = 64
   block_n: int = 128
   max_concurrent_steps: int = 4
   num_sms: Optional[int] = None
-  pingpong: bool = False
 
   def __post_init__(self):
     if self.block_m < 64 or self.block_m & (self.block_m - 1):
@@ -131,27 +128,21 @@ def _stages(config: Fp8Config, out_itemsize: int, k_blocks: int,
 
 
 def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_tiles: int,
-                n_tiles: int, k_blocks: int, block_m: int, wg_n: int, stages: int,
-                pingpong: bool):
+                n_tiles: int, k_blocks: int, block_m: int, wg_n: int, stages: int):
   """The kernel body: tiles (t, nt) of the row-tile plan (5 x num_tiles int32) and the
-  column tiles. pingpong: the two compute warpgroups take turns issuing their wgmma
-  (a barrier of both after each issue, warpgroup 1 one turn behind), so that one's
-  promotion overlaps the other's MMA."""
+  column tiles."""
   cta_n = _NUM_COMPUTE_WGS * wg_n
   transforms = (plgpu.TilingTransform((8, QUANT_BLOCK)), plgpu.SwizzleTransform(128))
   acc_layout = plgpu.Layout.WGMMA
 
-  def make_pipeline(compute_context, k_steps, sched):
+  def make_pipeline(compute_context, k_steps):
     def step(_, a_smem, b_smem, as_smem, bs_smem, carry):
       wg = lax.axis_index("wg")
       b = b_smem.at[pl.ds(wg * wg_n, wg_n), :].transpose((1, 0))   # K-major B
 
       def mma(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b)
-        if sched is not None:   # the other warpgroup may issue now
-          plgpu.barrier_arrive(sched)
-          plgpu.barrier_wait(sched)
-        return acc_ref[...]
+        return acc_ref[...]   # waits for the wgmma
 
       part = pl.run_scoped(mma, plgpu.ACC((block_m, wg_n), jnp.float32))
       # this warpgroup's wg_n columns lie in one 128-column scale block: its scale is
@@ -182,34 +173,21 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
             bs_gmem.at[group, :, cols])
 
   ignore = lambda *_, **__: None
-  alloc_pipeline = make_pipeline(ignore, jnp.int32(k_blocks), None)
-  sched_alloc = dict(sched=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS)) if pingpong else {}
+  alloc_pipeline = make_pipeline(ignore, jnp.int32(k_blocks))
 
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=alloc_pipeline.get_allocations(*views(0, 0, 0)),
       epi_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, block_m, wg_n), out_gmem.dtype),
       collective_axes="wg",
-      **sched_alloc,
   )
-  def _scope(pipeline_allocs, epi_smem, sched=None):
+  def _scope(pipeline_allocs, epi_smem):
     wg = lax.axis_index("wg")
-
-    def turn():
-      plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(sched)
-
-    if pingpong:   # warpgroup 1 starts one turn behind warpgroup 0
-      pl.when(wg == 1)(turn)
 
     def tile(lin):
       t = lin // n_tiles
       nt = lin % n_tiles
-      group = plan_gmem[t]
-      load_row = pl.multiple_of(plan_gmem[num_tiles + t], GROUP_TILE_ALIGN)
-      lo = plan_gmem[2 * num_tiles + t]
-      hi = plan_gmem[3 * num_tiles + t]
-      kind = plan_gmem[4 * num_tiles + t]
+      group, load_row, lo, hi, kind = read_plan(plan_gmem, t, num_tiles, GROUP_TILE_ALIGN)
 
       def compute_context(eval_pipeline):
         acc = eval_pipeline(
@@ -224,7 +202,7 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
       @pl.when(kind != _NONE)
       def _():
         k_steps = jnp.where(kind == _COMPUTE, k_blocks, 0)   # zero tiles: no MMA
-        make_pipeline(compute_context, k_steps, sched)(
+        make_pipeline(compute_context, k_steps)(
             *views(group, load_row, nt), allocations=pipeline_allocs)
 
     @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
@@ -232,13 +210,26 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
       (s,) = loop_info.index
       tile(s)
 
-    if pingpong:   # warpgroup 0 takes the turn warpgroup 1 started with
-      pl.when(wg == 0)(turn)
-
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def check_fp8_hardware(device=None) -> None:
+  """e4m3 wgmma needs FP8 tensor cores: compute capability 8.9 or newer (ValueError)."""
+  device = device or jax.devices()[0]
+  cc = getattr(device, "compute_capability", None)
+  try:
+    major, minor = (int(v) for v in str(cc).split(".")[:2])
+  except ValueError:
+    major, minor = 0, 0
+  if (major, minor) < (8, 9):
+    raise ValueError(f"the FP8 grouped GEMM needs FP8 tensor cores (compute capability "
+                     f">= 8.9); device {device.device_kind!r} has {cc}")
+
+
 def _launch(body_kw, plan, operands, out_type, config: Fp8Config, interpret):
+  interpret = resolve_interpret(interpret)
+  if interpret is False and not device_lib.lowering_only():
+    check_fp8_hardware()
   kernel = device_lib.kernel(
       functools.partial(_fp8_kernel, **body_kw),
       kernel_name="fp8_grouped_gemm",
@@ -247,7 +238,7 @@ def _launch(body_kw, plan, operands, out_type, config: Fp8Config, interpret):
       grid_names=("sm",),
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
-      interpret=resolve_interpret(interpret),
+      interpret=interpret,
   )
   return kernel(plan, *operands)
 
@@ -261,18 +252,6 @@ def _check_fp8(**arrays):
 def _check_scales(name, s, shape):
   if tuple(s.shape) != tuple(shape) or s.dtype != jnp.float32:
     raise ValueError(f"{name} must be float32 {tuple(shape)}, got {s.dtype} {tuple(s.shape)}")
-
-
-def _pad(x, axis, size):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
@@ -300,16 +279,15 @@ def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
   _check_scales("b_scales", b_scales, (g, kb, n))
   cta_n = _NUM_COMPUTE_WGS * config.block_n
   m_p, n_p = _round_up(m, config.block_m), _round_up(n, cta_n)
-  a_p = _pad(a, 0, m_p)
-  as_t = _pad(a_scales, 0, m_p).T           # [K/128, M]: one block's scales contiguous
-  b_p = _pad(b, 1, n_p)
-  bs_p = _pad(b_scales, 2, n_p)
+  a_p = _pad_axis(a, 0, m_p)
+  as_t = _pad_axis(a_scales, 0, m_p).T           # [K/128, M]: one block's scales contiguous
+  b_p = _pad_axis(b, 1, n_p)
+  bs_p = _pad_axis(b_scales, 2, n_p)
   plan = _row_tile_plan(group_sizes, m_p, config.block_m, zero_window)
   num_tiles = num_row_tiles(m_p, g, config.block_m)
   body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb,
                  block_m=config.block_m, wg_n=config.block_n,
-                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb),
-                 pingpong=config.pingpong)
+                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb))
   out = _launch(body_kw, plan, (a_p, as_t, b_p, bs_p),
                 jax.ShapeDtypeStruct((m_p, n_p), out_dtype), config, interpret)
   return out[:m, :n] if (m_p, n_p) != (m, n) else out

@@ -375,6 +375,13 @@ def _row_tile_plan(group_sizes, m: int, block_m: int, zero_window: Optional[int]
 # ----------------------------------------------------------------------------
 
 
+def read_plan(plan_gmem, t, num_tiles: int, load_align: int):
+  """Row tile t of a `_row_tile_plan` work list in GMEM: (group, load_row, lo, hi, kind)."""
+  return (plan_gmem[t], pl.multiple_of(plan_gmem[num_tiles + t], load_align),
+          plan_gmem[2 * num_tiles + t], plan_gmem[3 * num_tiles + t],
+          plan_gmem[4 * num_tiles + t])
+
+
 def _store_epilogue(vals, out_gmems, epi_smem, *, smem_row, gmem_row, count, rows: int,
                     col0, ragged: bool):
   """Each compute warpgroup stores its [rows, wg_n] values through its own SMEM slot
@@ -569,11 +576,7 @@ def _row_tiled_kernel(plan_gmem, *refs, mode: str, transpose_b: bool, save_hu: b
     def tile(lin):
       t = lin // n_tiles
       nt = lin % n_tiles
-      group = plan_gmem[t]
-      load_row = pl.multiple_of(plan_gmem[num_tiles + t], load_align)
-      lo = plan_gmem[2 * num_tiles + t]
-      hi = plan_gmem[3 * num_tiles + t]
-      kind = plan_gmem[4 * num_tiles + t]
+      group, load_row, lo, hi, kind = read_plan(plan_gmem, t, num_tiles, load_align)
 
       @pl.when(kind != _NONE)
       def _live_tile():

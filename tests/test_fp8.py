@@ -1,6 +1,6 @@
 """FP8: the e4m3 block quantisation (pallas_kernels/fp8.py), the FP8 grouped GEMM in the
 Mosaic GPU interpret mode against a float64 oracle of the quantised operands
-(pallas_kernels/fp8_gemm.py), the FP8 SwiGLU FFN and the layer with precision="fp8"."""
+(pallas_kernels/fp8_gemm.py), and the FP8 SwiGLU FFN with its VJP."""
 
 import functools
 
@@ -10,13 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import uniep_jax
 from pallas_kernels import fp8
 from pallas_kernels import fp8_gemm as fg
 from pallas_kernels import grouped_gemm as gg
-from uniep_jax import KernelConfig, UniEPConfig
-from conftest import make_mesh
-from moe_testlib import make_params, make_x, rel_err
+from pallas_kernels.grouped_gemm import KernelConfig
+from moe_testlib import rel_err
 
 CFG = fg.Fp8Config(num_sms=4)
 
@@ -185,65 +183,10 @@ def test_fp8_ffn_matches_the_quantised_reference_and_is_deterministic():
   chex.assert_trees_all_equal(y, jax.jit(ffn)(x, w1, w2, gs))
 
 
-# --- the layer with precision="fp8" --------------------------------------------------
-
-E, H, F = 4, 128, 128
-FP8 = UniEPConfig(backend="pallas", kernel=KernelConfig(num_sms=2), precision="fp8")
+# --- bad input ------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _layer_fn(cfg, ep):
-  """jit of (y, aux) and the gradients of a loss of y, in one program."""
-  mesh = None if cfg.backend == "dense_reference" else make_mesh(1, ep)
-
-  def loss(x, p):
-    y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=cfg)
-    return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(H, dtype=jnp.float32))), (y, aux)
-
-  return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
-
-
-@functools.lru_cache(maxsize=None)
-def _layer(cfg, ep):
-  p = make_params(jax.random.key(0), experts=E, hidden=H, ffn=F, dtype=jnp.bfloat16)
-  x = make_x(jax.random.key(1), 64, H, jnp.bfloat16)
-  return jax.device_get(_layer_fn(cfg, ep)(x, p)), (x, p)
-
-
-def test_layer_fp8_against_the_reference():
-  """"pallas" with precision="fp8" at EP 1 and 2 (EP 4 runs the same per-rank program
-  as EP 2; tests/test_moe_pallas.py covers the backend's plumbing at EP 4): output and
-  gradients within FP8's precision of the float32 oracle, nothing dropped, EP 2 equal
-  to EP 1 bit for bit (the same rows through the same tiles and the same per-expert
-  weight scales; the router's float32 gradient sums the shards' parts), repeatable."""
-  ref_grads, (y_r, _) = _layer(UniEPConfig(backend="dense_reference"), 1)[0]
-  y_x = _layer(UniEPConfig(backend="xla_dropless"), 1)[0][1][0]
-  for ep in (1, 2):
-    grads, (y, aux) = _layer(FP8, ep)[0]
-    assert int(aux["dropped"]) == 0
-    assert rel_err(y, y_r) < 0.1
-    assert rel_err(y, y_x) > 5e-3     # FP8 really ran (bf16 backends agree to ~2e-3)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-      assert rel_err(a, b) < 0.15
-  (dx1, dp1), (y1, _) = _layer(FP8, 1)[0]
-  (dx2, dp2), (y2, _) = _layer(FP8, 2)[0]
-  chex.assert_trees_all_equal((y2, dx2, dp2.w_gate_up, dp2.w_down),
-                              (y1, dx1, dp1.w_gate_up, dp1.w_down))
-  assert rel_err(dp2.router, dp1.router) < 1e-6
-  x, p = _layer(FP8, 1)[1]
-  chex.assert_trees_all_equal(jax.device_get(_layer_fn(FP8, 1)(x, p)), _layer(FP8, 1)[0])
-
-
-def test_fp8_bad_configuration_names_both():
-  with pytest.raises(ValueError, match="precision='fp8'.*xla_dropless"):
-    UniEPConfig(backend="xla_dropless", precision="fp8")
-  with pytest.raises(ValueError, match="precision='fp9' is unknown"):
-    UniEPConfig(backend="pallas", precision="fp9")
-  from uniep_jax.config import OverlapConfig
-  with pytest.raises(ValueError, match="precision='fp8' with overlap"):
-    UniEPConfig(backend="uniep", precision="fp8", overlap=OverlapConfig())
-  from uniep_jax.validate import check_fp8_hardware
-
+def test_bad_input_is_refused_naming_it():
   class A100:
     device_kind = "NVIDIA A100-SXM4-80GB"
     compute_capability = "8.0"
@@ -252,12 +195,40 @@ def test_fp8_bad_configuration_names_both():
     device_kind = "NVIDIA H100 80GB HBM3"
     compute_capability = "9.0"
 
-  with pytest.raises(ValueError, match="precision='fp8' on backend='pallas'.*A100.*8.0"):
-    check_fp8_hardware("pallas", A100())
-  check_fp8_hardware("pallas", H100())
+  with pytest.raises(ValueError, match="FP8 tensor cores.*A100.*8.0"):
+    fg.check_fp8_hardware(A100())
+  fg.check_fp8_hardware(H100())
   with pytest.raises(ValueError, match="block_n=256"):
     fg.Fp8Config(block_n=256)
+  with pytest.raises(ValueError, match="block_m \\* block_n"):
+    fg.Fp8Config(block_m=128, block_n=128)
+  a8 = jnp.zeros((64, 128), fp8.FP8_DTYPE)
+  gs = jnp.array([64], jnp.int32)
   with pytest.raises(ValueError, match="b.dtype"):
-    fg.fp8_gmm(jnp.zeros((64, 128), fp8.FP8_DTYPE), jnp.ones((64, 1)),
-               jnp.zeros((1, 128, 128), jnp.bfloat16), jnp.ones((1, 1, 128)),
-               jnp.array([64], jnp.int32))
+    fg.fp8_gmm(a8, jnp.ones((64, 1)), jnp.zeros((1, 128, 128), jnp.bfloat16),
+               jnp.ones((1, 1, 128)), gs)
+  with pytest.raises(ValueError, match="a_scales must be float32 \\(64, 1\\)"):
+    fg.fp8_gmm(a8, jnp.ones((64, 2)), jnp.zeros((1, 128, 128), fp8.FP8_DTYPE),
+               jnp.ones((1, 1, 128)), gs)
+  with pytest.raises(ValueError, match="K must agree"):
+    fg.fp8_gmm(a8, jnp.ones((64, 1)), jnp.zeros((1, 128, 256), fp8.FP8_DTYPE),
+               jnp.ones((1, 2, 128)), gs)
+
+
+def test_fp8_ffn_lowers_for_cuda():
+  """The FFN's forward and backward (FP8 kernels, quantisation, bf16 wgrads) lower to
+  Mosaic GPU custom calls on this CPU machine, in both tilings: what the GPU compiles.
+  (Lowering checks layouts and shapes; only a GPU run checks the kernels' timing.)"""
+  from pallas_kernels import device as device_lib
+  S = jax.ShapeDtypeStruct
+  m, h, f, g = 512, 256, 192, 4
+  for cfg in (fg.Fp8Config(num_sms=132), fg.Fp8Config(block_m=128, block_n=64, num_sms=132)):
+    def train(x, w1, w2, gs, dy, cfg=cfg):
+      y, vjp = jax.vjp(lambda *a: fg.fp8_grouped_swiglu_ffn(
+          *a, gs, config=cfg, wgrad_config=KernelConfig(num_sms=132)), x, w1, w2)
+      return y, vjp(dy)
+    with device_lib.lowering_for_gpu():
+      text = jax.jit(train).trace(
+          S((m, h), jnp.bfloat16), S((g, h, 2 * f), jnp.bfloat16), S((g, f, h), jnp.bfloat16),
+          S((g,), jnp.int32), S((m, h), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("fp8_grouped_gemm") >= 4   # gate/up, down, da, dx

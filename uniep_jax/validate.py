@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import operator
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.row_gather import ROW_ALIGN_BYTES
@@ -111,8 +110,6 @@ def check_kernel_inputs(config: UniEPConfig, platform: str, transport: str, x,
   if backend not in PALLAS_BACKENDS or platform != "gpu":
     return
   check_kernel_dtypes(backend, platform, x, params)
-  if config.precision == "fp8":
-    check_fp8_hardware(backend)
   transfer = config.transfer or TransferConfig()
   if transport == "nvlink" and config.replica_slots:
     # replica weights move as rows of 2F (gate/up) and H (down) elements
@@ -128,19 +125,6 @@ def check_kernel_inputs(config: UniEPConfig, platform: str, transport: str, x,
                      f"of {ROW_ALIGN_BYTES} bytes on GPUs (a hidden size of a multiple of "
                      f"{ROW_ALIGN_BYTES // jnp.dtype(x.dtype).itemsize}); use backend 'pallas' "
                      f"(the same bits over XLA collectives)")
-
-
-def check_fp8_hardware(backend: str, device=None) -> None:
-  """precision='fp8' needs e4m3 tensor cores: compute capability 8.9 (Ada) or newer."""
-  device = device or jax.devices()[0]
-  cc = getattr(device, "compute_capability", None)
-  try:
-    major, minor = (int(v) for v in str(cc).split(".")[:2])
-  except ValueError:
-    major, minor = 0, 0
-  if (major, minor) < (8, 9):
-    raise ValueError(f"precision='fp8' on backend={backend!r} needs FP8 tensor cores "
-                     f"(compute capability >= 8.9); {device.device_kind} has {cc}")
 
 
 def check_kernel_dtypes(backend: str, platform: str, x, params: MoEParams) -> None:
