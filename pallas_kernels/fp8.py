@@ -15,8 +15,10 @@ amax(block) / s <= 448 (E4M3's largest finite value), so
   * q = round_to_nearest_even(x / s) is the only rounding (x / s is exact), and
     saturation never happens: |x / s| <= 448 by construction;
   * dequantisation q * s is exact, and so is applying a scale to a float32
-    partial sum inside a kernel: the FP8 GEMM's float32 result differs from the
-    same math in float64 only by its float32 accumulation;
+    partial sum inside a kernel (while the products of scales and partial sums stay
+    normal float32 numbers, as they do for any data short of 2^-126 or 2^127): the
+    FP8 GEMM computes the product of the dequantised operands, its only other
+    roundings those of its accumulation;
   * an all-zero block gets s = 1 (q = 0); a block holding inf or NaN gets s = NaN,
     so the product is NaN (the training loop then skips the step): nothing non-finite
     is hidden by a scale.
@@ -53,7 +55,9 @@ def pow2_scale(amax):
   """The smallest power of two s with amax / s <= E4M3_MAX (float32, elementwise);
   1 where amax == 0, NaN where amax is not finite."""
   amax = amax.astype(jnp.float32)
-  ratio = amax / E4M3_MAX
+  # at least 2^-126: a subnormal ratio (amax < 448 * 2^-126) may be flushed to zero or
+  # give frexp a wrong exponent; such a block takes the smallest normal scale
+  ratio = jnp.maximum(amax / E4M3_MAX, 2.0 ** _MIN_EXP)
   mant, exp = jnp.frexp(ratio)   # ratio = mant * 2^exp, mant in [0.5, 1)
   # ratio is a power of two exactly when mant == 0.5: then 2^(exp - 1) is enough
   exp = jnp.where(mant == 0.5, exp - 1, exp)

@@ -20,10 +20,12 @@ Accumulation (DeepSeek-V3's recipe): each kb's product runs on the tensor cores
 into a fresh float32 accumulator (4 wgmma of k = 32), is scaled on the CUDA cores
 by its row's scale times the warpgroup's column-block scale (one multiply-add per
 element), and added to the running float32 sum, kb in increasing order. Scales are
-powers of two, so the scaling is exact; the only roundings are the tensor cores'
-within a block and the float32 sum across blocks, both in a fixed order: bitwise
-deterministic, and a row's result depends only on that row, its group's weights and
-K (row-split invariant).
+powers of two, so the scaling is exact (`fp8.py`); the only roundings are the tensor
+cores' within a block (Hopper accumulates e4m3 products at reduced precision: on an
+H200 the result is within ~1.3e-4, relative, of the float32 product of the dequantised
+operands; the CPU interpret mode's dot is exact float32) and the float32 sum across
+blocks, both in a fixed order: bitwise deterministic, and a row's result depends only
+on that row, its group's weights and K (row-split invariant).
 
 Tiling
 ------
@@ -47,8 +49,8 @@ Synchronisation: that of grouped_gemm.py's row-tiled kernel (the pipeline's
 produced/consumed barriers per stage, 4 operands per stage; a stage is released
 after the step's accumulator has been read, i.e. its wgmma are done; each compute
 warpgroup waits for its previous TMA stores to have read its epilogue slot before
-writing it, then `commit_smem()`). No barrier is shared by the two compute
-warpgroups; no atomics.
+writing it, then `commit_smem()`). The compute warpgroups meet only in the
+pipeline's consumed barriers (2 arrivals); neither waits for the other. No atomics.
 
 The FFN (`fp8_grouped_swiglu_ffn`) runs its four row GEMMs (gate/up, down, da, dx)
 in FP8 and its two weight gradients with grouped_gemm's bf16 wgrad: an FP8 wgrad needs
@@ -74,8 +76,8 @@ from pallas_kernels import fp8
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
 from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _NONE, KernelConfig,
                                          _pad_axis, _round_up, _row_tile_plan, gmm_wgrad,
-                                         num_row_tiles, read_plan, resolve_interpret,
-                                         swiglu_grad)
+                                         num_row_tiles, read_plan, reference_gmm_wgrad,
+                                         resolve_interpret, swiglu_grad)
 from pallas_kernels.tma import ladder_store
 
 _NUM_COMPUTE_WGS = 2
@@ -411,7 +413,9 @@ def fp8_grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
   Weights stay in their dtype; their quantised copies are made per call, once for the
   forward and backward. zero_dead_rows=False: rows of y and dx past
   round_up(sum(group_sizes), W) are left undefined (never written), W the larger of
-  block_m and the wgrad's block_k (the wgrad reads [dh | du] that far)."""
+  block_m and the wgrad's block_k (the wgrad reads [dh | du] that far); the
+  cotangent dy must then be finite in that window (the dw_down wgrad multiplies its
+  rows there by zeros)."""
   two_f = w_gate_up.shape[-1]
   if w_gate_up.ndim != 3 or two_f % 2 or w_down.ndim != 3 or w_down.shape[1] != two_f // 2:
     raise ValueError(f"w_gate_up {w_gate_up.shape} must be [G, H, 2F] and w_down "
@@ -445,7 +449,24 @@ def reference_fp8_gmm(x, w, group_sizes, *, transpose: bool = False):
 
 def reference_fp8_swiglu_ffn(x, w_gate_up, w_down, group_sizes):
   """The forward of `fp8_grouped_swiglu_ffn` with `reference_fp8_gmm` (same casts)."""
+  return reference_fp8_swiglu_vjp(x, w_gate_up, w_down, group_sizes)[0]
+
+
+def reference_fp8_swiglu_vjp(x, w_gate_up, w_down, group_sizes, dy=None):
+  """(y, dx, dw_gate_up, dw_down) of `fp8_grouped_swiglu_ffn` in plain JAX: the same
+  quantised operands and casts, products at float32 HIGHEST precision, the weight
+  gradients (float32) from `grouped_gemm.reference_gmm_wgrad`. dy None: y only."""
   f = w_down.shape[1]
   hu = reference_fp8_gmm(x, w_gate_up, group_sizes).astype(x.dtype)
-  a = (jax.nn.silu(hu[:, :f].astype(jnp.float32)) * hu[:, f:].astype(jnp.float32)).astype(x.dtype)
-  return reference_fp8_gmm(a, w_down, group_sizes).astype(x.dtype)
+  h, u = hu[:, :f], hu[:, f:]
+  a = (jax.nn.silu(h.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+  y = reference_fp8_gmm(a, w_down, group_sizes).astype(x.dtype)
+  if dy is None:
+    return y, None, None, None
+  dy = dy.astype(x.dtype)
+  da = reference_fp8_gmm(dy, w_down, group_sizes, transpose=True)
+  dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
+  dhu = jnp.concatenate([dh, du], axis=-1).astype(x.dtype)
+  dx = reference_fp8_gmm(dhu, w_gate_up, group_sizes, transpose=True).astype(x.dtype)
+  return (y, dx, reference_gmm_wgrad(x, dhu, group_sizes, out_dtype=jnp.float32),
+          reference_gmm_wgrad(a, dy, group_sizes, out_dtype=jnp.float32))
