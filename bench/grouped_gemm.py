@@ -380,9 +380,10 @@ def main(argv=None):
   p.add_argument("--block-k", type=int, default=KernelConfig.block_k)
   p.add_argument("--stages", type=int, default=KernelConfig.max_concurrent_steps)
   p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
-  p.add_argument("--fp8-tiles", default="64x128,64x128p,128x64p",
-                 help="FP8 kernel tilings timed side by side: block_m x block_n, 'p' for "
-                      "pingpong; the first one runs the FFN and the checks")
+  p.add_argument("--fp8-tiles", default="64x128,128x64,64x128k2",
+                 help="FP8 kernel tilings timed side by side: block_m x block_n, 'k2' for "
+                      "two 128-K blocks per pipeline step (Fp8Config.blocks_per_step); the "
+                      "first one runs the FFN and the checks")
   p.add_argument("--fp8-stages", type=int, default=4)
   args = p.parse_args(argv)
   unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
@@ -397,10 +398,11 @@ def main(argv=None):
     from pallas_kernels.fp8_gemm import Fp8Config
     fp8_config = {}
     for spec in args.fp8_tiles.split(","):
-      bm, bn = spec.rstrip("p").split("x")
+      tiles, _, blocks = spec.partition("k")
+      bm, bn = tiles.split("x")
       fp8_config[spec] = Fp8Config(block_m=int(bm), block_n=int(bn),
                                    max_concurrent_steps=args.fp8_stages,
-                                   pingpong=spec.endswith("p"))
+                                   blocks_per_step=int(blocks or 1))
   tag = "_fp8" if fp8_config else ""
   path = os.path.join(args.out, f"grouped_gemm{tag}_{device_lib.device_name(dev)}.json")
   report = {"device": dev.device_kind, "num_sms": device_lib.num_sms(None, dev),

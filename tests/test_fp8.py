@@ -2,7 +2,6 @@
 Mosaic GPU interpret mode against a float64 oracle of the quantised operands
 (pallas_kernels/fp8_gemm.py), and the FP8 SwiGLU FFN with its VJP."""
 
-import functools
 
 import chex
 import jax
@@ -122,15 +121,18 @@ def _operands(seed, m, k, n, g, spread: int = 0):
 _INTERPRET_ATOL = 2e-6
 
 
-@pytest.mark.parametrize("tiles", [(64, 128), (128, 64)], ids=["64x128", "128x64"])
+@pytest.mark.parametrize("tiles", [(64, 128, 1), (128, 64, 1), (64, 128, 2)],
+                         ids=["64x128", "128x64", "64x128-2blocks"])
 @pytest.mark.parametrize("transpose", [False, True], ids=["fwd", "dgrad"])
 def test_fp8_gmm_matches_the_float64_oracle(transpose, tiles):
   """Row and block scales that differ everywhere (2^-8 .. 2^7), K and N not multiples of
-  128, more K blocks than pipeline stages, an empty group, a group ending mid-tile, dead
-  rows; both tilings. Each row's error is judged against that row's own magnitude."""
+  128, more K blocks than pipeline stages (and an odd count of them: padded for two
+  blocks per step), an empty group, a group ending mid-tile, dead rows; both tilings.
+  Each row's error is judged against that row's own magnitude."""
   m, k, n = 200, 300, 640 if transpose else 520
   sizes = jnp.array([70, 0, 37, 61], jnp.int32)   # 168 live rows of 200
-  cfg = fg.Fp8Config(block_m=tiles[0], block_n=tiles[1], max_concurrent_steps=2, num_sms=3)
+  cfg = fg.Fp8Config(block_m=tiles[0], block_n=tiles[1], blocks_per_step=tiles[2],
+                     max_concurrent_steps=2, num_sms=3)
   if transpose:   # dy [M, N] against w [G, K, N]
     x, w = _operands(0, m, n, k, 4, spread=8)
     w = jnp.swapaxes(w, 1, 2)
@@ -237,6 +239,8 @@ def test_bad_input_is_refused_naming_it():
   fg.check_fp8_hardware(H100())
   with pytest.raises(ValueError, match="block_n=256"):
     fg.Fp8Config(block_n=256)
+  with pytest.raises(ValueError, match="blocks_per_step=3"):
+    fg.Fp8Config(blocks_per_step=3)
   with pytest.raises(ValueError, match="block_m \\* block_n"):
     fg.Fp8Config(block_m=128, block_n=128)
   a8 = jnp.zeros((64, 128), fp8.FP8_DTYPE)
@@ -259,7 +263,8 @@ def test_fp8_ffn_lowers_for_cuda():
   from pallas_kernels import device as device_lib
   S = jax.ShapeDtypeStruct
   m, h, f, g = 512, 256, 192, 4
-  for cfg in (fg.Fp8Config(num_sms=132), fg.Fp8Config(block_m=128, block_n=64, num_sms=132)):
+  for cfg in (fg.Fp8Config(num_sms=132), fg.Fp8Config(block_m=128, block_n=64, num_sms=132),
+              fg.Fp8Config(num_sms=132, blocks_per_step=2)):
     def train(x, w1, w2, gs, dy, cfg=cfg):
       y, vjp = jax.vjp(lambda *a: fg.fp8_grouped_swiglu_ffn(
           *a, gs, config=cfg, wgrad_config=KernelConfig(num_sms=132)), x, w1, w2)
