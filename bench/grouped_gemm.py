@@ -292,7 +292,7 @@ def bench_shape_fp8(shape: MoeShape, load: str, configs, bf16_config: KernelConf
                                   fp8.quantise_rows(d)))
   (xq, xs), qw, (dq, ds) = prep(x, w, dout)
   names = list(configs)
-  k0, fwd8, dgrad8, ffn8, ffn8_train = _jitted_fp8(configs[names[0]], bf16_config)
+  _, fwd8, dgrad8, ffn8, ffn8_train = _jitted_fp8(configs[names[0]], bf16_config)
 
   if check_on:
     ends = np.cumsum(gs_np)

@@ -32,23 +32,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_gemm import _pad_axis, _round_up
+
 QUANT_BLOCK = 128
 E4M3_MAX = 448.0
 FP8_DTYPE = jnp.float8_e4m3fn
 # a scale's exponent stays a normal float32 exponent (2^-126 .. 2^127)
 _MIN_EXP, _MAX_EXP = -126, 127
-
-
-def round_up(x: int, m: int = QUANT_BLOCK) -> int:
-  return -(-x // m) * m
-
-
-def _pad_to(x, axis: int, size: int):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
 
 
 def pow2_scale(amax):
@@ -71,8 +61,8 @@ def quantise_rows(x):
   """x [M, K] -> (q [M, Kp] e4m3, s [M, Kp / 128] float32), Kp = round_up(K, 128):
   one scale per row and 128 consecutive columns."""
   m, k = x.shape
-  kp = round_up(k)
-  xb = _pad_to(x, 1, kp).astype(jnp.float32).reshape(m, kp // QUANT_BLOCK, QUANT_BLOCK)
+  kp = _round_up(k, QUANT_BLOCK)
+  xb = _pad_axis(x, 1, kp).astype(jnp.float32).reshape(m, kp // QUANT_BLOCK, QUANT_BLOCK)
   s = pow2_scale(jnp.max(jnp.abs(xb), axis=2))
   q = (xb / s[:, :, None]).astype(FP8_DTYPE)
   return q.reshape(m, kp), s
@@ -83,8 +73,8 @@ def quantise_blocks(w):
   scale per 128 x 128 block. The same (q, s) serve w (contraction over K) and its
   transpose (contraction over N)."""
   g, k, n = w.shape
-  kp, np_ = round_up(k), round_up(n)
-  wb = _pad_to(_pad_to(w, 1, kp), 2, np_).astype(jnp.float32)
+  kp, np_ = _round_up(k, QUANT_BLOCK), _round_up(n, QUANT_BLOCK)
+  wb = _pad_axis(_pad_axis(w, 1, kp), 2, np_).astype(jnp.float32)
   wb = wb.reshape(g, kp // QUANT_BLOCK, QUANT_BLOCK, np_ // QUANT_BLOCK, QUANT_BLOCK)
   s = pow2_scale(jnp.max(jnp.abs(wb), axis=(2, 4)))
   q = (wb / s[:, :, None, :, None]).astype(FP8_DTYPE)
@@ -120,4 +110,4 @@ def column_scales(block_scales, axis: int):
 
 __all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "pow2_scale", "quantise_rows",
            "quantise_blocks", "dequantise_rows", "dequantise_blocks",
-           "column_scales", "round_up"]
+           "column_scales"]

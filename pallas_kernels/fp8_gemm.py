@@ -76,27 +76,28 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import device as device_lib
 from pallas_kernels import fp8
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
-from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _NONE, KernelConfig,
-                                         _pad_axis, _round_up, _row_tile_plan, gmm_wgrad,
-                                         num_row_tiles, read_plan, reference_gmm_wgrad,
-                                         resolve_interpret, swiglu_grad)
+from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _MEMORY_REGISTERS, _NONE,
+                                         _NUM_COMPUTE_WGS, KernelConfig, _pad_axis, _round_up,
+                                         _row_tile_plan, fit_stages, gmm_wgrad, num_row_tiles,
+                                         read_plan, reference_gmm_wgrad, resolve_interpret,
+                                         swiglu_grad)
 from pallas_kernels.tma import ladder_store
 
-_NUM_COMPUTE_WGS = 2
-_MEMORY_REGISTERS = 40
-_SMEM_RESERVE = 1024
 _MAX_ACC_ELEMS = 64 * 128   # per accumulator and warpgroup: 64 registers per thread
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
-  """Tiling of the FP8 grouped GEMM. The contraction step is fixed at QUANT_BLOCK
-  (the scale block), so no field changes a bit of any result.
+  """Tiling of the FP8 grouped GEMM. The contraction runs in QUANT_BLOCK (the scale
+  block) steps in a fixed order whatever the fields, so no field changes a bit of any
+  result (but the sign of an exact zero: the zero blocks padding K for
+  blocks_per_step=2 add +0).
 
   block_m: rows per tile (a power of two, >= 64); block_n: columns per compute
-  warpgroup (64 or 128: a divisor of the 128-column scale block); block_m * block_n <= 8192 (two float32
-  accumulators per warpgroup). max_concurrent_steps: pipeline stages (clamped to
-  what fits). num_sms: persistent grid size (None: the device's SM count).
+  warpgroup (64 or 128: a divisor of the 128-column scale block); block_m * block_n
+  <= 8192 (64 registers per thread for each float32 accumulator of a warpgroup).
+  max_concurrent_steps: pipeline stages (clamped to what fits). num_sms: persistent
+  grid size (None: the device's SM count).
   blocks_per_step: 128-K blocks per pipeline stage. 2: both blocks' wgmma are issued
   before the first block's promotion, which then overlaps the second's MMA (a third
   float32 accumulator: block_m * block_n <= 8192 still, 192 registers per thread for
@@ -119,7 +120,8 @@ class Fp8Config:
                        f"{QUANT_BLOCK}-column scale block)")
     if self.block_m * self.block_n > _MAX_ACC_ELEMS:
       raise ValueError(f"block_m * block_n = {self.block_m * self.block_n} must be <= "
-                       f"{_MAX_ACC_ELEMS} (two float32 accumulators per warpgroup)")
+                       f"{_MAX_ACC_ELEMS} (64 registers per thread for each float32 "
+                       f"accumulator)")
     if self.max_concurrent_steps < 1:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
     if self.num_sms is not None and self.num_sms < 1:
@@ -129,15 +131,11 @@ class Fp8Config:
 def _stages(config: Fp8Config, out_itemsize: int, k_blocks: int,
             smem: int = device_lib.HOPPER_SMEM_BYTES) -> int:
   cta_n = _NUM_COMPUTE_WGS * config.block_n
-  stage = config.blocks_per_step * ((config.block_m + cta_n) * QUANT_BLOCK
-                                    + 4 * (config.block_m + cta_n))
+  # per 128-K block: the e4m3 A and B tiles and their float32 scale vectors
+  stage = config.blocks_per_step * (config.block_m + cta_n) * (QUANT_BLOCK + 4)
   epi = _NUM_COMPUTE_WGS * config.block_m * config.block_n * out_itemsize
-  fit = (smem - _SMEM_RESERVE - epi) // stage
-  steps = -(-k_blocks // config.blocks_per_step)
-  stages = min(config.max_concurrent_steps, max(steps, 1), fit)
-  if stages < 1:
-    raise ValueError(f"FP8 tile {config} does not fit in {smem} bytes of shared memory")
-  return int(stages)
+  return fit_stages(config.max_concurrent_steps, -(-k_blocks // config.blocks_per_step),
+                    stage, epi, smem)
 
 
 def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_tiles: int,
@@ -159,9 +157,9 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
       block = lambda ref, j: ref.at[:, pl.ds(j * QUANT_BLOCK, QUANT_BLOCK)]
 
       def mma(*accs):
-        # every block's wgmma issued first; block j read once at most
-        # blocks_per_step - 1 - j groups are still in flight, so its promotion runs
-        # while the later blocks' MMAs do
+        # every block's wgmma is issued first; block j is read once at most
+        # blocks_per_step - 1 - j wgmma groups are still in flight, so its promotion
+        # runs while the later blocks' MMAs do
         for j, acc in enumerate(accs):
           plgpu.wgmma(acc, block(a_smem, j), block(b_wg, j).transpose((1, 0)))  # K-major B
         out = carry
@@ -312,12 +310,11 @@ def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
   b_p = _pad_axis(_pad_axis(b, 1, n_p), 2, kb_p * QUANT_BLOCK)
   bs_p = jnp.pad(_pad_axis(b_scales, 2, n_p), ((0, 0), (0, kb_p - kb), (0, 0)),
                  constant_values=1.0)
-  kb = kb_p
   plan = _row_tile_plan(group_sizes, m_p, config.block_m, zero_window)
   num_tiles = num_row_tiles(m_p, g, config.block_m)
-  body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb,
+  body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb_p,
                  block_m=config.block_m, wg_n=config.block_n,
-                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb),
+                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb_p),
                  blocks_per_step=config.blocks_per_step)
   out = _launch(body_kw, plan, (a_p, as_t, b_p, bs_p),
                 jax.ShapeDtypeStruct((m_p, n_p), out_dtype), config, interpret)
@@ -331,7 +328,7 @@ def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
 
 @dataclasses.dataclass(frozen=True)
 class QuantisedWeight:
-  """A weight w [G, K, N] quantised once per step (`fp8.quantise_blocks`) in both
+  """A weight w [G, K, N] quantised once per FFN call (`fp8.quantise_blocks`) in both
   layouts the row kernel reads: `fwd` = w^T [G, Np, Kp] (a K-major copy: x @ w) and
   `dgrad` = w [G, Kp, Np] (dy @ w^T), each with its per-column scales."""
 

@@ -252,12 +252,20 @@ class _Launch:
     return _NUM_COMPUTE_WGS * self.epi_buffers * epi_rows * _EPI_N * self.out_itemsize
 
   def stages(self, requested: int, k_iters: int, epi_rows: int, smem: int) -> int:
-    fit = (smem - _SMEM_RESERVE - self.epilogue_bytes(epi_rows)) // self.stage_bytes()
-    stages = min(requested, max(k_iters, 1), fit)
-    if stages < 1:
-      raise ValueError(f"tile does not fit in {smem} bytes of shared memory: "
-                       f"stage {self.stage_bytes()} B + epilogue {self.epilogue_bytes(epi_rows)} B")
-    return int(stages)
+    return fit_stages(requested, k_iters, self.stage_bytes(), self.epilogue_bytes(epi_rows),
+                      smem)
+
+
+def fit_stages(requested: int, steps: int, stage_bytes: int, epilogue_bytes: int,
+               smem: int) -> int:
+  """Pipeline stages of a launch: `requested`, at most its `steps` (at least 1) and what
+  fits in `smem` bytes beside the epilogue and the barriers (ValueError if none does)."""
+  fit = (smem - _SMEM_RESERVE - epilogue_bytes) // stage_bytes
+  stages = min(requested, max(steps, 1), fit)
+  if stages < 1:
+    raise ValueError(f"tile does not fit in {smem} bytes of shared memory: "
+                     f"stage {stage_bytes} B + epilogue {epilogue_bytes} B")
+  return int(stages)
 
 
 def smem_bytes(config: KernelConfig, dtype=jnp.bfloat16, out_dtype=None, mode: str = "plain") -> int:
