@@ -277,9 +277,31 @@ def _jitted_fp8(config, bf16_config):
   return kernel, fwd, dgrad, ffn, jax.jit(ffn_train)
 
 
+def _kernel_table(fn, args, trace_dir: str, reps: int = 3, top: int = 16) -> dict:
+  """Per-kernel time of reps calls of a warmed-up jitted fn under jax.profiler.trace
+  (bench/profile_layer.py's reduction): {span and busy ms per call, top kernels}."""
+  import glob
+  from bench import profile_layer as pl_
+  jax.block_until_ready(fn(*args))
+  with jax.profiler.trace(trace_dir):
+    for _ in range(reps):
+      jax.block_until_ready(fn(*args))
+  path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+             key=os.path.getmtime)
+  for raw in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+    os.remove(raw)
+  table = pl_.summarize(*pl_._events(path), calls=reps, top=top)
+  dev = next(iter(table.values()))
+  return {"span_ms_per_call": dev["span_per_call_us"] / 1e3,
+          "busy_ms_per_call": dev["busy_per_call_us"] / 1e3,
+          "kernels": [{"name": k["name"], "count_per_call": k["count"] / reps,
+                       "ms_per_call": k["per_call_us"] / 1e3} for k in dev["kernels"]]}
+
+
 def bench_shape_fp8(shape: MoeShape, load: str, configs, bf16_config: KernelConfig, reps: int,
-                    trials: int, check_on: bool, log) -> dict:
-  """configs: {name: Fp8Config}; the first is the one the FFN and checks use."""
+                    trials: int, check_on: bool, log, profile_dir: str | None = None) -> dict:
+  """configs: {name: Fp8Config}; the first is the one the FFN and checks use.
+  profile_dir: also a per-kernel table of both FFNs' forward+backward (res["profile"])."""
   from pallas_kernels import fp8
   from pallas_kernels import fp8_gemm as fg
   m, h, f, g, gs_np, gs, ks, x, w, dout, flops, res = _shape_inputs(shape, load)
@@ -343,6 +365,19 @@ def bench_shape_fp8(shape: MoeShape, load: str, configs, bf16_config: KernelConf
   record("fp8_ffn_fwd", ffn8, x, wgu, wd, gs, flop=3 * flops)
   record("bf16_ffn_fwd_bwd", ffn_train, x, wgu, wd, gs, dy, flop=9 * flops)
   record("fp8_ffn_fwd_bwd", ffn8_train, x, wgu, wd, gs, dy, flop=9 * flops)
+  if profile_dir:
+    res["profile"] = {}
+    for name, fn in (("bf16_ffn_fwd_bwd", ffn_train), ("fp8_ffn_fwd_bwd", ffn8_train)):
+      try:
+        tab = _kernel_table(fn, (x, wgu, wd, gs, dy),
+                            os.path.join(profile_dir, f"trace_{shape.name}_{load}_{name}"))
+        res["profile"][name] = tab
+        log(f"  {shape.name:14s} {load:8s} profile {name}: busy {tab['busy_ms_per_call']:.3f} ms")
+        for k in tab["kernels"]:
+          log(f"      {k['ms_per_call']:8.3f} ms  x{k['count_per_call']:<5g} {k['name'][:70]}")
+      except Exception as e:
+        res["errors"][f"profile_{name}"] = f"{type(e).__name__}: {str(e)[:600]}"
+        log(f"  profile {name} FAILED {type(e).__name__}: {str(e)[:300]}")
   if check_on:
     try:
       res["rel_err"]["fp8_ffn_fwd_vs_bf16"] = rel_err(ffn8(x, wgu, wd, gs), ffn(x, wgu, wd, gs))
@@ -385,6 +420,9 @@ def main(argv=None):
                       "two 128-K blocks per pipeline step (Fp8Config.blocks_per_step); the "
                       "first one runs the FFN and the checks")
   p.add_argument("--fp8-stages", type=int, default=4)
+  p.add_argument("--profile", action="store_true",
+                 help="fp8: also a per-kernel profile of both FFNs' forward+backward "
+                      "(traces kept under --out)")
   args = p.parse_args(argv)
   unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
   if unknown:
@@ -423,7 +461,8 @@ def main(argv=None):
       try:
         if fp8_config:
           r = bench_shape_fp8(CONFIGS[name], load, fp8_config, config, args.reps, args.trials,
-                              not args.no_check, log)
+                              not args.no_check, log,
+                              profile_dir=args.out if args.profile else None)
         else:
           r = bench_shape(CONFIGS[name], load, config, args.reps, args.trials,
                           not args.no_check, log, args.lax_ragged_max_groups)
