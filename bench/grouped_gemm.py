@@ -415,10 +415,10 @@ def main(argv=None):
   p.add_argument("--block-k", type=int, default=KernelConfig.block_k)
   p.add_argument("--stages", type=int, default=KernelConfig.max_concurrent_steps)
   p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
-  p.add_argument("--fp8-tiles", default="64x128,128x64,64x128k2",
-                 help="FP8 kernel tilings timed side by side: block_m x block_n, 'k2' for "
-                      "two 128-K blocks per pipeline step (Fp8Config.blocks_per_step); the "
-                      "first one runs the FFN and the checks")
+  p.add_argument("--fp8-tiles", default="64x128,64x128r1,128x64",
+                 help="FP8 kernel tilings timed side by side: block_m x block_n, 'rR' for "
+                      "raster bands of R row tiles (Fp8Config.raster_rows; default auto); "
+                      "the first one runs the FFN and the checks")
   p.add_argument("--fp8-stages", type=int, default=4)
   p.add_argument("--profile", action="store_true",
                  help="fp8: also a per-kernel profile of both FFNs' forward+backward "
@@ -436,11 +436,11 @@ def main(argv=None):
     from pallas_kernels.fp8_gemm import Fp8Config
     fp8_config = {}
     for spec in args.fp8_tiles.split(","):
-      tiles, _, blocks = spec.partition("k")
+      tiles, _, raster = spec.partition("r")
       bm, bn = tiles.split("x")
       fp8_config[spec] = Fp8Config(block_m=int(bm), block_n=int(bn),
                                    max_concurrent_steps=args.fp8_stages,
-                                   blocks_per_step=int(blocks or 1))
+                                   raster_rows=int(raster) if raster else None)
   tag = "_fp8" if fp8_config else ""
   path = os.path.join(args.out, f"grouped_gemm{tag}_{device_lib.device_name(dev)}.json")
   report = {"device": dev.device_kind, "num_sms": device_lib.num_sms(None, dev),

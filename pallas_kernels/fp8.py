@@ -68,17 +68,36 @@ def quantise_rows(x):
   return q.reshape(m, kp), s
 
 
-def quantise_blocks(w):
-  """w [G, K, N] -> (q [G, Kp, Np] e4m3, s [G, Kp / 128, Np / 128] float32): one
-  scale per 128 x 128 block. The same (q, s) serve w (contraction over K) and its
-  transpose (contraction over N)."""
+def _blocks(w):
+  """w [G, K, N] zero-padded to multiples of 128 and viewed as [G, Kb, 128, Nb, 128]."""
   g, k, n = w.shape
   kp, np_ = _round_up(k, QUANT_BLOCK), _round_up(n, QUANT_BLOCK)
-  wb = _pad_axis(_pad_axis(w, 1, kp), 2, np_).astype(jnp.float32)
-  wb = wb.reshape(g, kp // QUANT_BLOCK, QUANT_BLOCK, np_ // QUANT_BLOCK, QUANT_BLOCK)
+  wp = _pad_axis(_pad_axis(w, 1, kp), 2, np_)
+  return wp.reshape(g, kp // QUANT_BLOCK, QUANT_BLOCK, np_ // QUANT_BLOCK, QUANT_BLOCK)
+
+
+def _scaled(wb, inv):
+  """e4m3 of the blocks wb [G, Bk, 128, Bn, 128] times inv [G, Bk, Bn] (1 / scale, a
+  power of two: exact), as [G, Bk * 128, Bn * 128]."""
+  g, bk, _, bn, _ = wb.shape
+  q = (wb.astype(jnp.float32) * inv[:, :, None, :, None]).astype(FP8_DTYPE)
+  return q.reshape(g, bk * QUANT_BLOCK, bn * QUANT_BLOCK)
+
+
+def quantise_blocks(w, *, transposed: bool = False):
+  """w [G, K, N] -> (q [G, Kp, Np] e4m3, s [G, Kp / 128, Np / 128] float32): one
+  scale per 128 x 128 block. The same (q, s) serve w (contraction over K) and its
+  transpose (contraction over N). transposed: also q^T [G, Np, Kp] (the K-major copy
+  of the contraction over K), quantised from w's transposed blocks, not transposed
+  in e4m3 (one pass less over the weight); returns (q, s, q^T)."""
+  wb = _blocks(w)
+  # |w| and its max are exact in w's dtype; the scale's reciprocal is a power of two
   s = pow2_scale(jnp.max(jnp.abs(wb), axis=(2, 4)))
-  q = (wb / s[:, :, None, :, None]).astype(FP8_DTYPE)
-  return q.reshape(g, kp, np_), s
+  inv = 1.0 / s
+  q = _scaled(wb, inv)
+  if not transposed:
+    return q, s
+  return q, s, _scaled(_blocks(jnp.swapaxes(w, 1, 2)), jnp.swapaxes(inv, 1, 2))
 
 
 def dequantise_rows(q, s):

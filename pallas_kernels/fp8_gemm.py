@@ -32,18 +32,19 @@ Tiling
 CTA = 2 compute warpgroups + 1 memory warpgroup (`emit_pipeline_warp_specialized`).
 CTA tile block_m x (2 block_n); compute warpgroup w owns columns
 [w block_n, (w + 1) block_n), which lie in one 128-column scale block (block_n
-divides 128). Each warpgroup holds float32 accumulators of block_m x block_n: the
-running sum and one block product per 128-K block of a pipeline step
-(`blocks_per_step`, 1 or 2: with 2 the first block's promotion overlaps the second
-block's MMA), so block_m * block_n <= 8192 (64 x 128 or 128 x 64: 64 registers per
-thread and accumulator). Row tiles come from grouped_gemm's work list
-(`_row_tile_plan`: a group's rows from its first row rounded down to 8, only its last
-tile partial, dead rows as zero tiles without MMA). A persistent grid of num_sms CTAs
-walks the (row tile, column tile) grid row-major with `plgpu.nd_loop`.
+divides 128). Each warpgroup holds two float32 accumulators of block_m x block_n
+(the running sum and the current 128-K block's product), so block_m * block_n <=
+8192 (64 x 128 or 128 x 64: 64 registers per thread and accumulator); while one
+warpgroup promotes its block, the other's wgmma keep the tensor cores busy. Row
+tiles come from grouped_gemm's work list (`_row_tile_plan`: a group's rows from its
+first row rounded down to 8, only its last tile partial, dead rows as zero tiles
+without MMA). A persistent grid of num_sms CTAs walks the (row tile, column tile)
+grid with `plgpu.nd_loop` in grouped_gemm's raster bands (`_raster`, `raster_rows`:
+the tiles in flight share weight tiles in L2).
 
-Buffers (SMEM, per stage, 128-byte swizzle on the operands; b = blocks_per_step):
-  A [block_m, 128 b] e4m3, B [2 block_n, 128 b] e4m3, row scales [b, block_m] f32,
-  column scales [b, 2 block_n] f32: 40 KiB + 1.3 KiB per block at 64 x 128;
+Buffers (SMEM, per stage, 128-byte swizzle on the operands):
+  A [block_m, 128] e4m3, B [2 block_n, 128] e4m3, row scales [1, block_m] f32,
+  column scales [1, 2 block_n] f32: 25.3 KiB at 64 x 128;
   epilogue [2 warpgroups, block_m, block_n] in the output dtype (unswizzled: ragged
   row ranges are stored with the power-of-two TMA ladder, `tma.ladder_store`).
 
@@ -77,10 +78,10 @@ from pallas_kernels import device as device_lib
 from pallas_kernels import fp8
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
 from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _MEMORY_REGISTERS, _NONE,
-                                         _NUM_COMPUTE_WGS, KernelConfig, _pad_axis, _round_up,
-                                         _row_tile_plan, fit_stages, gmm_wgrad, num_row_tiles,
-                                         read_plan, reference_gmm_wgrad, resolve_interpret,
-                                         swiglu_grad)
+                                         _NUM_COMPUTE_WGS, KernelConfig, _pad_axis, _raster,
+                                         _round_up, _row_tile_plan, auto_raster_rows, fit_stages,
+                                         gmm_wgrad, num_row_tiles, read_plan,
+                                         reference_gmm_wgrad, resolve_interpret, swiglu_grad)
 from pallas_kernels.tma import ladder_store
 
 _MAX_ACC_ELEMS = 64 * 128   # per accumulator and warpgroup: 64 registers per thread
@@ -90,29 +91,26 @@ _MAX_ACC_ELEMS = 64 * 128   # per accumulator and warpgroup: 64 registers per th
 class Fp8Config:
   """Tiling of the FP8 grouped GEMM. The contraction runs in QUANT_BLOCK (the scale
   block) steps in a fixed order whatever the fields, so no field changes a bit of any
-  result (but the sign of an exact zero: the zero blocks padding K for
-  blocks_per_step=2 add +0).
+  result.
 
   block_m: rows per tile (a power of two, >= 64); block_n: columns per compute
   warpgroup (64 or 128: a divisor of the 128-column scale block); block_m * block_n
   <= 8192 (64 registers per thread for each float32 accumulator of a warpgroup).
   max_concurrent_steps: pipeline stages (clamped to what fits). num_sms: persistent
-  grid size (None: the device's SM count).
-  blocks_per_step: 128-K blocks per pipeline stage. 2: both blocks' wgmma are issued
-  before the first block's promotion, which then overlaps the second's MMA (a third
-  float32 accumulator: block_m * block_n <= 8192 still, 192 registers per thread for
-  the accumulators at 64 x 128); K is padded to a multiple of 256 with zero blocks.
+  grid size (None: the device's SM count). raster_rows: the tile walk's band height,
+  as KernelConfig.raster_rows (None: grouped_gemm's `auto_raster_rows` of the weight's
+  bytes per group; 1: row-major).
   """
 
   block_m: int = 64
   block_n: int = 128
   max_concurrent_steps: int = 4
   num_sms: Optional[int] = None
-  blocks_per_step: int = 1
+  raster_rows: Optional[int] = None
 
   def __post_init__(self):
-    if self.blocks_per_step not in (1, 2):
-      raise ValueError(f"blocks_per_step={self.blocks_per_step} must be 1 or 2")
+    if self.raster_rows is not None and self.raster_rows < 1:
+      raise ValueError(f"raster_rows={self.raster_rows} must be None or >= 1")
     if self.block_m < 64 or self.block_m & (self.block_m - 1):
       raise ValueError(f"block_m={self.block_m} must be a power of two >= 64")
     if self.block_n not in (64, 128):
@@ -132,56 +130,45 @@ def _stages(config: Fp8Config, out_itemsize: int, k_blocks: int,
             smem: int = device_lib.HOPPER_SMEM_BYTES) -> int:
   cta_n = _NUM_COMPUTE_WGS * config.block_n
   # per 128-K block: the e4m3 A and B tiles and their float32 scale vectors
-  stage = config.blocks_per_step * (config.block_m + cta_n) * (QUANT_BLOCK + 4)
+  stage = (config.block_m + cta_n) * (QUANT_BLOCK + 4)
   epi = _NUM_COMPUTE_WGS * config.block_m * config.block_n * out_itemsize
-  return fit_stages(config.max_concurrent_steps, -(-k_blocks // config.blocks_per_step),
-                    stage, epi, smem)
+  return fit_stages(config.max_concurrent_steps, k_blocks, stage, epi, smem)
 
 
 def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_tiles: int,
                 n_tiles: int, k_blocks: int, block_m: int, wg_n: int, stages: int,
-                blocks_per_step: int):
+                raster_rows: int):
   """The kernel body: tiles (t, nt) of the row-tile plan (5 x num_tiles int32) and the
-  column tiles; k_blocks (a multiple of blocks_per_step) 128-K blocks per tile, walked
-  blocks_per_step to a pipeline step."""
+  column tiles, walked in bands of raster_rows row tiles; k_blocks 128-K blocks per
+  tile, one per pipeline step."""
   cta_n = _NUM_COMPUTE_WGS * wg_n
   transforms = (plgpu.TilingTransform((8, QUANT_BLOCK)), plgpu.SwizzleTransform(128))
   acc_layout = plgpu.Layout.WGMMA
 
-  step_k = blocks_per_step * QUANT_BLOCK
-
   def make_pipeline(compute_context, k_steps):
     def step(_, a_smem, b_smem, as_smem, bs_smem, carry):
       wg = lax.axis_index("wg")
-      b_wg = b_smem.at[pl.ds(wg * wg_n, wg_n), :]
-      block = lambda ref, j: ref.at[:, pl.ds(j * QUANT_BLOCK, QUANT_BLOCK)]
+      b = b_smem.at[pl.ds(wg * wg_n, wg_n), :].transpose((1, 0))   # K-major B
 
-      def mma(*accs):
-        # every block's wgmma is issued first; block j is read once at most
-        # blocks_per_step - 1 - j wgmma groups are still in flight, so its promotion
-        # runs while the later blocks' MMAs do
-        for j, acc in enumerate(accs):
-          plgpu.wgmma(acc, block(a_smem, j), block(b_wg, j).transpose((1, 0)))  # K-major B
-        out = carry
-        for j, acc in enumerate(accs):
-          part = plgpu.wgmma_accumulator_load(acc, wait_n=blocks_per_step - 1 - j)
-          # this warpgroup's wg_n columns lie in one 128-column scale block: its scale
-          # is one scalar, folded into the row scales (exact: powers of two)
-          rs = plgpu.load(as_smem.at[j], layout=acc_layout.reduce(1)) * bs_smem[j, wg * wg_n]
-          out = out + part * lax.broadcast_in_dim(rs, part.shape, [0])
-        return out
+      def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b)
+        return acc_ref[...]   # waits for the wgmma
 
-      return pl.run_scoped(mma, *[plgpu.ACC((block_m, wg_n), jnp.float32)] * blocks_per_step)
+      part = pl.run_scoped(mma, plgpu.ACC((block_m, wg_n), jnp.float32))
+      # this warpgroup's wg_n columns lie in one 128-column scale block: its scale is
+      # one scalar, folded into the row scales (exact: powers of two)
+      rs = plgpu.load(as_smem.at[0], layout=acc_layout.reduce(1)) * bs_smem[0, wg * wg_n]
+      return carry + part * lax.broadcast_in_dim(rs, part.shape, [0])
 
     return plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(k_steps,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
-            plgpu.BlockSpec((block_m, step_k), lambda ki: (0, ki), transforms=transforms),
-            plgpu.BlockSpec((cta_n, step_k), lambda ki: (0, ki), transforms=transforms),
-            plgpu.BlockSpec((blocks_per_step, block_m), lambda ki: (ki, 0)),
-            plgpu.BlockSpec((blocks_per_step, cta_n), lambda ki: (ki, 0)),
+            plgpu.BlockSpec((block_m, QUANT_BLOCK), lambda ki: (0, ki), transforms=transforms),
+            plgpu.BlockSpec((cta_n, QUANT_BLOCK), lambda ki: (0, ki), transforms=transforms),
+            plgpu.BlockSpec((1, block_m), lambda ki: (ki, 0)),
+            plgpu.BlockSpec((1, cta_n), lambda ki: (ki, 0)),
         ],
         wg_axis="wg",
         num_compute_wgs=_NUM_COMPUTE_WGS,
@@ -196,8 +183,7 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
             bs_gmem.at[group, :, cols])
 
   ignore = lambda *_, **__: None
-  k_steps_all = k_blocks // blocks_per_step
-  alloc_pipeline = make_pipeline(ignore, jnp.int32(k_steps_all))
+  alloc_pipeline = make_pipeline(ignore, jnp.int32(k_blocks))
 
   @functools.partial(
       pl.run_scoped,
@@ -225,14 +211,14 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
 
       @pl.when(kind != _NONE)
       def _():
-        k_steps = jnp.where(kind == _COMPUTE, k_steps_all, 0)   # zero tiles: no MMA
+        k_steps = jnp.where(kind == _COMPUTE, k_blocks, 0)   # zero tiles: no MMA
         make_pipeline(compute_context, k_steps)(
             *views(group, load_row, nt), allocations=pipeline_allocs)
 
     @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
     def _tile_loop(loop_info):
       (s,) = loop_info.index
-      tile(s)
+      tile(_raster(s, num_tiles, n_tiles, raster_rows))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -303,19 +289,19 @@ def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
   _check_scales("b_scales", b_scales, (g, kb, n))
   cta_n = _NUM_COMPUTE_WGS * config.block_n
   m_p, n_p = _round_up(m, config.block_m), _round_up(n, cta_n)
-  kb_p = _round_up(kb, config.blocks_per_step)   # zero blocks (scale 1) add exact zeros
-  a_p = _pad_axis(_pad_axis(a, 0, m_p), 1, kb_p * QUANT_BLOCK)
-  # [K/128, M]: one block's scales contiguous
-  as_t = jnp.pad(_pad_axis(a_scales, 0, m_p), ((0, 0), (0, kb_p - kb)), constant_values=1.0).T
-  b_p = _pad_axis(_pad_axis(b, 1, n_p), 2, kb_p * QUANT_BLOCK)
-  bs_p = jnp.pad(_pad_axis(b_scales, 2, n_p), ((0, 0), (0, kb_p - kb), (0, 0)),
-                 constant_values=1.0)
+  a_p = _pad_axis(a, 0, m_p)
+  as_t = _pad_axis(a_scales, 0, m_p).T   # [K/128, M]: one block's scales contiguous
+  b_p = _pad_axis(b, 1, n_p)
+  bs_p = _pad_axis(b_scales, 2, n_p)
   plan = _row_tile_plan(group_sizes, m_p, config.block_m, zero_window)
   num_tiles = num_row_tiles(m_p, g, config.block_m)
-  body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb_p,
+  raster = config.raster_rows
+  if raster is None:   # the weight's e4m3 bytes per group
+    raster = auto_raster_rows(n_p * k)
+  body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb,
                  block_m=config.block_m, wg_n=config.block_n,
-                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb_p),
-                 blocks_per_step=config.blocks_per_step)
+                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb),
+                 raster_rows=raster)
   out = _launch(body_kw, plan, (a_p, as_t, b_p, bs_p),
                 jax.ShapeDtypeStruct((m_p, n_p), out_dtype), config, interpret)
   return out[:m, :n] if (m_p, n_p) != (m, n) else out
@@ -340,8 +326,11 @@ class QuantisedWeight:
 
 
 def quantise_weight(w, *, forward: bool = True, dgrad: bool = True) -> QuantisedWeight:
-  q, s = fp8.quantise_blocks(w)
-  fwd = (jnp.swapaxes(q, 1, 2), fp8.column_scales(s, 2)) if forward else None
+  if forward:
+    q, s, q_t = fp8.quantise_blocks(w, transposed=True)
+  else:
+    q, s = fp8.quantise_blocks(w)
+  fwd = (q_t, fp8.column_scales(s, 2)) if forward else None
   dg = (q, fp8.column_scales(s, 1)) if dgrad else None
   return QuantisedWeight(w.shape[1], w.shape[2], jnp.dtype(w.dtype).name, fwd, dg)
 

@@ -71,6 +71,22 @@ def test_scale_edge_cases():
   assert float(xq[0, 0].astype(jnp.float32)) * float(xs[0, 0]) == pytest.approx(1e-36, rel=0.07)
 
 
+def test_k_major_weight_copy_is_the_transpose_bit_for_bit():
+  """quantise_blocks(transposed=True) quantises w^T's blocks directly: its copy must be
+  swapaxes(q) bit for bit, with K and N not multiples of 128, block scales that differ
+  everywhere, an all-zero block and a NaN block."""
+  _, w = _operands(5, 8, 300, 200, 3, spread=9)
+  w = w.at[1, :128, 128:].set(0.0).at[2, 140, 7].set(jnp.nan)
+  q, s, q_t = jax.jit(lambda w: fp8.quantise_blocks(w, transposed=True))(w)
+  q1, s1 = fp8.quantise_blocks(w)
+  bits = lambda a: np.asarray(a).view(np.uint8)
+  np.testing.assert_array_equal(bits(q), bits(q1))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(s1))
+  np.testing.assert_array_equal(bits(q_t), bits(jnp.swapaxes(q1, 1, 2)))
+  assert float(s[1, 0, 1]) == 1.0 and np.isnan(float(s[2, 1, 0]))
+  assert len(np.unique(np.asarray(s)[np.isfinite(np.asarray(s))])) >= 8   # of 18 blocks
+
+
 def test_scales_are_deterministic_powers_of_two():
   x = jax.random.normal(jax.random.key(3), (64, 384)) * 37.0
   f = jax.jit(fp8.quantise_rows)
@@ -122,16 +138,16 @@ _INTERPRET_ATOL = 2e-6
 
 
 @pytest.mark.parametrize("tiles", [(64, 128, 1), (128, 64, 1), (64, 128, 2)],
-                         ids=["64x128", "128x64", "64x128-2blocks"])
+                         ids=["64x128", "128x64", "64x128-raster2"])
 @pytest.mark.parametrize("transpose", [False, True], ids=["fwd", "dgrad"])
 def test_fp8_gmm_matches_the_float64_oracle(transpose, tiles):
   """Row and block scales that differ everywhere (2^-8 .. 2^7), K and N not multiples of
-  128, more K blocks than pipeline stages (and an odd count of them: padded for two
-  blocks per step), an empty group, a group ending mid-tile, dead rows; both tilings.
+  128, more K blocks than pipeline stages, an empty group, a group ending mid-tile,
+  dead rows; both tilings, and the tile walk in bands of 2 row tiles.
   Each row's error is judged against that row's own magnitude."""
   m, k, n = 200, 300, 640 if transpose else 520
   sizes = jnp.array([70, 0, 37, 61], jnp.int32)   # 168 live rows of 200
-  cfg = fg.Fp8Config(block_m=tiles[0], block_n=tiles[1], blocks_per_step=tiles[2],
+  cfg = fg.Fp8Config(block_m=tiles[0], block_n=tiles[1], raster_rows=tiles[2],
                      max_concurrent_steps=2, num_sms=3)
   if transpose:   # dy [M, N] against w [G, K, N]
     x, w = _operands(0, m, n, k, 4, spread=8)
@@ -239,8 +255,8 @@ def test_bad_input_is_refused_naming_it():
   fg.check_fp8_hardware(H100())
   with pytest.raises(ValueError, match="block_n=256"):
     fg.Fp8Config(block_n=256)
-  with pytest.raises(ValueError, match="blocks_per_step=3"):
-    fg.Fp8Config(blocks_per_step=3)
+  with pytest.raises(ValueError, match="raster_rows=0"):
+    fg.Fp8Config(raster_rows=0)
   with pytest.raises(ValueError, match="block_m \\* block_n"):
     fg.Fp8Config(block_m=128, block_n=128)
   a8 = jnp.zeros((64, 128), fp8.FP8_DTYPE)
@@ -264,7 +280,7 @@ def test_fp8_ffn_lowers_for_cuda():
   S = jax.ShapeDtypeStruct
   m, h, f, g = 512, 256, 192, 4
   for cfg in (fg.Fp8Config(num_sms=132), fg.Fp8Config(block_m=128, block_n=64, num_sms=132),
-              fg.Fp8Config(num_sms=132, blocks_per_step=2)):
+              fg.Fp8Config(num_sms=132, raster_rows=4)):
     def train(x, w1, w2, gs, dy, cfg=cfg):
       y, vjp = jax.vjp(lambda *a: fg.fp8_grouped_swiglu_ffn(
           *a, gs, config=cfg, wgrad_config=KernelConfig(num_sms=132)), x, w1, w2)
