@@ -79,12 +79,19 @@ from pallas_kernels import fp8
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
 from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _MEMORY_REGISTERS, _NONE,
                                          _NUM_COMPUTE_WGS, KernelConfig, _pad_axis, _raster,
-                                         _round_up, _row_tile_plan, auto_raster_rows, fit_stages,
+                                         _round_up, _row_tile_plan, fit_stages,
                                          gmm_wgrad, num_row_tiles, read_plan,
                                          reference_gmm_wgrad, resolve_interpret, swiglu_grad)
 from pallas_kernels.tma import ladder_store
 
 _MAX_ACC_ELEMS = 64 * 128   # per accumulator and warpgroup: 64 registers per thread
+
+# Fp8Config.raster_rows=None: bands of RASTER_ROWS row tiles where a group's e4m3
+# weight takes at least RASTER_MIN_BYTES, else row-major. Measured on one H200
+# (bench/results/grouped_gemm_fp8_*.json, docs/decisions.md "FP8 tile walk"): bands
+# gain 21% on mixtral-like (59 MB per group) and 10% on deepseek-like (15 MB).
+RASTER_ROWS = 8
+RASTER_MIN_BYTES = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +105,8 @@ class Fp8Config:
   <= 8192 (64 registers per thread for each float32 accumulator of a warpgroup).
   max_concurrent_steps: pipeline stages (clamped to what fits). num_sms: persistent
   grid size (None: the device's SM count). raster_rows: the tile walk's band height,
-  as KernelConfig.raster_rows (None: grouped_gemm's `auto_raster_rows` of the weight's
-  bytes per group; 1: row-major).
+  as KernelConfig.raster_rows (None: RASTER_ROWS where a group's e4m3 weight takes at
+  least RASTER_MIN_BYTES, else 1: row-major).
   """
 
   block_m: int = 64
@@ -296,8 +303,8 @@ def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
   plan = _row_tile_plan(group_sizes, m_p, config.block_m, zero_window)
   num_tiles = num_row_tiles(m_p, g, config.block_m)
   raster = config.raster_rows
-  if raster is None:   # the weight's e4m3 bytes per group
-    raster = auto_raster_rows(n_p * k)
+  if raster is None:
+    raster = RASTER_ROWS if n_p * k >= RASTER_MIN_BYTES else 1
   body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb,
                  block_m=config.block_m, wg_n=config.block_n,
                  stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb),
