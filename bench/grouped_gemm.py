@@ -417,7 +417,7 @@ def main(argv=None):
   p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
   p.add_argument("--fp8-tiles", default="64x128,64x128r1,128x64",
                  help="FP8 kernel tilings timed side by side: block_m x block_n, 'rR' for "
-                      "raster bands of R row tiles (Fp8Config.raster_rows; default auto); "
+                      "raster bands of R row tiles (Fp8Config.raster_rows, default 4); "
                       "the first one runs the FFN and the checks")
   p.add_argument("--fp8-stages", type=int, default=4)
   p.add_argument("--profile", action="store_true",
@@ -440,7 +440,7 @@ def main(argv=None):
       bm, bn = tiles.split("x")
       fp8_config[spec] = Fp8Config(block_m=int(bm), block_n=int(bn),
                                    max_concurrent_steps=args.fp8_stages,
-                                   raster_rows=int(raster) if raster else None)
+                                   **({"raster_rows": int(raster)} if raster else {}))
   tag = "_fp8" if fp8_config else ""
   path = os.path.join(args.out, f"grouped_gemm{tag}_{device_lib.device_name(dev)}.json")
   report = {"device": dev.device_kind, "num_sms": device_lib.num_sms(None, dev),

@@ -86,13 +86,6 @@ from pallas_kernels.tma import ladder_store
 
 _MAX_ACC_ELEMS = 64 * 128   # per accumulator and warpgroup: 64 registers per thread
 
-# Fp8Config.raster_rows=None: bands of RASTER_ROWS row tiles where a group's e4m3
-# weight takes at least RASTER_MIN_BYTES, else row-major. Measured on one H200
-# (bench/results/grouped_gemm_fp8_*.json, docs/decisions.md "FP8 tile walk"): bands
-# gain 21% on mixtral-like (59 MB per group) and 10% on deepseek-like (15 MB).
-RASTER_ROWS = 8
-RASTER_MIN_BYTES = 8 << 20
-
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
@@ -104,20 +97,21 @@ class Fp8Config:
   warpgroup (64 or 128: a divisor of the 128-column scale block); block_m * block_n
   <= 8192 (64 registers per thread for each float32 accumulator of a warpgroup).
   max_concurrent_steps: pipeline stages (clamped to what fits). num_sms: persistent
-  grid size (None: the device's SM count). raster_rows: the tile walk's band height,
-  as KernelConfig.raster_rows (None: RASTER_ROWS where a group's e4m3 weight takes at
-  least RASTER_MIN_BYTES, else 1: row-major).
+  grid size (None: the device's SM count). raster_rows: the tile walk's band height
+  (grouped_gemm's `_raster`; 1: row-major). Bands of 4 were measured best or level
+  with 8 on the four target shapes (one H200, docs/decisions.md "FP8 tile walk"),
+  21% faster than row-major where a group's weight leaves L2 (mixtral-like).
   """
 
   block_m: int = 64
   block_n: int = 128
   max_concurrent_steps: int = 4
   num_sms: Optional[int] = None
-  raster_rows: Optional[int] = None
+  raster_rows: int = 4
 
   def __post_init__(self):
-    if self.raster_rows is not None and self.raster_rows < 1:
-      raise ValueError(f"raster_rows={self.raster_rows} must be None or >= 1")
+    if self.raster_rows < 1:
+      raise ValueError(f"raster_rows={self.raster_rows} must be >= 1")
     if self.block_m < 64 or self.block_m & (self.block_m - 1):
       raise ValueError(f"block_m={self.block_m} must be a power of two >= 64")
     if self.block_n not in (64, 128):
@@ -302,13 +296,10 @@ def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
   bs_p = _pad_axis(b_scales, 2, n_p)
   plan = _row_tile_plan(group_sizes, m_p, config.block_m, zero_window)
   num_tiles = num_row_tiles(m_p, g, config.block_m)
-  raster = config.raster_rows
-  if raster is None:
-    raster = RASTER_ROWS if n_p * k >= RASTER_MIN_BYTES else 1
   body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb,
                  block_m=config.block_m, wg_n=config.block_n,
                  stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb),
-                 raster_rows=raster)
+                 raster_rows=config.raster_rows)
   out = _launch(body_kw, plan, (a_p, as_t, b_p, bs_p),
                 jax.ShapeDtypeStruct((m_p, n_p), out_dtype), config, interpret)
   return out[:m, :n] if (m_p, n_p) != (m, n) else out

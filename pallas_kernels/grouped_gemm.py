@@ -465,13 +465,6 @@ RASTER_AUTO_ROWS_LARGE = 4
 RASTER_AUTO_LARGE_BYTES = 96 << 20
 
 
-def auto_raster_rows(weight_bytes: int) -> int:
-  """KernelConfig.raster_rows=None: the band height for a launch whose weight per group
-  takes weight_bytes (bands only where it leaves L2)."""
-  return (RASTER_AUTO_ROWS_LARGE if weight_bytes >= RASTER_AUTO_LARGE_BYTES
-          else RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1)
-
-
 def _raster(s, num_tiles: int, n_tiles: int, rows: int):
   """Schedule index s -> linear tile index t * n_tiles + nt, walking the grid in bands
   of `rows` row tiles (the last band may be shorter): band b holds row tiles
@@ -678,8 +671,10 @@ def row_tiled_params(m: int, k: int, n: int, g: int, *, mode: str, transpose_b: 
     raise ValueError(f"{m=} must be divisible by {block_m=}")
   stages = launch.stages(config.max_concurrent_steps, k // block_k, block_m, smem)
   raster = config.raster_rows
-  if raster is None:
-    raster = auto_raster_rows(k * n * launch.num_b * jnp.dtype(in_dtype).itemsize)
+  if raster is None:   # auto: bands only where a group's weight leaves L2
+    weight_bytes = k * n * launch.num_b * jnp.dtype(in_dtype).itemsize
+    raster = (RASTER_AUTO_ROWS_LARGE if weight_bytes >= RASTER_AUTO_LARGE_BYTES
+              else RASTER_AUTO_ROWS if weight_bytes >= RASTER_AUTO_MIN_BYTES else 1)
   return dict(mode=mode, transpose_b=transpose_b, save_hu=save_hu, b_col_offsets=b_col_offsets,
               raster_rows=raster, m=m, k=k, n=n, num_tiles=num_row_tiles(m, g, block_m),
               block_m=block_m, load_align=GROUP_TILE_ALIGN, block_k=block_k,
