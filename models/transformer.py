@@ -206,14 +206,14 @@ class Transformer(nnx.Module):
   def __init__(self, c: ModelConfig, *, mesh: Optional[jax.sharding.Mesh] = None,
                backend: str = "xla_dropless", capacity_factor: float = 1.25,
                kernel_stages: Optional[int] = None, overlap: bool = False,
-               replica_slots: int = 0, rngs: nnx.Rngs):
+               replica_slots: int = 0, precision: str = "bf16", rngs: nnx.Rngs):
     self.c, self.mesh = c, mesh
     self.dtype = jnp.dtype(c.dtype)
     kernel = (KernelConfig() if kernel_stages is None
               else KernelConfig(max_concurrent_steps=kernel_stages))
     moe_config = UniEPConfig(backend=backend, routing=c.routing, capacity_factor=capacity_factor,
                              kernel=kernel, overlap=OverlapConfig() if overlap else None,
-                             replica_slots=replica_slots)
+                             replica_slots=replica_slots, precision=precision)
     kw = sharding_metadata((None, None), mesh)
     # The table [V, H] holds rows of std 1/sqrt(H) and the forward multiplies them by
     # sqrt(H): the residual stream starts at std ~1 (0.88, truncated normal), the scale

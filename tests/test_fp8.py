@@ -3,6 +3,8 @@ Mosaic GPU interpret mode against a float64 oracle of the quantised operands
 (pallas_kernels/fp8_gemm.py), and the FP8 SwiGLU FFN with its VJP."""
 
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,10 @@ from pallas_kernels import fp8
 from pallas_kernels import fp8_gemm as fg
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.grouped_gemm import KernelConfig
-from moe_testlib import rel_err
+import uniep_jax
+from uniep_jax import UniEPConfig
+from conftest import make_mesh
+from moe_testlib import make_params, make_x, rel_err
 
 CFG = fg.Fp8Config(num_sms=4)
 
@@ -238,6 +243,95 @@ def test_fp8_ffn_matches_the_quantised_reference_and_is_deterministic():
                               (y[:256 - 64], dx[:256 - 64], dw1, dw2))
 
 
+# --- the layer with precision="fp8" --------------------------------------------------
+
+E, H, F = 4, 128, 128
+FP8 = UniEPConfig(backend="pallas", kernel=KernelConfig(num_sms=2), precision="fp8")
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_fn(cfg, ep):
+  """jit of the gradients of a loss of y, with (y, aux), in one program."""
+  mesh = None if cfg.backend == "dense_reference" else make_mesh(1, ep)
+
+  def loss(x, p):
+    y, aux = uniep_jax.moe_ffn(x, p, mesh=mesh, top_k=2, config=cfg)
+    return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(H, dtype=jnp.float32))), (y, aux)
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _layer(cfg, ep):
+  p = make_params(jax.random.key(0), experts=E, hidden=H, ffn=F, dtype=jnp.bfloat16)
+  x = make_x(jax.random.key(1), 64, H, jnp.bfloat16)
+  return jax.device_get(_layer_fn(cfg, ep)(x, p)), (x, p)
+
+
+def test_layer_fp8_against_the_reference():
+  """"pallas" with precision="fp8" at EP 1, 2 and 4: output and gradients within FP8's
+  precision of the float32 oracle, nothing dropped, repeatable under jit. y and dx equal
+  EP 1's bit for bit (each row's result depends only on that row and its expert's
+  weights and scales). The experts' weight gradients agree to float32 rounding: the
+  wgrad kernel sums a group's rows in block_k-aligned row blocks of the buffer, so
+  their bits depend on where the expert's rows start in it, which moves with EP (as
+  for bf16); the router's float32 gradient sums the shards' parts."""
+  ref_grads, (y_r, _) = _layer(UniEPConfig(backend="dense_reference"), 1)[0]
+  y_x = _layer(UniEPConfig(backend="xla_dropless"), 1)[0][1][0]
+  for ep in (1, 2, 4):
+    grads, (y, aux) = _layer(FP8, ep)[0]
+    assert int(aux["dropped"]) == 0
+    assert rel_err(y, y_r) < 0.1
+    assert rel_err(y, y_x) > 5e-3     # FP8 really ran (bf16 backends agree to ~2e-3)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+      assert rel_err(a, b) < 0.15
+  (dx1, dp1), (y1, _) = _layer(FP8, 1)[0]
+  for ep in (2, 4):
+    (dx2, dp2), (y2, _) = _layer(FP8, ep)[0]
+    chex.assert_trees_all_equal((y2, dx2), (y1, dx1))
+    for a, b in ((dp2.w_gate_up, dp1.w_gate_up), (dp2.w_down, dp1.w_down),
+                 (dp2.router, dp1.router)):
+      assert rel_err(a, b) < 1e-5
+  x, p = _layer(FP8, 1)[1]
+  chex.assert_trees_all_equal(jax.device_get(_layer_fn(FP8, 1)(x, p)), _layer(FP8, 1)[0])
+
+
+def test_layer_fp8_replicas_change_no_bit_of_y_or_dx():
+  """Exact-load replicas under FP8 (EP 2, one slot): a replica quantises its expert's
+  weights as the owner does and each row on its own, so y and dx are those without
+  replicas bit for bit; the weight gradients (replica pieces summed at the owner in a
+  fixed order) agree to float32 rounding."""
+  rep = UniEPConfig(backend="pallas", kernel=KernelConfig(num_sms=2), precision="fp8",
+                    replica_slots=1)
+  (dx, dp), (y, aux) = _layer(rep, 2)[0]
+  (dx0, dp0), (y0, _) = _layer(FP8, 2)[0]
+  assert int(aux["dropped"]) == 0
+  chex.assert_trees_all_equal((y, dx), (y0, dx0))
+  for a, b in ((dp.w_gate_up, dp0.w_gate_up), (dp.w_down, dp0.w_down)):
+    assert rel_err(a, b) < 1e-5
+
+
+def test_fp8_bad_configuration_names_both():
+  with pytest.raises(ValueError, match="precision='fp8'.*xla_dropless"):
+    UniEPConfig(backend="xla_dropless", precision="fp8")
+  with pytest.raises(ValueError, match="precision='fp9' is unknown"):
+    UniEPConfig(backend="pallas", precision="fp9")
+  from uniep_jax.config import OverlapConfig
+  with pytest.raises(ValueError, match="precision='fp8' with overlap"):
+    UniEPConfig(backend="uniep", precision="fp8", overlap=OverlapConfig())
+  from uniep_jax.validate import check_fp8_hardware
+
+  class A100:
+    device_kind = "NVIDIA A100-SXM4-80GB"
+    compute_capability = "8.0"
+
+  with pytest.raises(ValueError, match="precision='fp8' on backend='pallas'.*A100.*8.0"):
+    check_fp8_hardware("pallas", A100())
+  from train.config import TrainConfig
+  with pytest.raises(ValueError, match="--fp8.*--backend xla_capacity"):
+    TrainConfig(backend="xla_capacity", fp8=True)
+
+
 # --- bad input ------------------------------------------------------------------------
 
 
@@ -280,7 +374,7 @@ def test_fp8_ffn_lowers_for_cuda():
   S = jax.ShapeDtypeStruct
   m, h, f, g = 512, 256, 192, 4
   for cfg in (fg.Fp8Config(num_sms=132), fg.Fp8Config(block_m=128, block_n=64, num_sms=132),
-              fg.Fp8Config(num_sms=132, raster_rows=4)):
+              fg.Fp8Config(num_sms=132, raster_rows=1)):
     def train(x, w1, w2, gs, dy, cfg=cfg):
       y, vjp = jax.vjp(lambda *a: fg.fp8_grouped_swiglu_ffn(
           *a, gs, config=cfg, wgrad_config=KernelConfig(num_sms=132)), x, w1, w2)

@@ -88,13 +88,14 @@ def test_no_import_cycle():
 def test_public_configuration_is_small():
   """Every public field is something a user sets or the tuner picks among winners; a new
   one replaces another or is argued for here (26 after the consolidation, +1 for
-  UniEPConfig.replica_slots: exact-load balancing)."""
+  UniEPConfig.replica_slots: exact-load balancing, +1 for UniEPConfig.precision: the
+  FP8 expert GEMMs)."""
   import uniep_jax
   configs = (uniep_jax.UniEPConfig, uniep_jax.RoutingConfig, uniep_jax.KernelConfig,
              uniep_jax.TransferConfig, uniep_jax.OverlapConfig)
   counts = {c.__name__: len(dataclasses.fields(c)) for c in configs}
   assert counts["UniEPConfig"] <= 10, counts
-  assert sum(counts.values()) <= 27, counts
+  assert sum(counts.values()) <= 28, counts
 
 
 # a date, a run number (the word "run" and a number, then punctuation), a session number

@@ -32,6 +32,7 @@ class TrainConfig:
   kernel_stages: Optional[int] = None  # KernelConfig.max_concurrent_steps (pallas/uniep; None: its default)
   overlap: bool = False  # uniep: transfers inside GEMM launches (UniEPConfig.overlap = OverlapConfig())
   replica_slots: int = 0  # dropless backends: exact-load replica slots per EP rank (UniEPConfig)
+  fp8: bool = False  # pallas/uniep: FP8 expert GEMMs (UniEPConfig.precision = "fp8")
   steps: int = 300  # length of the schedule (and of the run unless stop_after)
   stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps
   batch: int = 8  # sequences per step (global)
@@ -105,6 +106,12 @@ class TrainConfig:
     if self.replica_slots and self.overlap:
       raise ValueError("--replica-slots with --overlap: the overlapped launches take no "
                        "replica weights; drop one of them")
+    if self.fp8 and self.backend not in ("pallas", "uniep"):
+      raise ValueError(f"--fp8 runs the Pallas backends' FP8 expert GEMMs (pallas, uniep), not "
+                       f"--backend {self.backend}")
+    if self.fp8 and self.overlap:
+      raise ValueError("--fp8 with --overlap: the overlapped launches run the bf16 kernels; "
+                       "drop one of them")
     if self.n_layers is not None and self.n_layers < 1:
       raise ValueError(f"n_layers={self.n_layers} must be >= 1")
     if self.kernel_stages is not None:
@@ -198,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
          "balancing (UniEPConfig.replica_slots; at most the experts per rank; 0: off): hot "
          "experts are copied to other ranks per layer call so every rank computes the same "
          "rows; metrics.jsonl shows the ranks' row imbalance")
+  a("--fp8", action="store_true",
+    help="pallas/uniep: FP8 expert GEMMs (UniEPConfig.precision='fp8': e4m3 operands with "
+         "power-of-two block scales, float32 accumulation; weight gradients in bf16; needs "
+         "FP8 tensor cores on GPUs)")
   a("--steps", type=int, default=d.steps, help="schedule length / number of steps")
   a("--stop-after", type=int, default=None,
     help="stop after this many steps (the schedule still spans --steps)")

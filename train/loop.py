@@ -118,7 +118,8 @@ def build_model(cfg: TrainConfig, model_cfg: ModelConfig, mesh) -> Transformer:
   """The model that `cfg` trains (its MoE options), initialised from cfg.seed."""
   return Transformer(model_cfg, mesh=mesh, backend=cfg.backend, capacity_factor=cfg.capacity_factor,
                      kernel_stages=cfg.kernel_stages, overlap=cfg.overlap,
-                     replica_slots=cfg.replica_slots, rngs=nnx.Rngs(cfg.seed))
+                     replica_slots=cfg.replica_slots,
+                     precision="fp8" if cfg.fp8 else "bf16", rngs=nnx.Rngs(cfg.seed))
 
 
 class Diverged(RuntimeError):

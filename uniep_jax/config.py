@@ -27,6 +27,7 @@ BACKENDS = {
 }
 DROPLESS_BACKENDS = ("xla_dropless", "pallas", "uniep")
 PALLAS_BACKENDS = ("pallas", "uniep")
+PRECISIONS = ("bf16", "fp8")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 # transport -> the backends it serves (uniep_jax/transport.py implements them)
 TRANSPORTS = {
@@ -146,6 +147,12 @@ class UniEPConfig:
     shows what was reached). 0: off. At most the experts per rank. The output and dx
     do not change with it on "pallas" and "uniep" (bit for bit); weight gradients of
     replicated experts are summed at the owner in a fixed order. Off at one rank.
+  precision: the expert GEMMs' operand format ("pallas", "uniep"). "bf16": x.dtype
+    operands. "fp8": the four row GEMMs (gate/up, down and their dgrads) take e4m3
+    operands with power-of-two block scales (1 x 128 for activations, 128 x 128 for
+    weights) and accumulate in float32 (pallas_kernels/fp8_gemm.py); the weight
+    gradients stay bf16 GEMMs; weights keep their dtype (quantised copies per call).
+    Needs FP8 tensor cores (compute capability >= 8.9) on GPUs.
   """
 
   backend: str = "xla_dropless"
@@ -157,6 +164,7 @@ class UniEPConfig:
   transfer: Optional[TransferConfig] = dataclasses.field(default_factory=TransferConfig)
   overlap: Optional[OverlapConfig] = None
   replica_slots: int = 0
+  precision: str = "bf16"
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -190,6 +198,14 @@ class UniEPConfig:
     if self.replica_slots and self.backend not in DROPLESS_BACKENDS:
       raise ValueError(f"replica_slots={self.replica_slots} balances the dropless backends "
                        f"{DROPLESS_BACKENDS}, not backend={self.backend!r}")
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"precision={self.precision!r} is unknown; expected one of {PRECISIONS}")
+    if self.precision == "fp8" and self.backend not in PALLAS_BACKENDS:
+      raise ValueError(f"precision='fp8' runs on the Pallas backends {PALLAS_BACKENDS}, not "
+                       f"backend={self.backend!r}")
+    if self.precision == "fp8" and self.overlap is not None:
+      raise ValueError("precision='fp8' with overlap: the overlapped launches run the bf16 "
+                       "kernels; set overlap=None")
     if self.overlap is not None:
       if not isinstance(self.overlap, OverlapConfig):
         raise ValueError(f"overlap must be an OverlapConfig or None, "

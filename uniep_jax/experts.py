@@ -8,7 +8,8 @@ Math, exactly (for every backend); w_gate_up[e] = [w_gate[e] | w_up[e]] ([H, 2F]
 Three implementations: `swiglu_ragged_dot` ("xla_dropless"), `swiglu_batched`
 ("xla_capacity": fixed-capacity batches) and `swiglu_pallas` ("pallas", "uniep": the
 grouped GEMM of pallas_kernels/grouped_gemm.py, whose SwiGLU derivative runs in the
-da GEMM's epilogue with the same formula, `swiglu_grad`).
+da GEMM's epilogue with the same formula, `swiglu_grad`; with precision "fp8" the
+FP8 GEMMs of pallas_kernels/fp8_gemm.py, same formulas on quantised operands).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_gemm import (Fp8Config, fp8_grouped_swiglu_ffn, fp8_swiglu_backward,
+                                     fp8_swiglu_forward)
 from pallas_kernels.grouped_gemm import (grouped_swiglu_ffn, split_gate_up, swiglu_backward,
                                          swiglu_forward, swiglu_grad)
 from uniep_jax.rows import int_cotangent, sum_to_type_of
@@ -141,23 +144,44 @@ swiglu_batched.defvjp(_batched_fwd, _batched_bwd)
 # kernel_config None is "xla_dropless"'s `swiglu_ragged_dot`, a KernelConfig the Pallas
 # grouped GEMM of "pallas" and "uniep" (`swiglu_pallas`), the same math and bits as those.
 # ---------------------------------------------------------------------------
+def fp8_config(kernel_config) -> Fp8Config:
+  """The FP8 GEMM's tiling (pallas_kernels/fp8_gemm.py: its defaults) on the layer's
+  persistent grid (KernelConfig.num_sms)."""
+  return Fp8Config(num_sms=kernel_config.num_sms)
+
+
+def _fp8_zero_window(kernel_config, zero_dead_rows: bool):
+  return None if zero_dead_rows else max(Fp8Config.block_m, kernel_config.block_k)
+
+
 def grouped_forward(x, w_gate_up, w_down, group_sizes, *, kernel_config=None,
-                    zero_dead_rows: bool = True):
+                    zero_dead_rows: bool = True, precision: str = "bf16"):
   """(y, residuals) of the grouped SwiGLU FFN (see `grouped_backward`)."""
   if kernel_config is None:
     return _ragged_forward(x, w_gate_up, w_down, group_sizes)
+  if precision == "fp8":
+    return fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes,
+                              config=fp8_config(kernel_config),
+                              zero_window=_fp8_zero_window(kernel_config, zero_dead_rows))
   zw = None if zero_dead_rows else kernel_config.block_k
   return swiglu_forward(x, w_gate_up, w_down, group_sizes, config=kernel_config, zero_window=zw)
 
 
 def grouped_backward(x, w_gate_up, w_down, group_sizes, residuals, dy, *, kernel_config=None,
-                     zero_dead_rows: bool = True, wgrad_dtype=None):
+                     zero_dead_rows: bool = True, wgrad_dtype=None, precision: str = "bf16"):
   """(dx, dw_gate_up, dw_down) of the grouped SwiGLU FFN from `grouped_forward`'s
   residuals, the weight gradients in `wgrad_dtype` (default: the weights' own)."""
   if kernel_config is None:
     h, u, a = residuals
     return _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, wgrad_dtype=wgrad_dtype,
                          **_ragged_ops(x, group_sizes))
+  if precision == "fp8":
+    dx, dgu, dd = fp8_swiglu_backward(
+        x, group_sizes, residuals, dy, config=fp8_config(kernel_config),
+        wgrad_config=kernel_config,
+        zero_window=_fp8_zero_window(kernel_config, zero_dead_rows))
+    return (dx, dgu.astype(wgrad_dtype or w_gate_up.dtype),
+            dd.astype(wgrad_dtype or w_down.dtype))
   zw = None if zero_dead_rows else kernel_config.block_k
   a, h, u = residuals
   return swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, config=kernel_config,
@@ -165,9 +189,14 @@ def grouped_backward(x, w_gate_up, w_down, group_sizes, residuals, dy, *, kernel
 
 
 def swiglu_pallas(x, w_gate_up, w_down, group_sizes, *, kernel_config,
-                  zero_dead_rows: bool = True):
+                  zero_dead_rows: bool = True, precision: str = "bf16"):
   """Grouped FFN with our Pallas Mosaic GPU grouped GEMM (interpret mode on the CPU).
   zero_dead_rows=False: rows of the output (and of dx) past the groups' rows plus a
-  block_k window are left undefined (see `grouped_swiglu_ffn`)."""
+  block_k window are left undefined (see `grouped_swiglu_ffn`). precision "fp8": the
+  FP8 row GEMMs (`fp8_grouped_swiglu_ffn`; its weight gradients on kernel_config)."""
+  if precision == "fp8":
+    return fp8_grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes,
+                                  config=fp8_config(kernel_config), wgrad_config=kernel_config,
+                                  zero_dead_rows=zero_dead_rows)
   return grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, config=kernel_config,
                             zero_dead_rows=zero_dead_rows)

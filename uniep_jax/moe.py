@@ -150,11 +150,12 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
     if slots:
       return replicated_swiglu(recv, params.w_gate_up, params.w_down, slot_expert,
                                group_sizes, kernel_config, kernel_config is None, expert_axis,
-                               transport, config.transfer)
+                               transport, config.transfer, config.precision)
     if kernel_config is None:
       return swiglu_ragged_dot(recv, params.w_gate_up, params.w_down, group_sizes)
     return swiglu_pallas(recv, params.w_gate_up, params.w_down, group_sizes,
-                         kernel_config=kernel_config, zero_dead_rows=False)
+                         kernel_config=kernel_config, zero_dead_rows=False,
+                         precision=config.precision)
 
   if transport == "nvlink":   # "uniep": each (token, owner) row sent once
     plan, dplan = plan_with_dedup(topk, weights, num_experts=num_experts,

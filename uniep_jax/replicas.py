@@ -123,16 +123,17 @@ def _add_in_order(own, got, slot_expert, axis_name):
   return total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def replicated_swiglu(x, w_gate_up, w_down, slot_expert, group_sizes, kernel_config,
-                      zero_dead_rows, axis_name, transport, transfer):
+                      zero_dead_rows, axis_name, transport, transfer, precision="bf16"):
   """The grouped SwiGLU FFN (`experts.grouped_forward`) of x [M, H] over this rank's El
   experts followed by its S replica slots (`slot_expert` [R, S] int32, -1 = unused;
   group_sizes [El + S]), whose weights come from their owners. kernel_config: None for
-  "xla_dropless"'s `lax.ragged_dot`, else the Pallas grouped GEMM's tiling."""
+  "xla_dropless"'s `lax.ragged_dot`, else the Pallas grouped GEMM's tiling (precision:
+  `UniEPConfig.precision`)."""
   ext_gu, ext_d = _extend(w_gate_up, w_down, slot_expert, axis_name, transport, transfer)
   return grouped_forward(x, ext_gu, ext_d, group_sizes, kernel_config=kernel_config,
-                         zero_dead_rows=zero_dead_rows)[0]
+                         zero_dead_rows=zero_dead_rows, precision=precision)[0]
 
 
 def _extend(w_gate_up, w_down, slot_expert, axis_name, transport, transfer):
@@ -144,20 +145,20 @@ def _extend(w_gate_up, w_down, slot_expert, axis_name, transport, transfer):
 
 
 def _fwd(x, w_gate_up, w_down, slot_expert, group_sizes, kernel_config, zero_dead_rows,
-         axis_name, transport, transfer):
+         axis_name, transport, transfer, precision):
   ext_gu, ext_d = _extend(w_gate_up, w_down, slot_expert, axis_name, transport, transfer)
   y, res = grouped_forward(x, ext_gu, ext_d, group_sizes, kernel_config=kernel_config,
-                           zero_dead_rows=zero_dead_rows)
+                           zero_dead_rows=zero_dead_rows, precision=precision)
   # w_gate_up, w_down: kept for their sharding types only
   return y, (x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down)
 
 
-def _bwd(kernel_config, zero_dead_rows, axis_name, transport, transfer, saved, dy):
+def _bwd(kernel_config, zero_dead_rows, axis_name, transport, transfer, precision, saved, dy):
   x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down = saved
   # float32 weight gradients: each piece unrounded until the owner's fixed-order sum
   dx, dgu, dd = grouped_backward(x, ext_gu, ext_d, group_sizes, res, dy,
                                  kernel_config=kernel_config, zero_dead_rows=zero_dead_rows,
-                                 wgrad_dtype=jnp.float32)
+                                 wgrad_dtype=jnp.float32, precision=precision)
   el = w_gate_up.shape[0]
   grads = []
   for g, w in ((dgu, w_gate_up), (dd, w_down)):

@@ -8,6 +8,7 @@ import operator
 
 import jax.numpy as jnp
 
+from pallas_kernels import fp8_gemm
 from pallas_kernels.row_gather import ROW_ALIGN_BYTES
 from uniep_jax.config import BACKENDS, PALLAS_BACKENDS, TransferConfig, UniEPConfig
 from uniep_jax.params import MoEParams
@@ -110,6 +111,8 @@ def check_kernel_inputs(config: UniEPConfig, platform: str, transport: str, x,
   if backend not in PALLAS_BACKENDS or platform != "gpu":
     return
   check_kernel_dtypes(backend, platform, x, params)
+  if config.precision == "fp8":
+    check_fp8_hardware(backend)
   transfer = config.transfer or TransferConfig()
   if transport == "nvlink" and config.replica_slots:
     # replica weights move as rows of 2F (gate/up) and H (down) elements
@@ -125,6 +128,14 @@ def check_kernel_inputs(config: UniEPConfig, platform: str, transport: str, x,
                      f"of {ROW_ALIGN_BYTES} bytes on GPUs (a hidden size of a multiple of "
                      f"{ROW_ALIGN_BYTES // jnp.dtype(x.dtype).itemsize}); use backend 'pallas' "
                      f"(the same bits over XLA collectives)")
+
+
+def check_fp8_hardware(backend: str, device=None) -> None:
+  """precision='fp8' needs e4m3 tensor cores: compute capability 8.9 (Ada) or newer."""
+  try:
+    fp8_gemm.check_fp8_hardware(device)
+  except ValueError as e:
+    raise ValueError(f"precision='fp8' on backend={backend!r}: {e}") from None
 
 
 def check_kernel_dtypes(backend: str, platform: str, x, params: MoEParams) -> None:
