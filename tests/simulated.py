@@ -56,9 +56,13 @@ def gather_live_rows(src, index, live, *, out_rows, scale=None, garbage=jnp.nan,
   return jnp.where((p < live)[:, None], rows, jnp.asarray(garbage, src.dtype))
 
 
-def xla_experts(x, w_gate_up, w_down, group_sizes, *, kernel_config, zero_dead_rows=True):
+def xla_experts(x, w_gate_up, w_down, group_sizes, *, kernel_config, zero_dead_rows=True,
+                precision="bf16"):
   """`experts.swiglu_pallas` with `lax.ragged_dot` (the same math; the Pallas grouped
-  GEMM has its own bitwise tests): lets the layer's plumbing run at EP > 1 on the CPU."""
+  GEMM has its own bitwise tests): lets the layer's plumbing run at EP > 1 on the CPU.
+  bf16 only (the FP8 FFN has its own tests, tests/test_fp8.py)."""
+  if precision != "bf16":
+    raise NotImplementedError(f"simulated experts with {precision=}")
   from uniep_jax.experts import swiglu_ragged_dot
   return swiglu_ragged_dot(x, w_gate_up, w_down, group_sizes)
 
