@@ -158,7 +158,9 @@ def layer_config(name: str):
       fields.update(kernel=None, transfer=None)
     elif key == "cf" and value:
       fields["capacity_factor"] = float(value)
+    elif key == "fp8" and not value:
+      fields["precision"] = "fp8"
     else:
       raise ValueError(f"configuration {name!r}: unknown option {opt!r} (known: ragged, "
-                       f"padded, local, overlap[=D[,W]], auto, cf=F)")
+                       f"padded, local, overlap[=D[,W]], auto, cf=F, fp8)")
   return uniep_jax.UniEPConfig(backend=backend, **fields)

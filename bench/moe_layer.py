@@ -23,7 +23,7 @@ it times each backend and, in the same run:
 Configurations by name (bench/common.py, `layer_config`), e.g. "xla_capacity" (cf 1.25;
 dropped assignments reported), "xla_dropless" (ragged_all_to_all), "xla_dropless:padded"
 (all_to_all of worst-case buffers), "pallas" (XLA collectives + our grouped GEMM),
-"uniep", "uniep:overlap".
+"uniep", "uniep:overlap", "pallas:fp8" (precision="fp8").
 
   python -m bench.moe_layer [--shapes a,b] [--backends ...] [--budget-s 480] [--out DIR]
 

@@ -130,7 +130,7 @@ def parse_backend(name: str) -> dict:
   TrainConfig expresses the backend, overlap at OverlapConfig() (TrainConfig.overlap)
   and the capacity factor (cf=F); anything else raises ValueError. The training step's
   own options: stages=N (kernel_stages) and buckets=N (grad_buckets). Fields not named
-  keep TrainConfig's defaults."""
+  keep TrainConfig's defaults. fp8: TrainConfig.fp8."""
   backend, *options = name.split(":")
   layer_options, fields = [], {}
   for option in options:
@@ -144,7 +144,7 @@ def parse_backend(name: str) -> dict:
   try:
     cfg = common.layer_config(":".join([backend] + layer_options))
   except ValueError as e:
-    raise ValueError(f"{e} (a training configuration takes the options overlap, cf=F, "
+    raise ValueError(f"{e} (a training configuration takes the options overlap, cf=F, fp8, "
                      f"{', '.join(k + '=N' for k in TRAIN_OPTIONS)})") from None
   default = uniep_jax.UniEPConfig(backend=cfg.backend)
   fields = dict(backend=cfg.backend, **fields)
@@ -156,10 +156,12 @@ def parse_backend(name: str) -> dict:
     fields["overlap"] = True
   if cfg.capacity_factor != default.capacity_factor:
     fields["capacity_factor"] = cfg.capacity_factor
+  if cfg.precision == "fp8":
+    fields["fp8"] = True
   for field in ("transport", "kernel", "transfer"):
     if getattr(cfg, field) != getattr(default, field):
       raise ValueError(f"configuration {name!r}: TrainConfig has no {field} (the options "
-                       f"of a training configuration are overlap, cf=F, "
+                       f"of a training configuration are overlap, cf=F, fp8, "
                        f"{', '.join(k + '=N' for k in TRAIN_OPTIONS)})")
   return fields
 

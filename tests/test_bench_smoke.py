@@ -39,6 +39,9 @@ def test_moe_layer_rejects_a_bad_backend_before_running_any(tmp_path, monkeypatc
   assert cfg("uniep:auto").kernel is None and cfg("uniep:auto").transfer is None
   assert cfg("xla_dropless:padded").transport == "padded" and cfg("pallas").transport is None
   assert cfg("xla_capacity:cf=2").capacity_factor == 2.0
+  assert cfg("pallas:fp8").precision == "fp8" and cfg("pallas").precision == "bf16"
+  with pytest.raises(ValueError, match="precision='fp8'"):
+    cfg("xla_dropless:fp8")
   with pytest.raises(ValueError, match="unknown option"):
     cfg("uniep:dd")
   with pytest.raises(ValueError, match="unknown backend"):
@@ -291,8 +294,9 @@ def test_train_throughput_backend_options():
       backend="uniep", overlap=True, kernel_stages=3, grad_buckets=4)
   assert parse("pallas:stages=4") == dict(backend="pallas", kernel_stages=4)
   assert parse("xla_capacity:cf=2") == dict(backend="xla_capacity", capacity_factor=2.0)
+  assert parse("pallas:fp8:stages=3") == dict(backend="pallas", fp8=True, kernel_stages=3)
   # what TrainConfig cannot express, and bad names, fail with the reason
-  for bad, match in [("uniep:fast", "the options overlap, cf=F, stages=N, buckets=N"),
+  for bad, match in [("uniep:fast", "the options overlap, cf=F, fp8, stages=N, buckets=N"),
                      ("uniep:overlap=4", "OverlapConfig"), ("pallas:padded", "no transport"),
                      ("uniep:auto", "no kernel"), ("uniep:stages=x", "integer"),
                      ("pallas:overlap", "overlap"), ("uniep_dd", "unknown backend")]:
