@@ -98,9 +98,10 @@ class Fp8Config:
   <= 8192 (64 registers per thread for each float32 accumulator of a warpgroup).
   max_concurrent_steps: pipeline stages (clamped to what fits). num_sms: persistent
   grid size (None: the device's SM count). raster_rows: the tile walk's band height
-  (grouped_gemm's `_raster`; 1: row-major). Bands of 4 were measured best or level
-  with 8 on the four target shapes (one H200, docs/decisions.md "FP8 tile walk"),
-  21% faster than row-major where a group's weight leaves L2 (mixtral-like).
+  (grouped_gemm's `_raster`; 1: row-major). Bands of 4 were measured best or within
+  2.5% of 8 on mixtral- and deepseek-like, and of row-major on qwen3-like (one H200,
+  docs/decisions.md "FP8 tile walk"), 16-20% faster than row-major where a group's
+  weight leaves L2 (mixtral-like).
   """
 
   block_m: int = 64
