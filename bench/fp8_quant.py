@@ -8,8 +8,9 @@ For the activation rows x [M, H] and the weight [G, H, F] of each target shape
   weight_q:  fp8.quantise_blocks(w)               (one layout)
   transpose: the K-major copy alone, swapaxes of the e4m3 q
   copy:      x + 1 in bf16 (what XLA's elementwise passes reach on this device)
-  rows_mul, weight_mul, weight_direct: candidate formulations (below), checked bit for
-             bit against fp8.py's
+  rows_mul, weight_mul, weight_direct: formulations compared (below), checked bit for
+             bit against fp8.py's; weight_direct is what fp8.quantise_blocks(transposed=True)
+             now does, weight_mul the e4m3 transpose it replaced
 
 each with its bytes floor (bytes read + written) and the rate it reaches, and checks
 that every variant gives the bits of fp8.py's.
@@ -67,8 +68,8 @@ def _apply(w, inv):
 
 
 def weight_mul(w):
-  """quantise_weight's two layouts with the amax in w's dtype, a multiply by 1/s, and
-  the K-major copy as the swapaxes of q (as fp8_gemm does)."""
+  """Both layouts with the K-major copy as the swapaxes of the e4m3 q (the formulation
+  fp8_gemm.quantise_weight used before quantising w^T's blocks directly)."""
   s = _block_scales(w)
   q = _apply(w, 1.0 / s)
   return jnp.swapaxes(q, 1, 2), q, s

@@ -44,7 +44,7 @@ the tiles in flight share weight tiles in L2).
 
 Buffers (SMEM, per stage, 128-byte swizzle on the operands):
   A [block_m, 128] e4m3, B [2 block_n, 128] e4m3, row scales [1, block_m] f32,
-  column scales [1, 2 block_n] f32: 25.3 KiB at 64 x 128;
+  column scales [1, 2 block_n] f32: 41.25 KiB at 64 x 128;
   epilogue [2 warpgroups, block_m, block_n] in the output dtype (unswizzled: ragged
   row ranges are stored with the power-of-two TMA ladder, `tma.ladder_store`).
 

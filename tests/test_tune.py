@@ -711,6 +711,9 @@ def test_resolve_config_takes_an_overlap_winner_only_when_fully_auto(tmp_path, n
   assert r.overlap is None and r.kernel == KernelConfig()
   mine = OverlapConfig(4, 4, 1024)
   assert resolve(dataclasses.replace(auto, overlap=mine)).overlap == mine
+  # the overlapped launches run bf16 only: an fp8 config keeps its tuned tiling, no overlap
+  r = resolve(dataclasses.replace(auto, precision="fp8"))
+  assert (r.kernel, r.overlap, r.precision) == (KernelConfig(), None, "fp8")
 
 
 def test_heuristic_rules():

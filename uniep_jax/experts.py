@@ -151,7 +151,9 @@ def fp8_config(kernel_config) -> Fp8Config:
 
 
 def _fp8_zero_window(kernel_config, zero_dead_rows: bool):
-  return None if zero_dead_rows else max(Fp8Config.block_m, kernel_config.block_k)
+  # as fp8_grouped_swiglu_ffn: the FP8 row tiles and the bf16 wgrad's row blocks
+  return None if zero_dead_rows else max(fp8_config(kernel_config).block_m,
+                                         kernel_config.block_k)
 
 
 def grouped_forward(x, w_gate_up, w_down, group_sizes, *, kernel_config=None,

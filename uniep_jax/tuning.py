@@ -587,8 +587,9 @@ def resolve_config(config: UniEPConfig, *, tokens: int, hidden: int, ffn: int, e
     cand = heuristic_config(dataclasses.replace(problem, direction="bwd"), facts)
   fully_auto = config.kernel is None and config.transfer is None
   overlap = config.overlap
-  if fully_auto and overlap is None and config.backend == "uniep" and not config.replica_slots:
-    overlap = cand.overlap   # (the overlapped launches take no replica weights)
+  if (fully_auto and overlap is None and config.backend == "uniep" and not config.replica_slots
+      and config.precision == "bf16"):
+    overlap = cand.overlap   # (the overlapped launches take no replica weights, run bf16)
   return dataclasses.replace(
       config,
       kernel=config.kernel if config.kernel is not None else cand.kernel,
