@@ -434,9 +434,17 @@ def fp8_grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
   if w_gate_up.ndim != 3 or two_f % 2 or w_down.ndim != 3 or w_down.shape[1] != two_f // 2:
     raise ValueError(f"w_gate_up {w_gate_up.shape} must be [G, H, 2F] and w_down "
                      f"{w_down.shape} [G, F, H]")
-  zw = None if zero_dead_rows else max(config.block_m, wgrad_config.block_k)
+  zw = ffn_zero_window(config, wgrad_config, zero_dead_rows)
   return _fp8_swiglu_fn(config, wgrad_config, resolve_interpret(interpret), zw)(
       x, w_gate_up, w_down, group_sizes)
+
+
+def ffn_zero_window(config: Fp8Config, wgrad_config: KernelConfig,
+                    zero_dead_rows: bool) -> Optional[int]:
+  """The FP8 FFN's zero window: None (dead rows come back zero) or, with
+  zero_dead_rows=False, the rows past the groups that its launches still read or write
+  (the FP8 row tiles and the bf16 wgrad's row blocks)."""
+  return None if zero_dead_rows else max(config.block_m, wgrad_config.block_k)
 
 
 # ----------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_gemm import (Fp8Config, fp8_grouped_swiglu_ffn, fp8_swiglu_backward,
-                                     fp8_swiglu_forward)
+from pallas_kernels.fp8_gemm import (Fp8Config, ffn_zero_window, fp8_grouped_swiglu_ffn,
+                                     fp8_swiglu_backward, fp8_swiglu_forward)
 from pallas_kernels.grouped_gemm import (grouped_swiglu_ffn, split_gate_up, swiglu_backward,
                                          swiglu_forward, swiglu_grad)
 from uniep_jax.rows import int_cotangent, sum_to_type_of
@@ -151,9 +151,7 @@ def fp8_config(kernel_config) -> Fp8Config:
 
 
 def _fp8_zero_window(kernel_config, zero_dead_rows: bool):
-  # as fp8_grouped_swiglu_ffn: the FP8 row tiles and the bf16 wgrad's row blocks
-  return None if zero_dead_rows else max(fp8_config(kernel_config).block_m,
-                                         kernel_config.block_k)
+  return ffn_zero_window(fp8_config(kernel_config), kernel_config, zero_dead_rows)
 
 
 def grouped_forward(x, w_gate_up, w_down, group_sizes, *, kernel_config=None,
