@@ -30,6 +30,7 @@ next multiple first (zeros quantise to zeros and add nothing).
 
 from __future__ import annotations
 
+from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_gemm import _pad_axis, _round_up
@@ -37,24 +38,39 @@ from pallas_kernels.grouped_gemm import _pad_axis, _round_up
 QUANT_BLOCK = 128
 E4M3_MAX = 448.0
 FP8_DTYPE = jnp.float8_e4m3fn
-# a scale's exponent stays a normal float32 exponent (2^-126 .. 2^127)
-_MIN_EXP, _MAX_EXP = -126, 127
+# the smallest scale: 2^-126, the smallest normal float32
+_MIN_EXP = -126
+
+
+def scale_and_inverse(amax):
+  """(s, 1 / s), float32, elementwise, from a block's amax >= 0: s the smallest power
+  of two with amax / s <= E4M3_MAX, at least 2^-126; s = 1 where amax == 0; both NaN
+  where amax is inf or NaN.
+
+  Integer operations on amax's bits only (no division, no frexp), so XLA and the
+  quantisation kernels (`fp8_quantise.py`) run the same operations and agree bit for
+  bit. With amax = 1.f * 2^E: amax / 2^(E - 8) = 1.f * 256 <= 448 exactly when
+  1.f <= 1.75 (fraction bits <= 0x600000), else 2^(E - 7) is the smallest; 2^(E - 9)
+  never is (1.f * 512 > 448). A finite amax gives E - 7 <= 120: 1 / s is a normal
+  float32, so x * (1 / s) is as exact as x / s."""
+  bits = lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+  biased = lax.shift_right_logical(bits, 23)               # E + 127
+  over = (bits & 0x7FFFFF) > 0x600000                       # 1.f > 1.75
+  field = biased - 8 + jnp.where(over, 1, 0)                # s = 2^(field - 127)
+  field = jnp.maximum(field, _MIN_EXP + 127)                # at least 2^-126 (subnormal amax too)
+  field = jnp.where(bits == 0, 127, field)                  # amax == 0: s = 1
+  finite = biased < 255
+  as_float = lambda f: lax.bitcast_convert_type(lax.shift_left(f, 23), jnp.float32)
+  nan = jnp.float32(jnp.nan)
+  return (jnp.where(finite, as_float(field), nan),
+          jnp.where(finite, as_float(254 - field), nan))
 
 
 def pow2_scale(amax):
   """The smallest power of two s with amax / s <= E4M3_MAX (float32, elementwise);
-  1 where amax == 0, NaN where amax is not finite."""
-  amax = amax.astype(jnp.float32)
-  # at least 2^-126: a subnormal ratio (amax < 448 * 2^-126) may be flushed to zero or
-  # give frexp a wrong exponent; such a block takes the smallest normal scale
-  ratio = jnp.maximum(amax / E4M3_MAX, 2.0 ** _MIN_EXP)
-  mant, exp = jnp.frexp(ratio)   # ratio = mant * 2^exp, mant in [0.5, 1)
-  # ratio is a power of two exactly when mant == 0.5: then 2^(exp - 1) is enough
-  exp = jnp.where(mant == 0.5, exp - 1, exp)
-  exp = jnp.clip(exp, _MIN_EXP, _MAX_EXP)
-  s = jnp.ldexp(jnp.ones_like(ratio), exp)
-  s = jnp.where(amax == 0, 1.0, s)
-  return jnp.where(jnp.isfinite(amax), s, jnp.nan).astype(jnp.float32)
+  at least 2^-126; 1 where amax == 0, NaN where amax is not finite
+  (`scale_and_inverse`)."""
+  return scale_and_inverse(amax)[0]
 
 
 def quantise_rows(x):
@@ -63,8 +79,8 @@ def quantise_rows(x):
   m, k = x.shape
   kp = _round_up(k, QUANT_BLOCK)
   xb = _pad_axis(x, 1, kp).astype(jnp.float32).reshape(m, kp // QUANT_BLOCK, QUANT_BLOCK)
-  s = pow2_scale(jnp.max(jnp.abs(xb), axis=2))
-  q = (xb / s[:, :, None]).astype(FP8_DTYPE)
+  s, inv = scale_and_inverse(jnp.max(jnp.abs(xb), axis=2))
+  q = (xb * inv[:, :, None]).astype(FP8_DTYPE)
   return q.reshape(m, kp), s
 
 
@@ -92,8 +108,7 @@ def quantise_blocks(w, *, transposed: bool = False):
   in e4m3 (one pass less over the weight); returns (q, s, q^T)."""
   wb = _blocks(w)
   # |w| and its max are exact in w's dtype; the scale's reciprocal is a power of two
-  s = pow2_scale(jnp.max(jnp.abs(wb), axis=(2, 4)))
-  inv = 1.0 / s
+  s, inv = scale_and_inverse(jnp.max(jnp.abs(wb), axis=(2, 4)))
   q = _scaled(wb, inv)
   if not transposed:
     return q, s
@@ -127,6 +142,6 @@ def column_scales(block_scales, axis: int):
   raise ValueError(f"{axis=} must be 1 or 2")
 
 
-__all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "pow2_scale", "quantise_rows",
+__all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "scale_and_inverse", "pow2_scale", "quantise_rows",
            "quantise_blocks", "dequantise_rows", "dequantise_blocks",
            "column_scales"]

@@ -76,6 +76,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels import fp8
+from pallas_kernels import fp8_quantise
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
 from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _MEMORY_REGISTERS, _NONE,
                                          _NUM_COMPUTE_WGS, KernelConfig, _pad_axis, _raster,
@@ -289,10 +290,21 @@ def fp8_gmm(a, a_scales, b, b_scales, group_sizes, *, out_dtype=jnp.bfloat16,
   kb = k // QUANT_BLOCK
   _check_scales("a_scales", a_scales, (m, kb))
   _check_scales("b_scales", b_scales, (g, kb, n))
+  m_p = _round_up(m, config.block_m)
+  return _fp8_gmm_t(_pad_axis(a, 0, m_p), _pad_axis(a_scales, 0, m_p).T, b, b_scales,
+                    group_sizes, m=m, out_dtype=out_dtype, config=config,
+                    interpret=interpret, zero_window=zero_window)
+
+
+def _fp8_gmm_t(a_p, as_t, b, b_scales, group_sizes, *, m: int, out_dtype, config: Fp8Config,
+               interpret, zero_window: Optional[int]):
+  """`fp8_gmm` on a_p [m_p, K] (m_p a multiple of block_m, rows past m ignored) with
+  transposed row scales as_t [K/128, m_p]: the quantisation kernel's layouts. [m, N]."""
+  m_p, k = a_p.shape
+  g, n, _ = b.shape
+  kb = k // QUANT_BLOCK
   cta_n = _NUM_COMPUTE_WGS * config.block_n
-  m_p, n_p = _round_up(m, config.block_m), _round_up(n, cta_n)
-  a_p = _pad_axis(a, 0, m_p)
-  as_t = _pad_axis(a_scales, 0, m_p).T   # [K/128, M]: one block's scales contiguous
+  n_p = _round_up(n, cta_n)
   b_p = _pad_axis(b, 1, n_p)
   bs_p = _pad_axis(b_scales, 2, n_p)
   plan = _row_tile_plan(group_sizes, m_p, config.block_m, zero_window)
@@ -324,14 +336,34 @@ class QuantisedWeight:
   dgrad: tuple
 
 
-def quantise_weight(w, *, forward: bool = True, dgrad: bool = True) -> QuantisedWeight:
-  if forward:
-    q, s, q_t = fp8.quantise_blocks(w, transposed=True)
+def quantise_weight(w, *, forward: bool = True, dgrad: bool = True,
+                    interpret=None) -> QuantisedWeight:
+  """Both layouts in one pass of `fp8_quantise.quantise_weight_t` for 16-bit weights
+  (K and N zero-padded to multiples of 128 first); `fp8.quantise_blocks` in XLA for
+  other dtypes (the same bits)."""
+  g, k, n = w.shape
+  if jnp.dtype(w.dtype) in fp8_quantise.WEIGHT_DTYPES:
+    wp = _pad_axis(_pad_axis(w, 1, _round_up(k, QUANT_BLOCK)), 2, _round_up(n, QUANT_BLOCK))
+    q, q_t, s_fwd, s_dgrad = fp8_quantise.quantise_weight_t(wp, interpret=interpret)
   else:
-    q, s = fp8.quantise_blocks(w)
-  fwd = (q_t, fp8.column_scales(s, 2)) if forward else None
-  dg = (q, fp8.column_scales(s, 1)) if dgrad else None
-  return QuantisedWeight(w.shape[1], w.shape[2], jnp.dtype(w.dtype).name, fwd, dg)
+    q, s, q_t = fp8.quantise_blocks(w, transposed=True)
+    s_fwd, s_dgrad = fp8.column_scales(s, 2), fp8.column_scales(s, 1)
+  fwd = (q_t, s_fwd) if forward else None
+  dg = (q, s_dgrad) if dgrad else None
+  return QuantisedWeight(k, n, jnp.dtype(w.dtype).name, fwd, dg)
+
+
+def quantise_rows_t(x, block_m: int, *, interpret=None):
+  """x [M, K] -> (q [m_p, Kp] e4m3, s^T [Kp/128, m_p] float32), m_p = round_up(M,
+  block_m), Kp = round_up(K, 128), zero rows and columns added: the A operand of
+  `_fp8_gmm_t`, from `fp8_quantise.quantise_rows_t` in one pass (`fp8.quantise_rows`
+  in XLA for other dtypes: the same bits)."""
+  m, k = x.shape
+  xp = _pad_axis(_pad_axis(x, 0, _round_up(m, block_m)), 1, _round_up(k, QUANT_BLOCK))
+  if jnp.dtype(x.dtype) in fp8_quantise.ROW_DTYPES:
+    return fp8_quantise.quantise_rows_t(xp, interpret=interpret)
+  q, s = fp8.quantise_rows(xp)
+  return q, s.T
 
 
 jax.tree_util.register_dataclass(QuantisedWeight, data_fields=["fwd", "dgrad"],
@@ -345,9 +377,9 @@ def gmm_fp8(x, qw: QuantisedWeight, group_sizes, *, transpose: bool = False,
   group, x quantised per (row, 128 columns) here. Returns [M, N] (or [M, K])."""
   b, bs = qw.dgrad if transpose else qw.fwd
   width = qw.k if transpose else qw.n
-  xq, xs = fp8.quantise_rows(x)
-  out = fp8_gmm(xq, xs, b, bs, group_sizes, out_dtype=out_dtype, config=config,
-                interpret=interpret, zero_window=zero_window)
+  xq, xs_t = quantise_rows_t(x, config.block_m, interpret=interpret)
+  out = _fp8_gmm_t(xq, xs_t, b, bs, group_sizes, m=x.shape[0], out_dtype=out_dtype,
+                   config=config, interpret=interpret, zero_window=zero_window)
   return out[:, :width] if out.shape[1] != width else out
 
 
@@ -364,8 +396,8 @@ def fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, *, config: Fp8Config,
     a = silu(h) * u                    in float32 from the stored h, u, cast to x.dtype
     y = q(a) @ q(w_down)[g]            float32 accumulation, cast to x.dtype."""
   f = w_down.shape[1]
-  qw1 = quantise_weight(w_gate_up)
-  qw2 = quantise_weight(w_down)
+  qw1 = quantise_weight(w_gate_up, interpret=interpret)
+  qw2 = quantise_weight(w_down, interpret=interpret)
   kw = dict(config=config, interpret=interpret, zero_window=zero_window)
   hu = gmm_fp8(x, qw1, group_sizes, out_dtype=x.dtype, **kw)
   h, u = hu[:, :f], hu[:, f:]

@@ -137,6 +137,71 @@ def _operands(seed, m, k, n, g, spread: int = 0):
   return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
 
 
+def _bits(a):
+  return np.asarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("m", [192, 256], ids=["rows64", "rows128"])
+def test_row_quantisation_kernel_gives_the_bits_of_xla(m):
+  """fp8_quantise.quantise_rows_t (Mosaic GPU, interpret mode) against fp8.quantise_rows:
+  q and the transposed scales bit for bit, with row scales spread over 2^-9 .. 2^8, a
+  zero block, values at the top of a block's range, bf16 and float32 inputs, both row
+  tiles (64 and 128 rows)."""
+  from pallas_kernels import fp8_quantise
+  x, _ = _operands(11, m, 384, 128, 1, spread=9)
+  x = x.at[3, 128:256].set(0.0).at[5, 7].set(448.0 * 2.0 ** 8)
+  for xi in (x, x.astype(jnp.float32) * 1.0001):
+    q, s_t = jax.jit(fp8_quantise.quantise_rows_t)(xi)
+    q0, s0 = fp8.quantise_rows(xi)
+    np.testing.assert_array_equal(_bits(q), _bits(q0))
+    np.testing.assert_array_equal(np.asarray(s_t), np.asarray(s0).T)
+  assert float(s_t[1, 3]) == 1.0 and len(np.unique(np.asarray(s_t))) >= 10
+
+
+def test_weight_quantisation_kernel_gives_the_bits_of_xla():
+  """fp8_quantise.quantise_weight_t against fp8.quantise_blocks(transposed=True) and
+  fp8.column_scales: q, the K-major copy (made by the identity wgmma) and both scale
+  layouts bit for bit; 128 x 128 block scales spread over 2^-9 .. 2^8, an all-zero
+  block; bf16 and f16 (whose underflow makes -0.0s). The one
+  documented difference: the K-major copy holds +0 where w holds -0.0 (1 * -0 + 0 = +0),
+  and the FP8 GEMM's result with it is the same bit for bit."""
+  from pallas_kernels import fp8_quantise
+  _, w = _operands(12, 8, 256, 384, 2, spread=9)
+  w = w.at[1, :128, 128:256].set(0.0)
+  for wi in (w, w.astype(jnp.float16)):
+    q, q_t, s_fwd, s_dgrad = jax.jit(fp8_quantise.quantise_weight_t)(wi)
+    q0, s0, q0_t = fp8.quantise_blocks(wi, transposed=True)
+    np.testing.assert_array_equal(_bits(q), _bits(q0))
+    wt = np.swapaxes(np.asarray(wi.astype(jnp.float32)), 1, 2)
+    expected = _bits(q0_t).copy()
+    expected[(wt == 0) & np.signbit(wt)] = 0
+    np.testing.assert_array_equal(_bits(q_t), expected)
+    np.testing.assert_array_equal(np.asarray(s_fwd), np.asarray(fp8.column_scales(s0, 2)))
+    np.testing.assert_array_equal(np.asarray(s_dgrad), np.asarray(fp8.column_scales(s0, 1)))
+  negative_zeros = int(((wt == 0) & np.signbit(wt)).sum())
+  assert negative_zeros > 0   # f16's underflow: the case above is exercised
+  x, _ = _operands(13, 64, 256, 8, 1)
+  xq, xs = fp8.quantise_rows(x)
+  gs = jnp.array([40, 24], jnp.int32)
+  gmm = jax.jit(lambda b, bs: fg.fp8_gmm(xq, xs, b, bs, gs, config=CFG))
+  chex.assert_trees_all_equal(gmm(q_t, s_fwd), gmm(q0_t, fp8.column_scales(s0, 2)))
+  assert float(s_fwd[1, 0, 200]) == 1.0 and len(np.unique(np.asarray(s_fwd))) >= 6
+  # (a NaN block's scale: the interpreter's max drops NaNs, the GPU's max.NaN keeps
+  # them; bench/fp8_quant.py checks it on the device)
+
+
+def test_quantisation_kernels_refuse_bad_input():
+  from pallas_kernels import fp8_quantise
+  with pytest.raises(ValueError, match="x.shape"):
+    fp8_quantise.quantise_rows_t(jnp.zeros((64, 200), jnp.bfloat16))
+  with pytest.raises(ValueError, match="x.dtype"):
+    fp8_quantise.quantise_rows_t(jnp.zeros((64, 128), jnp.int8))
+  with pytest.raises(ValueError, match="w.dtype"):
+    fp8_quantise.quantise_weight_t(jnp.zeros((1, 128, 128), jnp.float32))
+  with pytest.raises(ValueError, match="w.shape"):
+    fp8_quantise.quantise_weight_t(jnp.zeros((1, 128, 100), jnp.bfloat16))
+
+
 # the interpret mode's dot is exact float32; Hopper's e4m3 tensor cores accumulate at
 # reduced precision (~1.3e-4 relative on an H200: bench/results/grouped_gemm_fp8_*.json)
 _INTERPRET_ATOL = 2e-6
@@ -384,3 +449,5 @@ def test_fp8_ffn_lowers_for_cuda():
           S((m, h), jnp.bfloat16), S((g, h, 2 * f), jnp.bfloat16), S((g, f, h), jnp.bfloat16),
           S((g,), jnp.int32), S((m, h), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("fp8_grouped_gemm") >= 4   # gate/up, down, da, dx
+    assert text.count("fp8_quantise_rows") >= 4   # x, a, dy, [dh | du]
+    assert text.count("fp8_quantise_weight") >= 2
