@@ -24,6 +24,10 @@ amax(block) / s <= 448 (E4M3's largest finite value), so
     is hidden by a scale.
 Everything is elementwise or a fixed-order max: bit for bit deterministic.
 
+This module is the format's XLA formulation and the tests' reference; the FP8 FFN
+quantises with `fp8_quantise.py`'s kernels, which compute the same bits in one pass
+over HBM.
+
 K (and, for weights, N) not a multiple of 128: the operand is zero-padded to the
 next multiple first (zeros quantise to zeros and add nothing).
 """
@@ -142,6 +146,6 @@ def column_scales(block_scales, axis: int):
   raise ValueError(f"{axis=} must be 1 or 2")
 
 
-__all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "scale_and_inverse", "pow2_scale", "quantise_rows",
-           "quantise_blocks", "dequantise_rows", "dequantise_blocks",
+__all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "scale_and_inverse", "pow2_scale",
+           "quantise_rows", "quantise_blocks", "dequantise_rows", "dequantise_blocks",
            "column_scales"]

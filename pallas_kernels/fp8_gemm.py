@@ -409,8 +409,10 @@ def fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, *, config: Fp8Config,
 
 def fp8_swiglu_backward(x, group_sizes, residuals, dy, *, config: Fp8Config,
                         wgrad_config: KernelConfig, interpret=None,
-                        zero_window: Optional[int] = None, wgrad_dtype=jnp.float32):
-  """(dx, dw_gate_up, dw_down) from `fp8_swiglu_forward`'s residuals:
+                        zero_window: Optional[int] = None, wgrad_dtype=None):
+  """(dx, dw_gate_up, dw_down) from `fp8_swiglu_forward`'s residuals, the weight
+  gradients in `wgrad_dtype` (default: the master weights' own, written by the wgrad
+  kernel from its float32 sums):
     da = q(dy) @ q(w_down)[g]^T        (FP8, float32 out; the weights' quantised
                                         copies of the forward)
     dh, du = swiglu_grad(da, h, u)     cast to x.dtype, one buffer [dh | du]
@@ -424,8 +426,9 @@ def fp8_swiglu_backward(x, group_sizes, residuals, dy, *, config: Fp8Config,
   dh, du = swiglu_grad(da, h.astype(jnp.float32), u.astype(jnp.float32))
   dhu = jnp.concatenate([dh, du], axis=-1).astype(x.dtype)
   dx = gmm_fp8(dhu, qw1, group_sizes, transpose=True, out_dtype=x.dtype, **kw)
-  wkw = dict(out_dtype=wgrad_dtype, config=wgrad_config, interpret=interpret)
-  return dx, gmm_wgrad(x, dhu, group_sizes, **wkw), gmm_wgrad(a, dy, group_sizes, **wkw)
+  wkw = dict(config=wgrad_config, interpret=interpret)
+  return (dx, gmm_wgrad(x, dhu, group_sizes, out_dtype=wgrad_dtype or jnp.dtype(qw1.dtype), **wkw),
+          gmm_wgrad(a, dy, group_sizes, out_dtype=wgrad_dtype or jnp.dtype(qw2.dtype), **wkw))
 
 
 @functools.lru_cache(maxsize=None)
@@ -443,8 +446,7 @@ def _fp8_swiglu_fn(config: Fp8Config, wgrad_config: KernelConfig, interpret, zer
   def bwd(saved, dy):
     x, group_sizes, res = saved
     dx, dw1, dw2 = fp8_swiglu_backward(x, group_sizes, res, dy, wgrad_config=wgrad_config, **kw)
-    return (dx, dw1.astype(res[3].dtype), dw2.astype(res[4].dtype),
-            np.zeros(group_sizes.shape, jax.dtypes.float0))
+    return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
   f.defvjp(fwd, bwd)
   return f

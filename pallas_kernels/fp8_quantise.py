@@ -13,7 +13,7 @@ layouts the FP8 grouped GEMM reads, so no XLA pass follows them:
                      K-major copy), column scales [G, K/128, N] and [G, N/128, K]
                      (`fp8.column_scales` of the block scales, axis 2 and axis 1)
 
-One difference: the K-major copy holds +0 where w holds -0.0 (it comes from a sum,
+One difference: the K-major copy holds +0 where q holds -0 (it comes from a sum,
 below, and -0 + 0 = +0). e4m3 +0 and -0 add the same exact zero to every product and
 the FP8 GEMM's float32 sums start at +0, so no GEMM result changes (tested). A NaN or
 inf in a block makes its scale NaN, as in XLA (the max is NaN-propagating: max.NaN).
@@ -30,23 +30,25 @@ One warpgroup per CTA and one tile per CTA; many CTAs per SM hide the HBM latenc
            (WGMMA register layout): its amax is a reduction within the quad.
   weights: grid (G, K / 128, N / 128), tile = one 128 x 128 scale block. amax: the
            rows' amax, broadcast and reduced over the rows (across warps, through
-           SMEM), so every column holds the block's amax. q^T: the 16-bit wgmma reads
-           the tile's transposed SMEM view, and I @ x^T with the identity I in float32
-           is exactly x^T (every output is 1 * x plus zeros); it is scaled and
-           converted like q. (Mosaic GPU stores registers to a transposed SMEM view
-           only for 16- and 32-bit layouts; this needs no such store.)
+           SMEM), so every column holds the block's amax. q^T = I @ q^T: an e4m3
+           wgmma of the identity with q's SMEM tile as its K-major B operand, float32
+           accumulators (every output is 1 * q plus zeros: exact), converted back to
+           e4m3 (exact). Mosaic GPU cannot store an 8-bit register array to a
+           transposed SMEM view; the wgmma reads q transposed instead.
 
 Buffers (SMEM, 128-byte swizzle on every tile)
 ----------------------------------------------
   rows:    input [R, 128], e4m3 [R, 128], scales [1, R] float32 (48.5 KiB at R = 128,
            bf16)
-  weights: input 32 KiB, identity 32 KiB, q and q^T 16 KiB each, column scales
-           512 B: 96.5 KiB (two CTAs per SM)
+  weights: input 32 KiB, e4m3 identity 16 KiB, q (then q^T: one buffer) 16 KiB,
+           column scales 512 B: 64.5 KiB (three CTAs per SM)
 
 Synchronisation
 ---------------
-One TMA barrier per CTA (the input, then the identity, each waited for before use);
-`commit_smem()` before the TMA stores, which are waited for before the CTA exits.
+Rows: one TMA barrier, waited for before the input is read. Weights: two (the input,
+the identity), each waited for before its first use; q^T overwrites q's buffer only
+after q's TMA stores have read it (`wait_smem_to_gmem(read_only)`). `commit_smem()`
+before every TMA store; the stores are waited for before the CTA exits.
 A CTA reads and writes only its own tile: no atomics, no order between CTAs.
 """
 
@@ -124,34 +126,37 @@ def quantise_rows_t(x, *, interpret=None):
 
 
 def _weight_kernel(w_gmem, eye_gmem, q_gmem, qt_gmem, sf_gmem, sd_gmem,
-                   w_smem, eye_smem, q_smem, qt_smem, s_smem, barrier):
+                   w_smem, eye_smem, q_smem, s_smem, barriers):
   g, kb, nb = lax.axis_index("g"), lax.axis_index("kb"), lax.axis_index("nb")
   ks, ns = pl.ds(kb * QUANT_BLOCK, QUANT_BLOCK), pl.ds(nb * QUANT_BLOCK, QUANT_BLOCK)
-  plgpu.copy_gmem_to_smem(w_gmem.at[g, ks, ns], w_smem, barrier)
-  plgpu.barrier_wait(barrier)
+  plgpu.copy_gmem_to_smem(w_gmem.at[g, ks, ns], w_smem, barriers.at[0])
+  plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, barriers.at[1])
+  plgpu.barrier_wait(barriers.at[0])
   x = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
   row_amax = jnp.max(jnp.abs(x), axis=1)
   # the max over rows of the rows' amax, in every column: the block's amax
   amax = jnp.max(lax.broadcast_in_dim(row_amax, x.shape, [0]), axis=0)
   s, inv = scale_and_inverse(amax)
-  inv_cols = lax.broadcast_in_dim(inv, x.shape, [1])
-  q_smem[...] = (x * inv_cols).astype(FP8_DTYPE)
+  q_smem[...] = (x * lax.broadcast_in_dim(inv, x.shape, [1])).astype(FP8_DTYPE)
   s_smem[0, :] = s
-
-  plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, barrier)
-  plgpu.barrier_wait(barrier)
-
-  def transpose(acc_ref):
-    plgpu.wgmma(acc_ref, eye_smem, w_smem.transpose((1, 0)))
-    return acc_ref[...]
-
-  xt = pl.run_scoped(transpose, plgpu.ACC((QUANT_BLOCK, QUANT_BLOCK), jnp.float32))
-  qt_smem[...] = (xt * inv_cols).astype(FP8_DTYPE)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[g, ks, ns])
-  plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[g, ns, ks])
   plgpu.copy_smem_to_gmem(s_smem, sf_gmem.at[g, pl.ds(kb, 1), ns])
   plgpu.copy_smem_to_gmem(s_smem, sd_gmem.at[g, pl.ds(nb, 1), ks])
+
+  # q^T = I @ q^T: an e4m3 wgmma with q as its K-major B operand, float32 out (every
+  # output one product 1 * q plus zeros: exact), converted back to e4m3 (exact)
+  plgpu.barrier_wait(barriers.at[1])
+
+  def transpose(acc_ref):
+    plgpu.wgmma(acc_ref, eye_smem, q_smem.transpose((1, 0)))
+    return acc_ref[...]
+
+  qt = pl.run_scoped(transpose, plgpu.ACC((QUANT_BLOCK, QUANT_BLOCK), jnp.float32))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # q's store has read q_smem
+  q_smem[...] = qt.astype(FP8_DTYPE)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_smem, qt_gmem.at[g, ns, ks])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -176,14 +181,13 @@ def quantise_weight_t(w, *, interpret=None):
       grid=(g, kb, nb),
       grid_names=("g", "kb", "nb"),
       scratch_types=[plgpu.SMEM(tile, w.dtype, transforms=_transforms(w.dtype)),
-                     plgpu.SMEM(tile, w.dtype, transforms=_transforms(w.dtype)),
                      plgpu.SMEM(tile, FP8_DTYPE, transforms=_transforms(FP8_DTYPE)),
                      plgpu.SMEM(tile, FP8_DTYPE, transforms=_transforms(FP8_DTYPE)),
                      plgpu.SMEM((1, QUANT_BLOCK), jnp.float32),
-                     plgpu.Barrier()],
+                     plgpu.Barrier(num_barriers=2)],
       interpret=resolve_interpret(interpret),
   )
-  return kernel(w, jnp.eye(QUANT_BLOCK, dtype=w.dtype))
+  return kernel(w, jnp.eye(QUANT_BLOCK, dtype=FP8_DTYPE))
 
 
 __all__ = ["quantise_rows_t", "quantise_weight_t", "rows_tile", "ROW_DTYPES", "WEIGHT_DTYPES"]

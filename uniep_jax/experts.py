@@ -176,12 +176,10 @@ def grouped_backward(x, w_gate_up, w_down, group_sizes, residuals, dy, *, kernel
     return _swiglu_grads(x, w_gate_up, w_down, h, u, a, dy, wgrad_dtype=wgrad_dtype,
                          **_ragged_ops(x, group_sizes))
   if precision == "fp8":
-    dx, dgu, dd = fp8_swiglu_backward(
+    return fp8_swiglu_backward(
         x, group_sizes, residuals, dy, config=fp8_config(kernel_config),
-        wgrad_config=kernel_config,
+        wgrad_config=kernel_config, wgrad_dtype=wgrad_dtype,
         zero_window=_fp8_zero_window(kernel_config, zero_dead_rows))
-    return (dx, dgu.astype(wgrad_dtype or w_gate_up.dtype),
-            dd.astype(wgrad_dtype or w_down.dtype))
   zw = None if zero_dead_rows else kernel_config.block_k
   a, h, u = residuals
   return swiglu_backward(x, w_gate_up, w_down, group_sizes, a, h, u, dy, config=kernel_config,

@@ -1,0 +1,99 @@
+"""FP8 against bf16 training on one GPU: `python -m train` with and without --fp8.
+
+For one model configuration it runs, one after another, fp8, bf16 and fp8 again (the
+same seed and data), each `python -m train --config C --n-layers L --mesh
+data=1,expert=1 --backend pallas --batch B --seq S --steps N [--fp8]`, and reports per
+run: tokens/s, final train and held-out loss, skipped steps and the sha256 of the
+final parameters (the two fp8 runs must be equal bit for bit), plus the held-out loss
+curves and the relative gap of the final held-out loss (the issue's band: 1%).
+
+  python -m bench.train_fp8 --config qwen3-like [--steps 300] [--out DIR] [--runs fp8,bf16,fp8]
+
+Writes train_fp8_<device>_x1_<config>.json into --out (default $OUT or bench/results).
+GPU only: the pallas backend in the CPU interpret mode takes far too long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from uniep_jax.measure import git_commit
+
+
+def _curve(path):
+  rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+  return [[r["step"], round(r["heldout_loss"], 4)] for r in rows if "heldout_loss" in r]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", default="qwen3-like")
+  p.add_argument("--n-layers", type=int, default=2)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--runs", default="fp8,bf16,fp8")
+  p.add_argument("--timeout-s", type=float, default=400.0, help="per run")
+  p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+  args = p.parse_args(argv)
+  import jax
+  dev = jax.devices()[0]
+  os.makedirs(args.out, exist_ok=True)
+  name = dev.device_kind.replace(" ", "_")
+  path = os.path.join(args.out, f"train_fp8_{name}_x1_{args.config}.json")
+  base = [sys.executable, "-m", "train", "--config", args.config, "--n-layers",
+          str(args.n_layers), "--mesh", "data=1,expert=1", "--backend", "pallas",
+          "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+          "--eval-every", "100", "--eval-batches", "4", "--no-progress", "--no-plot",
+          "--overwrite"]
+  report = {"benchmark": "python -m train, FP8 against bf16", "device": dev.device_kind,
+            "jax_version": jax.__version__, "git_commit": git_commit(),
+            "command": " ".join(base[1:]) + " [--fp8] --out <run dir>", "runs": {}}
+  for i, kind in enumerate(args.runs.split(",")):
+    key = kind if kind not in report["runs"] else f"{kind}_again"
+    run_dir = os.path.join(args.out, f"train_{args.config}_{i}_{kind}")
+    cmd = base + (["--fp8"] if kind == "fp8" else []) + ["--out", run_dir]
+    t0 = time.perf_counter()
+    try:
+      rc = subprocess.run(cmd, timeout=args.timeout_s).returncode
+    except subprocess.TimeoutExpired:
+      rc = "timeout"
+    summary_path = os.path.join(run_dir, "summary.json")
+    s = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    report["runs"][key] = {
+        "rc": rc, "wall_s": time.perf_counter() - t0,
+        **{k: s.get(k) for k in ("tokens_per_s", "loop_s", "final_train_loss_nats",
+                                 "final_heldout_loss_nats", "skipped_steps", "sha256",
+                                 "param_sum")},
+        "heldout_curve": _curve(os.path.join(run_dir, "metrics.jsonl"))}
+    r = report["runs"][key]
+    print(f"{key:10s} rc={rc} tokens/s={r['tokens_per_s']} heldout={r['final_heldout_loss_nats']} "
+          f"train={r['final_train_loss_nats']} skipped={r['skipped_steps']} sha256={r['sha256']}",
+          flush=True)
+    with open(path, "w") as fh:
+      json.dump(report, fh, indent=1)
+  runs = report["runs"]
+  if runs.get("fp8", {}).get("final_heldout_loss_nats") and runs.get("bf16", {}).get(
+      "final_heldout_loss_nats"):
+    f, b = runs["fp8"]["final_heldout_loss_nats"], runs["bf16"]["final_heldout_loss_nats"]
+    report["heldout_gap_rel"] = (f - b) / b
+    report["speedup"] = runs["fp8"]["tokens_per_s"] / runs["bf16"]["tokens_per_s"]
+    print(f"fp8 vs bf16: held-out {f:.4f} vs {b:.4f} ({100 * (f - b) / b:+.2f}%), "
+          f"tokens/s x{report['speedup']:.3f}", flush=True)
+  if "fp8_again" in runs:
+    report["fp8_runs_bitwise_equal"] = runs["fp8"]["sha256"] == runs["fp8_again"]["sha256"]
+    print(f"two fp8 runs bit for bit equal: {report['fp8_runs_bitwise_equal']}", flush=True)
+  with open(path, "w") as fh:
+    json.dump(report, fh, indent=1)
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
