@@ -4,7 +4,8 @@ synchronisation contract (SYNC.md collects the communicating ones):
 
   grouped_gemm      the grouped GEMM (forward, dgrad, wgrad) and the SwiGLU expert FFN
                     with its VJP; owns `KernelConfig`
-  fp8               e4m3 quantisation with power-of-two block scales
+  fp8               e4m3 quantisation with power-of-two block scales (its XLA form)
+  fp8_quantise      the quantisation kernels: rows, and weights in both layouts
   fp8_gemm          the FP8 grouped GEMM (forward, dgrad) and the FP8 SwiGLU FFN;
                     owns `Fp8Config`
   ep_transfer       row segments pushed over NVLink into peers' buffers; owns
