@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+from pallas_kernels import device as device_lib
 from uniep_jax.measure import git_commit
 
 
@@ -45,8 +46,8 @@ def main(argv=None):
   import jax
   dev = jax.devices()[0]
   os.makedirs(args.out, exist_ok=True)
-  name = dev.device_kind.replace(" ", "_")
-  path = os.path.join(args.out, f"train_fp8_{name}_x1_{args.config}.json")
+  path = os.path.join(args.out,
+                      f"train_fp8_{device_lib.device_name(dev)}_x1_{args.config}.json")
   base = [sys.executable, "-m", "train", "--config", args.config, "--n-layers",
           str(args.n_layers), "--mesh", "data=1,expert=1", "--backend", "pallas",
           "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
