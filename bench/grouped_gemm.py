@@ -355,7 +355,7 @@ def bench_shape_fp8(shape: MoeShape, load: str, configs, bf16_config: KernelConf
   record("fp8_dgrad_with_quant", dgrad8, dout, w, gs)
   # where the difference goes: the quantisation passes alone (no FLOPs; ms only)
   record("quantise_weight_both_layouts", jax.jit(fg.quantise_weight), w, flop=0.0)
-  record("quantise_rows_x", jax.jit(lambda x: fg.quantise_rows_t(x, 64)), x, flop=0.0)
+  record("quantise_rows_x", jax.jit(lambda x: fg.quantise_rows_for_gemm(x, 64)), x, flop=0.0)
 
   wu = (jax.random.normal(ks[3], (g, h, f), jnp.float32) / np.sqrt(h)).astype(bf)
   wgu = jnp.concatenate([w, wu], axis=2)

@@ -353,7 +353,7 @@ def quantise_weight(w, *, forward: bool = True, dgrad: bool = True,
   return QuantisedWeight(k, n, jnp.dtype(w.dtype).name, fwd, dg)
 
 
-def quantise_rows_t(x, block_m: int, *, interpret=None):
+def quantise_rows_for_gemm(x, block_m: int, *, interpret=None):
   """x [M, K] -> (q [m_p, Kp] e4m3, s^T [Kp/128, m_p] float32), m_p = round_up(M,
   block_m), Kp = round_up(K, 128), zero rows and columns added: the A operand of
   `_fp8_gmm_t`, from `fp8_quantise.quantise_rows_t` in one pass (`fp8.quantise_rows`
@@ -377,7 +377,7 @@ def gmm_fp8(x, qw: QuantisedWeight, group_sizes, *, transpose: bool = False,
   group, x quantised per (row, 128 columns) here. Returns [M, N] (or [M, K])."""
   b, bs = qw.dgrad if transpose else qw.fwd
   width = qw.k if transpose else qw.n
-  xq, xs_t = quantise_rows_t(x, config.block_m, interpret=interpret)
+  xq, xs_t = quantise_rows_for_gemm(x, config.block_m, interpret=interpret)
   out = _fp8_gmm_t(xq, xs_t, b, bs, group_sizes, m=x.shape[0], out_dtype=out_dtype,
                    config=config, interpret=interpret, zero_window=zero_window)
   return out[:, :width] if out.shape[1] != width else out
