@@ -97,11 +97,21 @@ def main(argv=None):
         "weight_q_t_but_negative_zeros": bool(np.array_equal(
             np.asarray(wk[1]).view(np.uint8), canon(wx[1]))),
         "weight_q_t_negative_zeros_in_xla": int((np.asarray(wx[1]).view(np.uint8) == 0x80).sum())}
-    # a NaN makes its block's scale NaN (the CPU interpreter cannot show it)
-    _, s_rows = cases["rows_kernel"][0](x.at[3, 5].set(jnp.nan))
-    w_scales = cases["weight_kernel"][0](w.at[0, 5, 7].set(jnp.nan))[2]
-    res["nan_scale"] = {"rows": bool(np.isnan(np.asarray(s_rows)[0, 3])),
-                        "weight": bool(np.isnan(np.asarray(w_scales)[0, 0, 0]))}
+    # a NaN makes its block's scale NaN, and only its block's (the CPU interpreter's max
+    # drops NaNs: this is the kernels' only check); NaNs in several rows and warps
+    nan_rows, nan_cols = np.array([3, 64, 127]), np.array([5, 200, 127])
+    xn = x.at[nan_rows, nan_cols].set(jnp.nan)
+    wn = w.at[0, nan_rows, nan_cols].set(jnp.nan)
+    s_rows = np.asarray(cases["rows_kernel"][0](xn)[1])       # [H/128, M]
+    s_w = np.asarray(cases["weight_kernel"][0](wn)[2])[0]     # [H/128, F]
+    want_rows = np.zeros_like(s_rows, bool)
+    want_rows[nan_cols // 128, nan_rows] = True
+    want_w = np.zeros_like(s_w, bool)
+    want_w[(nan_rows // 128)[:, None], (nan_cols // 128)[:, None] * 128 + np.arange(128)] = True
+    res["nan_scale"] = {"rows": bool(np.array_equal(np.isnan(s_rows), want_rows)),
+                        "weight": bool(np.array_equal(np.isnan(s_w), want_w)),
+                        "rows_xla": bool(np.array_equal(
+                            np.isnan(np.asarray(cases["rows_xla"][0](xn)[1])), want_rows))}
     print(f"{name:14s} kernels' bits equal to XLA's: {res['bits_equal']}; "
           f"NaN scales: {res['nan_scale']}", flush=True)
     for case, (fn, fargs, nbytes) in cases.items():

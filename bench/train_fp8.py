@@ -88,7 +88,9 @@ def main(argv=None):
     print(f"fp8 vs bf16: held-out {f:.4f} vs {b:.4f} ({100 * (f - b) / b:+.2f}%), "
           f"tokens/s x{report['speedup']:.3f}", flush=True)
   if "fp8_again" in runs:
-    report["fp8_runs_bitwise_equal"] = runs["fp8"]["sha256"] == runs["fp8_again"]["sha256"]
+    both = [runs["fp8"], runs["fp8_again"]]
+    report["fp8_runs_bitwise_equal"] = (all(r["rc"] == 0 and r["sha256"] for r in both)
+                                        and both[0]["sha256"] == both[1]["sha256"])
     print(f"two fp8 runs bit for bit equal: {report['fp8_runs_bitwise_equal']}", flush=True)
   with open(path, "w") as fh:
     json.dump(report, fh, indent=1)

@@ -19,9 +19,11 @@ amax(block) / s <= 448 (E4M3's largest finite value), so
     normal float32 numbers, as they do for any data short of 2^-126 or 2^127): the
     FP8 GEMM computes the product of the dequantised operands, its only other
     roundings those of its accumulation;
-  * an all-zero block gets s = 1 (q = 0); a block holding inf or NaN gets s = NaN,
-    so the product is NaN (the training loop then skips the step): nothing non-finite
-    is hidden by a scale.
+  * an all-zero block gets s = 1 (q = 0); a block holding inf gets s = NaN, and so
+    does one holding NaN where the max propagates NaNs (the GPU; XLA on the CPU may
+    drop a NaN from a max), while a NaN element quantises to NaN either way: the
+    product is NaN (the training loop then skips the step), nothing non-finite is
+    hidden by a scale.
 Everything is elementwise or a fixed-order max: bit for bit deterministic.
 
 This module is the format's XLA formulation and the tests' reference; the FP8 FFN

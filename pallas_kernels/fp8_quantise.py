@@ -15,8 +15,9 @@ layouts the FP8 grouped GEMM reads, so no XLA pass follows them:
 
 One difference: the K-major copy holds +0 where q holds -0 (it comes from a sum,
 below, and -0 + 0 = +0). e4m3 +0 and -0 add the same exact zero to every product and
-the FP8 GEMM's float32 sums start at +0, so no GEMM result changes (tested). A NaN or
-inf in a block makes its scale NaN, as in XLA (the max is NaN-propagating: max.NaN).
+the FP8 GEMM's float32 sums start at +0, so no GEMM result changes (tests/test_fp8.py
+checks it in the interpret mode). A NaN or
+inf in a block makes its scale NaN (the max is NaN-propagating: max.NaN).
 
 Shapes: K and N multiples of 128, M a multiple of 64 (the wrappers in `fp8_gemm.py`
 pad).
@@ -41,7 +42,9 @@ Buffers (SMEM, 128-byte swizzle on every tile)
   rows:    input [R, 128], e4m3 [R, 128], scales [1, R] float32 (48.5 KiB at R = 128,
            bf16)
   weights: input 32 KiB, e4m3 identity 16 KiB, q (then q^T: one buffer) 16 KiB,
-           column scales 512 B: 64.5 KiB (three CTAs per SM)
+           column scales 512 B: 64.5 KiB
+  plus the 2 KiB Pallas reserves for reductions: about 50.5 and 66.5 KiB (three
+  weight CTAs per SM fit)
 
 Synchronisation
 ---------------
