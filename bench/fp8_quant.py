@@ -97,6 +97,18 @@ def main(argv=None):
         "weight_q_t_but_negative_zeros": bool(np.array_equal(
             np.asarray(wk[1]).view(np.uint8), canon(wx[1]))),
         "weight_q_t_negative_zeros_in_xla": int((np.asarray(wx[1]).view(np.uint8) == 0x80).sum())}
+    # the other inputs the kernels take: 64-row tiles (M not a multiple of 128), float16
+    # and float32 rows, float16 weights
+    rows_k, rows_x = cases["rows_kernel"][0], cases["rows_xla"][0]
+    for label, xi in (("rows_64_row_tiles", x[:m - 64]), ("rows_f16", x.astype(jnp.float16)),
+                      ("rows_f32", x.astype(jnp.float32) * 1.0001)):
+      res["bits_equal"][label] = all(same(a, b) for a, b in zip(rows_k(xi), rows_x(xi)))
+    wk16, wx16 = cases["weight_kernel"][0](w.astype(jnp.float16)), _weight_xla(
+        w.astype(jnp.float16))
+    res["bits_equal"]["weight_f16_q_and_scales"] = all(
+        same(wk16[i], wx16[i]) for i in (0, 2, 3))
+    res["bits_equal"]["weight_f16_q_t_but_negative_zeros"] = bool(np.array_equal(
+        np.asarray(wk16[1]).view(np.uint8), canon(wx16[1])))
     # a NaN makes its block's scale NaN, and only its block's (the CPU interpreter's max
     # drops NaNs: this is the kernels' only check); NaNs in several rows and warps
     nan_rows, nan_cols = np.array([3, 64, 127]), np.array([5, 200, 127])
