@@ -72,13 +72,6 @@ def scale_and_inverse(amax):
           jnp.where(finite, as_float(254 - field), nan))
 
 
-def pow2_scale(amax):
-  """The smallest power of two s with amax / s <= E4M3_MAX (float32, elementwise);
-  at least 2^-126; 1 where amax == 0, NaN where amax is not finite
-  (`scale_and_inverse`)."""
-  return scale_and_inverse(amax)[0]
-
-
 def quantise_rows(x):
   """x [M, K] -> (q [M, Kp] e4m3, s [M, Kp / 128] float32), Kp = round_up(K, 128):
   one scale per row and 128 consecutive columns."""
@@ -148,6 +141,6 @@ def column_scales(block_scales, axis: int):
   raise ValueError(f"{axis=} must be 1 or 2")
 
 
-__all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "scale_and_inverse", "pow2_scale",
+__all__ = ["QUANT_BLOCK", "E4M3_MAX", "FP8_DTYPE", "scale_and_inverse",
            "quantise_rows", "quantise_blocks", "dequantise_rows", "dequantise_blocks",
            "column_scales"]

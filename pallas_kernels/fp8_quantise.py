@@ -67,15 +67,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device as device_lib
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK, scale_and_inverse
-from pallas_kernels.grouped_gemm import resolve_interpret
-
-_SWIZZLE = 128   # bytes
+from pallas_kernels.grouped_gemm import _swizzle_transforms, resolve_interpret
 
 
 def _transforms(dtype):
-  """128-byte swizzle, tiles of 8 rows and one swizzle span of columns."""
-  cols = _SWIZZLE // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(_SWIZZLE))
+  """The swizzle of a [rows, 128] tile of dtype (128 bytes for every dtype here)."""
+  return _swizzle_transforms(dtype, QUANT_BLOCK)
 
 
 def rows_tile(m: int) -> int:
@@ -170,8 +167,8 @@ def quantise_weight_t(w, *, interpret=None):
   if k % QUANT_BLOCK or n % QUANT_BLOCK:
     raise ValueError(f"w.shape={w.shape}: K and N must be multiples of {QUANT_BLOCK}")
   if jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
-    raise ValueError(f"w.dtype={w.dtype} must be bfloat16 or float16 (the transposing "
-                     f"wgmma is exact for 16-bit operands only)")
+    raise ValueError(f"w.dtype={w.dtype} must be bfloat16 or float16 (the kernel's input "
+                     f"tile; `fp8.quantise_blocks` takes other dtypes)")
   kb, nb = k // QUANT_BLOCK, n // QUANT_BLOCK
   tile = (QUANT_BLOCK, QUANT_BLOCK)
   kernel = device_lib.kernel(
