@@ -9,6 +9,11 @@ curves and the relative gap of the final held-out loss (the issue's band: 1%).
 
   python -m bench.train_fp8 --config qwen3-like [--steps 300] [--out DIR] [--runs fp8,bf16,fp8]
 
+A run named KIND@N (e.g. bf16@1) trains with --seed N (other parameters and batches):
+with two seeds of each precision the JSON also holds bf16's seed-to-seed gap of the
+held-out loss (`seed_gap_rel`), the spread the fp8 gap is to be read against, and the
+fp8 gap at each seed (`heldout_gap_rel_by_seed`).
+
 Writes train_fp8_<device>_x1_<config>.json into --out (default $OUT or bench/results).
 GPU only: the pallas backend in the CPU interpret mode takes far too long.
 """
@@ -56,10 +61,14 @@ def main(argv=None):
   report = {"benchmark": "python -m train, FP8 against bf16", "device": dev.device_kind,
             "jax_version": jax.__version__, "git_commit": git_commit(),
             "command": " ".join(base[1:]) + " [--fp8] --out <run dir>", "runs": {}}
-  for i, kind in enumerate(args.runs.split(",")):
-    key = kind if kind not in report["runs"] else f"{kind}_again"
-    run_dir = os.path.join(args.out, f"train_{args.config}_{i}_{kind}")
-    cmd = base + (["--fp8"] if kind == "fp8" else []) + ["--out", run_dir]
+  for i, name in enumerate(args.runs.split(",")):
+    kind, _, seed = name.partition("@")
+    if kind not in ("fp8", "bf16") or not (seed or "0").isdigit():
+      p.error(f"--runs: {name!r} is not fp8 or bf16, with an optional @SEED")
+    key = name if name not in report["runs"] else f"{name}_again"
+    run_dir = os.path.join(args.out, f"train_{args.config}_{i}_{kind}{seed}")
+    cmd = (base + (["--fp8"] if kind == "fp8" else []) + (["--seed", seed] if seed else [])
+           + ["--out", run_dir])
     t0 = time.perf_counter()
     try:
       rc = subprocess.run(cmd, timeout=args.timeout_s).returncode
@@ -87,6 +96,17 @@ def main(argv=None):
     report["speedup"] = runs["fp8"]["tokens_per_s"] / runs["bf16"]["tokens_per_s"]
     print(f"fp8 vs bf16: held-out {f:.4f} vs {b:.4f} ({100 * (f - b) / b:+.2f}%), "
           f"tokens/s x{report['speedup']:.3f}", flush=True)
+  final = lambda key: runs.get(key, {}).get("final_heldout_loss_nats")
+  seeds = sorted({k.partition("@")[2] for k in runs if "@" in k})
+  if final("bf16") and seeds:
+    by_seed = {"0": (final("fp8"), final("bf16"))}
+    by_seed.update({n: (final(f"fp8@{n}"), final(f"bf16@{n}")) for n in seeds})
+    report["heldout_gap_rel_by_seed"] = {n: (f - b) / b for n, (f, b) in by_seed.items()
+                                         if f and b}
+    report["seed_gap_rel"] = {n: (b - final("bf16")) / final("bf16")
+                              for n, (_, b) in by_seed.items() if b and n != "0"}
+    print(f"fp8 gap by seed {report['heldout_gap_rel_by_seed']}; bf16 seed-to-seed "
+          f"{report['seed_gap_rel']}", flush=True)
   if "fp8_again" in runs:
     both = [runs["fp8"], runs["fp8_again"]]
     report["fp8_runs_bitwise_equal"] = (all(r["rc"] == 0 and r["sha256"] for r in both)
