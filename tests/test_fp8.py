@@ -488,3 +488,19 @@ def test_fp8_ffn_lowers_for_cuda():
     assert text.count("fp8_grouped_gemm") >= 4   # gate/up, down, da, dx
     assert text.count("fp8_quantise_rows") >= 4   # x, a, dy, [dh | du]
     assert text.count("fp8_quantise_weight") >= 2
+
+
+@pytest.mark.parametrize("backend", ["pallas", "uniep"])
+def test_fp8_layer_lowers_for_cuda(backend):
+  """The FP8 layer's gradient at EP 4 (mesh data=2, expert=4) lowered for CUDA on this
+  CPU machine: the tokens' quantisation kernel, the FP8 GEMMs and the weights'
+  quantisation kernels are there ("pallas": e4m3 rows through the XLA transport;
+  "uniep": q(x)'s values through the NVLink kernels)."""
+  import re
+  from test_moe import lower_uniep_layer_for_cuda
+  text = lower_uniep_layer_for_cuda(UniEPConfig(backend=backend, precision="fp8"), 256)
+  launches = lambda name: len(set(re.findall(name + r"_(\d+)\\00", text)))   # noqa: E731
+  assert launches("fp8_grouped_gemm") == 4       # gate/up, down, da, dx
+  assert launches("fp8_quantise_weight") == 2
+  # the tokens, a, dy, [dh | du]; "uniep" sends q(x)'s values, quantised again by the FFN
+  assert launches("fp8_quantise_rows") == (4 if backend == "pallas" else 5)
