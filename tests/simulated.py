@@ -57,11 +57,11 @@ def gather_live_rows(src, index, live, *, out_rows, scale=None, garbage=jnp.nan,
 
 
 def xla_experts(x, w_gate_up, w_down, group_sizes, *, kernel_config, zero_dead_rows=True,
-                precision="bf16"):
+                precision="bf16", x_quantised=None):
   """`experts.swiglu_pallas` with `lax.ragged_dot` (the same math; the Pallas grouped
   GEMM has its own bitwise tests): lets the layer's plumbing run at EP > 1 on the CPU.
   bf16 only (the FP8 FFN has its own tests, tests/test_fp8.py)."""
-  if precision != "bf16":
+  if precision != "bf16" or x_quantised is not None:
     raise NotImplementedError(f"simulated experts with {precision=}")
   from uniep_jax.experts import swiglu_ragged_dot
   return swiglu_ragged_dot(x, w_gate_up, w_down, group_sizes)
