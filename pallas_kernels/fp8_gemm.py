@@ -381,8 +381,16 @@ def gmm_fp8(x, qw: QuantisedWeight, group_sizes, *, transpose: bool = False,
   if x_quantised is None:
     xq, xs_t = quantise_rows_for_gemm(x, config.block_m, interpret=interpret)
   else:
-    m_p = _round_up(x.shape[0], config.block_m)
-    xq, xs_t = _pad_axis(x_quantised[0], 0, m_p), _pad_axis(x_quantised[1], 0, m_p).T
+    q, s = x_quantised
+    m, k = x.shape
+    kp = _round_up(k, QUANT_BLOCK)
+    if (q.shape != (m, kp) or jnp.dtype(q.dtype) != jnp.dtype(FP8_DTYPE)
+        or s.shape != (m, kp // QUANT_BLOCK) or s.dtype != jnp.float32):
+      raise ValueError(f"x_quantised must be (e4m3 {(m, kp)}, float32 "
+                       f"{(m, kp // QUANT_BLOCK)}) for x {x.shape}, got ({q.dtype} {q.shape}, "
+                       f"{s.dtype} {s.shape})")
+    m_p = _round_up(m, config.block_m)
+    xq, xs_t = _pad_axis(q, 0, m_p), _pad_axis(s, 0, m_p).T
   out = _fp8_gmm_t(xq, xs_t, b, bs, group_sizes, m=x.shape[0], out_dtype=out_dtype,
                    config=config, interpret=interpret, zero_window=zero_window)
   return out[:, :width] if out.shape[1] != width else out

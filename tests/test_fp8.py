@@ -199,6 +199,15 @@ def test_quantisation_kernels_refuse_bad_input():
     fp8_quantise.quantise_weight_t(jnp.zeros((1, 128, 128), jnp.float32))
   with pytest.raises(ValueError, match="w.shape"):
     fp8_quantise.quantise_weight_t(jnp.zeros((1, 128, 100), jnp.bfloat16))
+  # pre-quantised rows that do not match x
+  qw = fg.quantise_weight(jnp.zeros((1, 200, 128), jnp.bfloat16))
+  x = jnp.zeros((64, 200), jnp.bfloat16)
+  good = fp8.quantise_rows(x)
+  gs = jnp.array([64], jnp.int32)
+  for bad in ((good[0][:, :128], good[1]), (good[0], good[1][:, :1]),
+              (good[0].astype(jnp.float32), good[1])):
+    with pytest.raises(ValueError, match="x_quantised"):
+      fg.gmm_fp8(x, qw, gs, x_quantised=bad)
 
 
 # the interpret mode's dot is exact float32; Hopper's e4m3 tensor cores accumulate at
