@@ -503,13 +503,30 @@ def test_fp8_ffn_lowers_for_cuda():
 def test_fp8_layer_lowers_for_cuda(backend):
   """The FP8 layer's gradient at EP 4 (mesh data=2, expert=4) lowered for CUDA on this
   CPU machine: the tokens' quantisation kernel, the FP8 GEMMs and the weights'
-  quantisation kernels are there ("pallas": e4m3 rows through the XLA transport;
-  "uniep": q(x)'s values through the NVLink kernels)."""
+  quantisation kernels are there (e4m3 rows through the XLA transport, "pallas", or
+  the NVLink kernels, "uniep")."""
   import re
   from test_moe import lower_uniep_layer_for_cuda
   text = lower_uniep_layer_for_cuda(UniEPConfig(backend=backend, precision="fp8"), 256)
   launches = lambda name: len(set(re.findall(name + r"_(\d+)\\00", text)))   # noqa: E731
   assert launches("fp8_grouped_gemm") == 4       # gate/up, down, da, dx
   assert launches("fp8_quantise_weight") == 2
-  # the tokens, a, dy, [dh | du]; "uniep" sends q(x)'s values, quantised again by the FFN
-  assert launches("fp8_quantise_rows") == (4 if backend == "pallas" else 5)
+  assert launches("fp8_quantise_rows") == 4      # the tokens, a, dy, [dh | du]
+
+
+def test_fp8_uniep_equals_pallas_padded_bitwise(monkeypatch):
+  """backend "uniep" with precision="fp8" (each (token, owner) pair's packed e4m3 row
+  and scales sent once over NVLink, then the owner's live-rows copy; the transfer and
+  the copy replaced by their contracts, tests/simulated.py, the FP8 FFN itself run in
+  the interpret mode) equals "pallas" over the padded transport bit for bit: outputs,
+  dropped counts and the gradients of x and every parameter, at EP 2."""
+  import pallas_kernels.ep_transfer as ep
+  import pallas_kernels.row_gather as rg
+  import simulated
+  monkeypatch.setattr(ep, "transfer_segments", simulated.transfer)
+  monkeypatch.setattr(rg, "gather_live_rows", simulated.gather_live_rows)
+  run = simulated.layer_runner(29, data=1, ep=2, top_k=2, hidden=128, ffn=128, tokens=32)
+  (y_p, d_p), g_p = run(UniEPConfig(backend="pallas", precision="fp8"), transport="padded")
+  (y_u, d_u), g_u = run(UniEPConfig(backend="uniep", precision="fp8"))
+  assert float(jnp.max(jnp.abs(y_p.astype(jnp.float32)))) > 0
+  chex.assert_trees_all_equal((y_u, d_u, g_u), (y_p, d_p, g_p))

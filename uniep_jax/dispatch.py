@@ -147,30 +147,55 @@ def quantised_tokens(x):
 quantised_tokens.defvjp(lambda x: (quantised_tokens(x), None), lambda _, ct: (ct,))
 
 
+def _pack(q, s):
+  """(q [N, Hp] e4m3, s [N, Hb] float32) -> one uint8 row each: q's bytes, then s's,
+  zero-padded to a multiple of `row_gather.ROW_ALIGN_BYTES` (the row size every
+  transport, the NVLink transfer included, moves)."""
+  n, hp = q.shape
+  parts = [jax.lax.bitcast_convert_type(q, jnp.uint8),
+           jax.lax.bitcast_convert_type(s, jnp.uint8).reshape(n, -1)]   # [N, Hb * 4]
+  width = hp + parts[1].shape[1]
+  pad = -width % row_gather.ROW_ALIGN_BYTES
+  return jnp.concatenate(parts + [jnp.zeros((n, pad), jnp.uint8)], axis=1)
+
+
+def _unpack(rows, hp: int):
+  """`_pack`'s inverse: uint8 rows -> (q [N, Hp] e4m3, s [N, Hp/128] float32)."""
+  hb = hp // fp8.QUANT_BLOCK
+  q = jax.lax.bitcast_convert_type(rows[:, :hp], fp8.FP8_DTYPE)
+  s = jax.lax.bitcast_convert_type(rows[:, hp:hp + 4 * hb].reshape(-1, hb, 4), jnp.float32)
+  return q, s
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def dispatch_fp8(x, plan: DispatchPlan, axis_name, transport: str, transfer=None):
+def dispatch_fp8(x, plan: DispatchPlan, axis_name, transport: str, transfer=None,
+                 dplan: DedupPlan | None = None):
   """x [T, H] -> (rows [recv_rows, H] in x.dtype, q [recv_rows, Hp] e4m3, s [recv_rows,
-  Hp/128] float32): each token quantised once, its e4m3 row and scales sent through
-  `transport` like `dispatch`'s rows, and rows = their dequantisation, the rows
-  `dispatch(quantised_tokens(x), ...)` delivers, bit for bit. Backward: `dispatch`'s,
-  of the rows' cotangent (q and s carry none)."""
+  Hp/128] float32): each token quantised once, its e4m3 row and scales packed into one
+  byte row (`_pack`: H + H/32 bytes, padded; 2H bytes in bf16) and sent like
+  `dispatch`'s rows ("nvlink": like `dispatch_unique`'s, with dplan), and rows = their
+  dequantisation: the rows `dispatch(quantised_tokens(x), ...)` delivers, bit for bit.
+  Backward: `dispatch`'s, of the rows' cotangent (q and s carry none)."""
   q, s = _quantise_tokens(x)
-  # e4m3 travels as bytes (collectives need not know the type)
-  send = lambda a: send_rows(sort_rows(a, plan), plan, axis_name, transport, transfer)
-  rq = jax.lax.bitcast_convert_type(send(jax.lax.bitcast_convert_type(q, jnp.uint8)),
-                                    fp8.FP8_DTYPE)
-  rs = send(s)
+  packed = _pack(q, s)
+  if transport == "nvlink":
+    recv = send_unique(packed, plan, dplan, axis_name, transfer)
+  else:
+    recv = send_rows(sort_rows(packed, plan), plan, axis_name, transport, transfer)
+  rq, rs = _unpack(recv, q.shape[1])
   return _dequantise(rq, rs, x), rq, rs
 
 
-def _dispatch_fp8_fwd(x, plan, axis_name, transport, transfer):
-  return dispatch_fp8(x, plan, axis_name, transport, transfer), (plan, x[:0])
+def _dispatch_fp8_fwd(x, plan, axis_name, transport, transfer, dplan):
+  return dispatch_fp8(x, plan, axis_name, transport, transfer, dplan), (plan, dplan, x[:0])
 
 
 def _dispatch_fp8_bwd(axis_name, transport, transfer, res, ct):
-  plan, x_like = res
+  plan, dplan, x_like = res
+  # the plain dispatch's backward, op for op (for "nvlink" too, as `dispatch_unique`'s)
   rows_sorted = return_rows(ct[0], plan, axis_name, transport, transfer)
-  return sort_rows_transpose(rows_sorted, plan, x_like), zero_cotangent(plan)
+  return (sort_rows_transpose(rows_sorted, plan, x_like), zero_cotangent(plan),
+          None if dplan is None else zero_cotangent(dplan))
 
 
 dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)

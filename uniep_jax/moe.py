@@ -146,9 +146,9 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
     copies = jnp.sum(slot_expert[rank] >= 0, dtype=jnp.int32)
 
   fp8 = config.precision == "fp8"
-  # the experts compute on each token's quantised row (dispatch.py): sent as such on
-  # the plain dispatch, as its dequantisation elsewhere
-  fp8_dispatch = fp8 and not slots and transport != "nvlink"
+  # the experts compute on each token's quantised row (dispatch.py): sent as e4m3 and
+  # scales, or with replica slots as its dequantisation (the slots quantise it again)
+  fp8_dispatch = fp8 and not slots
   if fp8 and not fp8_dispatch:
     x = quantised_tokens(x)
 
@@ -174,8 +174,13 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
                                  transfer=config.transfer, overlap=config.overlap,
                                  out_dtype=x.dtype)
       return y, plan.dropped, plan.num_received, copies
-    recv = dispatch_unique(x, plan, dplan, expert_axis, config.transfer)   # [recv_rows, H]
-    y_recv = experts(recv, plan.recv_group_sizes, config.kernel)
+    if fp8_dispatch:   # e4m3 rows and scales, each (token, owner) pair once
+      recv, *x_quantised = dispatch_fp8(x, plan, expert_axis, "nvlink", config.transfer,
+                                        dplan)
+      y_recv = experts(recv, plan.recv_group_sizes, config.kernel, tuple(x_quantised))
+    else:
+      recv = dispatch_unique(x, plan, dplan, expert_axis, config.transfer)   # [recv_rows, H]
+      y_recv = experts(recv, plan.recv_group_sizes, config.kernel)
     y = combine_unique(y_recv, weights, plan, dplan, expert_axis, config.transfer, x.dtype)
     return y, plan.dropped, plan.num_received, copies
 
