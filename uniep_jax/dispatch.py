@@ -8,7 +8,8 @@ Inside `shard_map`, per EP rank (orders in `layout.py`):
              owner's copy to its experts' rows--> the same receive layout, row for row
 
     fp8:     x [T, H] --fp8.quantise_rows: each token once--> e4m3 rows and their
-             scales --the plain path, both--> receive layout, dequantised beside
+             scales, packed in byte rows --the plain or the unique path--> receive
+             layout, unpacked and dequantised beside
 
 The backward pass of a dispatch is a return (`transport.return_rows`) followed by the
 sum of each token's K slot rows in slot order (`rows.replicate_slots_transpose`); the
@@ -18,9 +19,10 @@ and so is the FP8 dispatch's (of its dequantised rows' cotangent).
 With `precision="fp8"` the experts compute on q(x), each token's row quantised once
 per 128 columns (`pallas_kernels/fp8.py`), and the gate/up weight gradient is taken
 at q(x) too (the gradient of the quantised forward; x's gradient passes straight
-through): `dispatch_fp8` sends q(x) itself (e4m3 and scales: about half the bytes);
-the paths that send rows in x's dtype send `quantised_tokens(x)`, q(x) dequantised,
-the same values, so every path computes the same bits.
+through): `dispatch_fp8` sends q(x) itself (e4m3 and scales packed in one byte row:
+about half the bytes) on every transport; the replica path, which sends rows in x's
+dtype, sends `quantised_tokens(x)`, q(x) dequantised, the same values, so every path
+computes the same bits.
 """
 
 from __future__ import annotations
