@@ -372,12 +372,25 @@ jax.tree_util.register_dataclass(QuantisedWeight, data_fields=["fwd", "dgrad"],
 
 def gmm_fp8(x, qw: QuantisedWeight, group_sizes, *, transpose: bool = False,
             out_dtype=jnp.bfloat16, config: Fp8Config = Fp8Config(), interpret=None,
-            zero_window: Optional[int] = None):
+            zero_window: Optional[int] = None, x_quantised=None):
   """x [M, K] @ w[g] (transpose=False) or x [M, N] @ w[g]^T (transpose=True) per row
-  group, x quantised per (row, 128 columns) here. Returns [M, N] (or [M, K])."""
+  group, x quantised per (row, 128 columns) here, or given as x_quantised = (q [M, Kp]
+  e4m3, s [M, Kp/128] float32), `fp8.quantise_rows` of x. Returns [M, N] (or [M, K])."""
   b, bs = qw.dgrad if transpose else qw.fwd
   width = qw.k if transpose else qw.n
-  xq, xs_t = quantise_rows_for_gemm(x, config.block_m, interpret=interpret)
+  if x_quantised is None:
+    xq, xs_t = quantise_rows_for_gemm(x, config.block_m, interpret=interpret)
+  else:
+    q, s = x_quantised
+    m, k = x.shape
+    kp = _round_up(k, QUANT_BLOCK)
+    if (q.shape != (m, kp) or jnp.dtype(q.dtype) != jnp.dtype(FP8_DTYPE)
+        or s.shape != (m, kp // QUANT_BLOCK) or s.dtype != jnp.float32):
+      raise ValueError(f"x_quantised must be (e4m3 {(m, kp)}, float32 "
+                       f"{(m, kp // QUANT_BLOCK)}) for x {x.shape}, got ({q.dtype} {q.shape}, "
+                       f"{s.dtype} {s.shape})")
+    m_p = _round_up(m, config.block_m)
+    xq, xs_t = _pad_axis(q, 0, m_p), _pad_axis(s, 0, m_p).T
   out = _fp8_gmm_t(xq, xs_t, b, bs, group_sizes, m=x.shape[0], out_dtype=out_dtype,
                    config=config, interpret=interpret, zero_window=zero_window)
   return out[:, :width] if out.shape[1] != width else out
@@ -389,17 +402,19 @@ def gmm_fp8(x, qw: QuantisedWeight, group_sizes, *, transpose: bool = False,
 
 
 def fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, *, config: Fp8Config,
-                       interpret=None, zero_window: Optional[int] = None):
+                       interpret=None, zero_window: Optional[int] = None, x_quantised=None):
   """(y, residuals) of the FP8 FFN: grouped_gemm's SwiGLU FFN with the operands of
   its two GEMMs quantised (x, a per row and 128 columns; weights per 128 x 128 block):
     [h | u] = q(x) @ q(w_gate_up)[g]   float32 accumulation, stored in x.dtype
     a = silu(h) * u                    in float32 from the stored h, u, cast to x.dtype
-    y = q(a) @ q(w_down)[g]            float32 accumulation, cast to x.dtype."""
+    y = q(a) @ q(w_down)[g]            float32 accumulation, cast to x.dtype.
+  x_quantised: q(x) as (q, s) rows (`gmm_fp8`), e.g. from the FP8 dispatch, which
+  sends each token's quantised row; x is then its dequantisation."""
   f = w_down.shape[1]
   qw1 = quantise_weight(w_gate_up, interpret=interpret)
   qw2 = quantise_weight(w_down, interpret=interpret)
   kw = dict(config=config, interpret=interpret, zero_window=zero_window)
-  hu = gmm_fp8(x, qw1, group_sizes, out_dtype=x.dtype, **kw)
+  hu = gmm_fp8(x, qw1, group_sizes, out_dtype=x.dtype, x_quantised=x_quantised, **kw)
   h, u = hu[:, :f], hu[:, f:]
   a = (jax.nn.silu(h.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
   y = gmm_fp8(a, qw2, group_sizes, out_dtype=x.dtype, **kw)
@@ -436,17 +451,21 @@ def _fp8_swiglu_fn(config: Fp8Config, wgrad_config: KernelConfig, interpret, zer
   kw = dict(config=config, interpret=interpret, zero_window=zero_window)
 
   @jax.custom_vjp
-  def f(x, w_gate_up, w_down, group_sizes):
-    return fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, **kw)[0]
+  def f(x, w_gate_up, w_down, group_sizes, x_quantised):
+    return fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, x_quantised=x_quantised,
+                              **kw)[0]
 
-  def fwd(x, w_gate_up, w_down, group_sizes):
-    y, res = fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, **kw)
-    return y, (x, group_sizes, res)
+  def fwd(x, w_gate_up, w_down, group_sizes, x_quantised):
+    y, res = fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, x_quantised=x_quantised,
+                                **kw)
+    return y, (x, group_sizes, res, x_quantised)
 
   def bwd(saved, dy):
-    x, group_sizes, res = saved
+    x, group_sizes, res, x_quantised = saved
     dx, dw1, dw2 = fp8_swiglu_backward(x, group_sizes, res, dy, wgrad_config=wgrad_config, **kw)
-    return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0)
+    # the gradient reaches x (q(x)'s dequantisation); q(x) itself carries none
+    return (dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0),
+            jax.tree.map(jnp.zeros_like, x_quantised))
 
   f.defvjp(fwd, bwd)
   return f
@@ -455,7 +474,7 @@ def _fp8_swiglu_fn(config: Fp8Config, wgrad_config: KernelConfig, interpret, zer
 def fp8_grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
                            config: Fp8Config = Fp8Config(),
                            wgrad_config: KernelConfig = KernelConfig(), interpret=None,
-                           zero_dead_rows: bool = True):
+                           zero_dead_rows: bool = True, x_quantised=None):
   """`grouped_gemm.grouped_swiglu_ffn` with FP8 row GEMMs (e4m3, block scales,
   float32 accumulation; `fp8_swiglu_forward` / `fp8_swiglu_backward`), differentiable.
   Weights stay in their dtype; their quantised copies are made per call, once for the
@@ -463,14 +482,15 @@ def fp8_grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, *,
   round_up(sum(group_sizes), W) are left undefined (never written), W the larger of
   block_m and the wgrad's block_k (the wgrad reads [dh | du] that far); the
   cotangent dy must then be finite in that window (the dw_down wgrad multiplies its
-  rows there by zeros)."""
+  rows there by zeros). x_quantised: q(x) as (q, s) rows (`fp8_swiglu_forward`), x its
+  dequantisation; the gradient goes to x."""
   two_f = w_gate_up.shape[-1]
   if w_gate_up.ndim != 3 or two_f % 2 or w_down.ndim != 3 or w_down.shape[1] != two_f // 2:
     raise ValueError(f"w_gate_up {w_gate_up.shape} must be [G, H, 2F] and w_down "
                      f"{w_down.shape} [G, F, H]")
   zw = ffn_zero_window(config, wgrad_config, zero_dead_rows)
   return _fp8_swiglu_fn(config, wgrad_config, resolve_interpret(interpret), zw)(
-      x, w_gate_up, w_down, group_sizes)
+      x, w_gate_up, w_down, group_sizes, x_quantised)
 
 
 def ffn_zero_window(config: Fp8Config, wgrad_config: KernelConfig,

@@ -41,8 +41,16 @@ def transfer(src, seg_src, seg_dst, seg_len, *, out_rows, config, axis_name, ran
   bufs, dsts = jax.vmap(rows_for)(jnp.arange(r))                      # [R, ns, H], [R, ns]
   got = jax.lax.all_to_all(bufs, axis_name, 0, 0, tiled=True).reshape(r * ns, h)
   got_dst = jax.lax.all_to_all(dsts, axis_name, 0, 0, tiled=True).reshape(r * ns)
-  out = jnp.full((out_rows, h), garbage, src.dtype)
+  out = jnp.full((out_rows, h), _garbage(garbage, src.dtype), src.dtype)
   return out.at[got_dst].set(got, mode="drop")
+
+
+def _garbage(value, dtype):
+  """What unwritten rows hold: `value` (NaN) for floats; for byte rows (the FP8
+  dispatch's packed e4m3 rows and scales) all ones, e4m3 NaN and a NaN scale."""
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.asarray(jnp.iinfo(dtype).max, dtype)
+  return jnp.asarray(value, dtype)
 
 
 def gather_live_rows(src, index, live, *, out_rows, scale=None, garbage=jnp.nan, **_):
@@ -53,15 +61,15 @@ def gather_live_rows(src, index, live, *, out_rows, scale=None, garbage=jnp.nan,
   if scale is not None:
     w = jnp.pad(scale, (0, out_rows - index.shape[0]))
     rows = (rows.astype(jnp.float32) * w[:, None]).astype(src.dtype)
-  return jnp.where((p < live)[:, None], rows, jnp.asarray(garbage, src.dtype))
+  return jnp.where((p < live)[:, None], rows, _garbage(garbage, src.dtype))
 
 
 def xla_experts(x, w_gate_up, w_down, group_sizes, *, kernel_config, zero_dead_rows=True,
-                precision="bf16"):
+                precision="bf16", x_quantised=None):
   """`experts.swiglu_pallas` with `lax.ragged_dot` (the same math; the Pallas grouped
   GEMM has its own bitwise tests): lets the layer's plumbing run at EP > 1 on the CPU.
   bf16 only (the FP8 FFN has its own tests, tests/test_fp8.py)."""
-  if precision != "bf16":
+  if precision != "bf16" or x_quantised is not None:
     raise NotImplementedError(f"simulated experts with {precision=}")
   from uniep_jax.experts import swiglu_ragged_dot
   return swiglu_ragged_dot(x, w_gate_up, w_down, group_sizes)

@@ -199,6 +199,15 @@ def test_quantisation_kernels_refuse_bad_input():
     fp8_quantise.quantise_weight_t(jnp.zeros((1, 128, 128), jnp.float32))
   with pytest.raises(ValueError, match="w.shape"):
     fp8_quantise.quantise_weight_t(jnp.zeros((1, 128, 100), jnp.bfloat16))
+  # pre-quantised rows that do not match x
+  qw = fg.quantise_weight(jnp.zeros((1, 200, 128), jnp.bfloat16))
+  x = jnp.zeros((64, 200), jnp.bfloat16)
+  good = fp8.quantise_rows(x)
+  gs = jnp.array([64], jnp.int32)
+  for bad in ((good[0][:, :128], good[1]), (good[0], good[1][:, :1]),
+              (good[0].astype(jnp.float32), good[1])):
+    with pytest.raises(ValueError, match="x_quantised"):
+      fg.gmm_fp8(x, qw, gs, x_quantised=bad)
 
 
 # the interpret mode's dot is exact float32; Hopper's e4m3 tensor cores accumulate at
@@ -332,6 +341,44 @@ def _layer(cfg, ep):
   return jax.device_get(_layer_fn(cfg, ep)(x, p)), (x, p)
 
 
+@pytest.mark.parametrize("bound", [None, 40], ids=["unbounded", "receive-bound"])
+def test_fp8_dispatch_sends_the_quantised_tokens(bound):
+  """dispatch_fp8 (each token quantised once, e4m3 rows and scales sent) delivers, bit
+  for bit, the rows the bf16 dispatch delivers of quantised_tokens(x), each token's own
+  e4m3 row and scales, and the same gradient of x (one rank: the
+  "local" transport, with and without a receive bound that drops rows)."""
+  from uniep_jax import dispatch as dispatch_lib
+  from uniep_jax.layout import local_group_sizes, make_plan
+  t, k, e, h = 24, 3, 4, 200
+  x, _ = _operands(21, t, h, 8, 1, spread=6)
+  rng = np.random.default_rng(5)
+  topk = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+  plan = make_plan(topk, local_group_sizes(topk, e)[None], 0, recv_rows=bound)
+  ct = jax.random.normal(jax.random.key(2), (bound or t * k, h)).astype(x.dtype)
+
+  def fp8_path(x):
+    rows, q, s = dispatch_lib.dispatch_fp8(x, plan, "expert", "local")
+    return rows, (q, s)
+
+  def bf16_path(x):
+    return dispatch_lib.dispatch(dispatch_lib.quantised_tokens(x), plan, axis_name="expert",
+                                 transport="local")
+
+  (rows, (q, s)), vjp8 = jax.jit(lambda x: jax.vjp(fp8_path, x, has_aux=False))(x)
+  rows16, vjp16 = jax.jit(lambda x: jax.vjp(bf16_path, x))(x)
+  chex.assert_trees_all_equal(rows, rows16)
+  # q and s are each token's own quantisation, moved like its rows
+  q0, s0 = fp8.quantise_rows(x)
+  moved = lambda a: dispatch_lib.dispatch(a, plan, axis_name="expert", transport="local")
+  live = np.asarray(plan.recv_valid)
+  np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32))[live],
+                                np.asarray(moved(q0.astype(jnp.float32)))[live])
+  np.testing.assert_array_equal(np.asarray(s)[live], np.asarray(moved(s0))[live])
+  zeros = (jnp.zeros_like(q), jnp.zeros_like(s))
+  chex.assert_trees_all_equal(vjp8((ct, zeros))[0], vjp16(ct)[0])
+  assert bound is None or int(plan.dropped) > 0   # the bound drops rows
+
+
 def test_layer_fp8_against_the_reference():
   """"pallas" with precision="fp8" at EP 1, 2 and 4: output and gradients within FP8's
   precision of the float32 oracle, nothing dropped, repeatable under jit. y and dx equal
@@ -450,3 +497,36 @@ def test_fp8_ffn_lowers_for_cuda():
     assert text.count("fp8_grouped_gemm") >= 4   # gate/up, down, da, dx
     assert text.count("fp8_quantise_rows") >= 4   # x, a, dy, [dh | du]
     assert text.count("fp8_quantise_weight") >= 2
+
+
+@pytest.mark.parametrize("backend", ["pallas", "uniep"])
+def test_fp8_layer_lowers_for_cuda(backend):
+  """The FP8 layer's gradient at EP 4 (mesh data=2, expert=4) lowered for CUDA on this
+  CPU machine: the tokens' quantisation kernel, the FP8 GEMMs and the weights'
+  quantisation kernels are there (e4m3 rows through the XLA transport, "pallas", or
+  the NVLink kernels, "uniep")."""
+  import re
+  from test_moe import lower_uniep_layer_for_cuda
+  text = lower_uniep_layer_for_cuda(UniEPConfig(backend=backend, precision="fp8"), 256)
+  launches = lambda name: len(set(re.findall(name + r"_(\d+)\\00", text)))   # noqa: E731
+  assert launches("fp8_grouped_gemm") == 4       # gate/up, down, da, dx
+  assert launches("fp8_quantise_weight") == 2
+  assert launches("fp8_quantise_rows") == 4      # the tokens, a, dy, [dh | du]
+
+
+def test_fp8_uniep_equals_pallas_padded_bitwise(monkeypatch):
+  """backend "uniep" with precision="fp8" (each (token, owner) pair's packed e4m3 row
+  and scales sent once over NVLink, then the owner's live-rows copy; the transfer and
+  the copy replaced by their contracts, tests/simulated.py, the FP8 FFN itself run in
+  the interpret mode) equals "pallas" over the padded transport bit for bit: outputs,
+  dropped counts and the gradients of x and every parameter, at EP 2."""
+  import pallas_kernels.ep_transfer as ep
+  import pallas_kernels.row_gather as rg
+  import simulated
+  monkeypatch.setattr(ep, "transfer_segments", simulated.transfer)
+  monkeypatch.setattr(rg, "gather_live_rows", simulated.gather_live_rows)
+  run = simulated.layer_runner(29, data=1, ep=2, top_k=2, hidden=128, ffn=128, tokens=32)
+  (y_p, d_p), g_p = run(UniEPConfig(backend="pallas", precision="fp8"), transport="padded")
+  (y_u, d_u), g_u = run(UniEPConfig(backend="uniep", precision="fp8"))
+  assert float(jnp.max(jnp.abs(y_p.astype(jnp.float32)))) > 0
+  chex.assert_trees_all_equal((y_u, d_u, g_u), (y_p, d_p, g_p))

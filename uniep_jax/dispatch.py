@@ -7,9 +7,22 @@ Inside `shard_map`, per EP rank (orders in `layout.py`):
     unique:  x [T, H] --transport.send_unique: each (token, owner) row once, then the
              owner's copy to its experts' rows--> the same receive layout, row for row
 
+    fp8:     x [T, H] --fp8.quantise_rows: each token once--> e4m3 rows and their
+             scales, packed in byte rows --the plain or the unique path--> receive
+             layout, unpacked and dequantised beside
+
 The backward pass of a dispatch is a return (`transport.return_rows`) followed by the
 sum of each token's K slot rows in slot order (`rows.replicate_slots_transpose`); the
-unique dispatch's backward is the plain one's, op for op, so both give the same bits.
+unique dispatch's backward is the plain one's, op for op, so both give the same bits,
+and so is the FP8 dispatch's (of its dequantised rows' cotangent).
+
+With `precision="fp8"` the experts compute on q(x), each token's row quantised once
+per 128 columns (`pallas_kernels/fp8.py`), and the gate/up weight gradient is taken
+at q(x) too (the gradient of the quantised forward; x's gradient passes straight
+through): `dispatch_fp8` sends q(x) itself (e4m3 and scales packed in one byte row:
+about half the bytes) on every transport; the replica path, which sends rows in x's
+dtype, sends `quantised_tokens(x)`, q(x) dequantised, the same values, so every path
+computes the same bits.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import device as device_lib
-from pallas_kernels import row_gather
+from pallas_kernels import fp8, fp8_gemm, row_gather
 from uniep_jax.layout import DedupPlan, DispatchPlan
 from uniep_jax.rows import (permute_rows, replicate_slots_transpose, sum_to_type_of, take_rows,
                             zero_cotangent)
@@ -109,3 +122,82 @@ def _dispatch_unique_bwd(axis_name, transfer, res, ct):
 
 
 dispatch_unique.defvjp(_dispatch_unique_fwd, _dispatch_unique_bwd)
+
+
+def _quantise_tokens(x):
+  """x [T, H] -> (q [T, Hp] e4m3, s [T, Hp/128] float32): `fp8.quantise_rows`, by the
+  quantisation kernel where kernels compile (the same bits)."""
+  t = x.shape[0]
+  if device_lib.default_interpret() is False:
+    q, s_t = fp8_gemm.quantise_rows_for_gemm(x, 64)
+    return q[:t], s_t.T[:t]
+  return fp8.quantise_rows(x)
+
+
+def _dequantise(q, s, like):
+  """(q, s) rows -> [rows, H] in like's dtype: exact (e4m3 times a power of two)."""
+  return fp8.dequantise_rows(q, s)[:, :like.shape[1]].astype(like.dtype)
+
+
+@jax.custom_vjp
+def quantised_tokens(x):
+  """q(x) dequantised, [T, H] in x.dtype, with x's gradient passed straight through:
+  the rows `dispatch_fp8` delivers, for the paths that move rows in x's dtype."""
+  return _dequantise(*_quantise_tokens(x), x)
+
+
+quantised_tokens.defvjp(lambda x: (quantised_tokens(x), None), lambda _, ct: (ct,))
+
+
+def _pack(q, s):
+  """(q [N, Hp] e4m3, s [N, Hb] float32) -> one uint8 row each: q's bytes, then s's,
+  zero-padded to a multiple of `row_gather.ROW_ALIGN_BYTES` (the row size every
+  transport, the NVLink transfer included, moves)."""
+  n, hp = q.shape
+  parts = [jax.lax.bitcast_convert_type(q, jnp.uint8),
+           jax.lax.bitcast_convert_type(s, jnp.uint8).reshape(n, -1)]   # [N, Hb * 4]
+  width = hp + parts[1].shape[1]
+  pad = -width % row_gather.ROW_ALIGN_BYTES
+  return jnp.concatenate(parts + [jnp.zeros((n, pad), jnp.uint8)], axis=1)
+
+
+def _unpack(rows, hp: int):
+  """`_pack`'s inverse: uint8 rows -> (q [N, Hp] e4m3, s [N, Hp/128] float32)."""
+  hb = hp // fp8.QUANT_BLOCK
+  q = jax.lax.bitcast_convert_type(rows[:, :hp], fp8.FP8_DTYPE)
+  s = jax.lax.bitcast_convert_type(rows[:, hp:hp + 4 * hb].reshape(-1, hb, 4), jnp.float32)
+  return q, s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def dispatch_fp8(x, plan: DispatchPlan, axis_name, transport: str, transfer=None,
+                 dplan: DedupPlan | None = None):
+  """x [T, H] -> (rows [recv_rows, H] in x.dtype, q [recv_rows, Hp] e4m3, s [recv_rows,
+  Hp/128] float32): each token quantised once, its e4m3 row and scales packed into one
+  byte row (`_pack`: H + H/32 bytes, padded; 2H bytes in bf16) and sent like
+  `dispatch`'s rows ("nvlink": like `dispatch_unique`'s, with dplan), and rows = their
+  dequantisation: the rows `dispatch(quantised_tokens(x), ...)` delivers, bit for bit.
+  Backward: `dispatch`'s, of the rows' cotangent (q and s carry none)."""
+  q, s = _quantise_tokens(x)
+  packed = _pack(q, s)
+  if transport == "nvlink":
+    recv = send_unique(packed, plan, dplan, axis_name, transfer)
+  else:
+    recv = send_rows(sort_rows(packed, plan), plan, axis_name, transport, transfer)
+  rq, rs = _unpack(recv, q.shape[1])
+  return _dequantise(rq, rs, x), rq, rs
+
+
+def _dispatch_fp8_fwd(x, plan, axis_name, transport, transfer, dplan):
+  return dispatch_fp8(x, plan, axis_name, transport, transfer, dplan), (plan, dplan, x[:0])
+
+
+def _dispatch_fp8_bwd(axis_name, transport, transfer, res, ct):
+  plan, dplan, x_like = res
+  # the plain dispatch's backward, op for op (for "nvlink" too, as `dispatch_unique`'s)
+  rows_sorted = return_rows(ct[0], plan, axis_name, transport, transfer)
+  return (sort_rows_transpose(rows_sorted, plan, x_like), zero_cotangent(plan),
+          None if dplan is None else zero_cotangent(dplan))
+
+
+dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)

@@ -187,14 +187,16 @@ def grouped_backward(x, w_gate_up, w_down, group_sizes, residuals, dy, *, kernel
 
 
 def swiglu_pallas(x, w_gate_up, w_down, group_sizes, *, kernel_config,
-                  zero_dead_rows: bool = True, precision: str = "bf16"):
+                  zero_dead_rows: bool = True, precision: str = "bf16", x_quantised=None):
   """Grouped FFN with our Pallas Mosaic GPU grouped GEMM (interpret mode on the CPU).
   zero_dead_rows=False: rows of the output (and of dx) past the groups' rows plus a
   block_k window are left undefined (see `grouped_swiglu_ffn`). precision "fp8": the
-  FP8 row GEMMs (`fp8_grouped_swiglu_ffn`; its weight gradients on kernel_config)."""
+  FP8 row GEMMs (`fp8_grouped_swiglu_ffn`; its weight gradients on kernel_config);
+  x_quantised: x's e4m3 rows and scales as the FP8 dispatch delivered them (x their
+  dequantisation), used instead of quantising x again."""
   if precision == "fp8":
     return fp8_grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes,
                                   config=fp8_config(kernel_config), wgrad_config=kernel_config,
-                                  zero_dead_rows=zero_dead_rows)
+                                  zero_dead_rows=zero_dead_rows, x_quantised=x_quantised)
   return grouped_swiglu_ffn(x, w_gate_up, w_down, group_sizes, config=kernel_config,
                             zero_dead_rows=zero_dead_rows)

@@ -37,7 +37,8 @@ from uniep_jax.capacity import capacity_moe_shard
 from uniep_jax.combine import combine, combine_sorted_rows, combine_unique, weighted_topk_sum
 from uniep_jax.config import PALLAS_BACKENDS, UniEPConfig
 from uniep_jax.determinism import warn_if_nondeterministic
-from uniep_jax.dispatch import compiled_row_kernels, dispatch, dispatch_unique
+from uniep_jax.dispatch import (compiled_row_kernels, dispatch, dispatch_fp8, dispatch_unique,
+                               quantised_tokens)
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import make_plan, plan_with_dedup, receive_rows, sort_assignments
 from uniep_jax.ordered_reduce import ordered_allsum, stack_replicas, stacked_spec
@@ -144,7 +145,14 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
     num_experts, sort, slot_expert = count_matrix.shape[1], None, rplan.slot_expert
     copies = jnp.sum(slot_expert[rank] >= 0, dtype=jnp.int32)
 
-  def experts(recv, group_sizes, kernel_config):
+  fp8 = config.precision == "fp8"
+  # the experts compute on each token's quantised row (dispatch.py): sent as e4m3 and
+  # scales, or with replica slots as its dequantisation (the slots quantise it again)
+  fp8_dispatch = fp8 and not slots
+  if fp8 and not fp8_dispatch:
+    x = quantised_tokens(x)
+
+  def experts(recv, group_sizes, kernel_config, x_quantised=None):
     """Step 4 (kernel_config None: `lax.ragged_dot`); with replicas, the slots' weights
     come from their owners and their gradients go back (replicas.py)."""
     if slots:
@@ -155,7 +163,7 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
       return swiglu_ragged_dot(recv, params.w_gate_up, params.w_down, group_sizes)
     return swiglu_pallas(recv, params.w_gate_up, params.w_down, group_sizes,
                          kernel_config=kernel_config, zero_dead_rows=False,
-                         precision=config.precision)
+                         precision=config.precision, x_quantised=x_quantised)
 
   if transport == "nvlink":   # "uniep": each (token, owner) row sent once
     plan, dplan = plan_with_dedup(topk, weights, num_experts=num_experts,
@@ -166,8 +174,13 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
                                  transfer=config.transfer, overlap=config.overlap,
                                  out_dtype=x.dtype)
       return y, plan.dropped, plan.num_received, copies
-    recv = dispatch_unique(x, plan, dplan, expert_axis, config.transfer)   # [recv_rows, H]
-    y_recv = experts(recv, plan.recv_group_sizes, config.kernel)
+    if fp8_dispatch:   # e4m3 rows and scales, each (token, owner) pair once
+      recv, *x_quantised = dispatch_fp8(x, plan, expert_axis, "nvlink", config.transfer,
+                                        dplan)
+      y_recv = experts(recv, plan.recv_group_sizes, config.kernel, tuple(x_quantised))
+    else:
+      recv = dispatch_unique(x, plan, dplan, expert_axis, config.transfer)   # [recv_rows, H]
+      y_recv = experts(recv, plan.recv_group_sizes, config.kernel)
     y = combine_unique(y_recv, weights, plan, dplan, expert_axis, config.transfer, x.dtype)
     return y, plan.dropped, plan.num_received, copies
 
@@ -175,11 +188,16 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
   pallas = config.backend in PALLAS_BACKENDS
   # the Pallas backends move rows with the live-rows copy where kernels compile
   row_kernel = pallas and compiled_row_kernels(x.shape[1], x.dtype)
-  recv = dispatch(x, plan, axis_name=expert_axis, transport=transport,
-                  row_kernel=row_kernel)                             # [recv_rows, H]
+  x_quantised = None
+  if fp8_dispatch:   # e4m3 rows and their scales: [recv_rows, Hp], [recv_rows, Hp/128]
+    recv, *x_quantised = dispatch_fp8(x, plan, expert_axis, transport)
+  else:
+    recv = dispatch(x, plan, axis_name=expert_axis, transport=transport,
+                    row_kernel=row_kernel)                           # [recv_rows, H]
   # the receive layout holds the worst case (R*T*K rows); its dead rows are never read
   # back (the combine takes the live rows only): the Pallas kernels skip them
-  y_recv = experts(recv, plan.recv_group_sizes, config.kernel if pallas else None)
+  y_recv = experts(recv, plan.recv_group_sizes, config.kernel if pallas else None,
+                   x_quantised and tuple(x_quantised))
   if transport == "local" and row_kernel and recv_rows is None:
     y = combine_sorted_rows(y_recv, weights, plan, x.dtype)   # its backward: one row copy
   else:
