@@ -341,12 +341,21 @@ def _layer(cfg, ep):
   return jax.device_get(_layer_fn(cfg, ep)(x, p)), (x, p)
 
 
+@jax.custom_vjp
+def _quantised_values(x):
+  """q(x)'s values in x.dtype, x's gradient passed straight through."""
+  return fp8.dequantise_rows(*fp8.quantise_rows(x))[:, :x.shape[1]].astype(x.dtype)
+
+
+_quantised_values.defvjp(lambda x: (_quantised_values(x), None), lambda _, ct: (ct,))
+
+
 @pytest.mark.parametrize("bound", [None, 40], ids=["unbounded", "receive-bound"])
 def test_fp8_dispatch_sends_the_quantised_tokens(bound):
   """dispatch_fp8 (each token quantised once, e4m3 rows and scales sent) delivers, bit
-  for bit, the rows the bf16 dispatch delivers of quantised_tokens(x), each token's own
-  e4m3 row and scales, and the same gradient of x (one rank: the
-  "local" transport, with and without a receive bound that drops rows)."""
+  for bit, the rows the bf16 dispatch delivers of q(x)'s values, each token's own
+  e4m3 row and scales, and the gradient of x that passes straight through q (one rank:
+  the "local" transport, with and without a receive bound that drops rows)."""
   from uniep_jax import dispatch as dispatch_lib
   from uniep_jax.layout import local_group_sizes, make_plan
   t, k, e, h = 24, 3, 4, 200
@@ -361,7 +370,7 @@ def test_fp8_dispatch_sends_the_quantised_tokens(bound):
     return rows, (q, s)
 
   def bf16_path(x):
-    return dispatch_lib.dispatch(dispatch_lib.quantised_tokens(x), plan, axis_name="expert",
+    return dispatch_lib.dispatch(_quantised_values(x), plan, axis_name="expert",
                                  transport="local")
 
   (rows, (q, s)), vjp8 = jax.jit(lambda x: jax.vjp(fp8_path, x, has_aux=False))(x)
@@ -514,21 +523,26 @@ def test_fp8_layer_lowers_for_cuda(backend):
   assert launches("fp8_quantise_rows") == 4      # the tokens, a, dy, [dh | du]
 
 
-def test_fp8_uniep_equals_pallas_padded_bitwise(monkeypatch):
+@pytest.mark.parametrize("slots", [0, 1], ids=["no-replicas", "replicas"])
+def test_fp8_uniep_equals_pallas_padded_bitwise(monkeypatch, slots):
   """backend "uniep" with precision="fp8" (each (token, owner) pair's packed e4m3 row
   and scales sent once over NVLink, then the owner's live-rows copy; the transfer and
   the copy replaced by their contracts, tests/simulated.py, the FP8 FFN itself run in
   the interpret mode) equals "pallas" over the padded transport bit for bit: outputs,
-  dropped counts and the gradients of x and every parameter, at EP 2."""
+  dropped counts and the gradients of x and every parameter, at EP 2; with a replica
+  slot too (rank 0's experts in every top-k: the e4m3 rows reach the replica's rank
+  as they reach the owner's)."""
   import pallas_kernels.ep_transfer as ep
   import pallas_kernels.row_gather as rg
   import simulated
   monkeypatch.setattr(ep, "transfer_segments", simulated.transfer)
   monkeypatch.setattr(rg, "gather_live_rows", simulated.gather_live_rows)
-  run = simulated.layer_runner(29, data=1, ep=2, top_k=2, hidden=128, ffn=128, tokens=32)
+  bias = jnp.zeros(8).at[jnp.asarray([0, 1])].set(100.0) if slots else None
+  run = simulated.layer_runner(29, data=1, ep=2, top_k=2, hidden=128, ffn=128, tokens=32,
+                               bias=bias)
   kernel = KernelConfig(num_sms=2)   # the interpret mode runs every CTA in turn
-  (y_p, d_p), g_p = run(UniEPConfig(backend="pallas", kernel=kernel, precision="fp8"),
-                        transport="padded")
-  (y_u, d_u), g_u = run(UniEPConfig(backend="uniep", kernel=kernel, precision="fp8"))
+  cfg = dict(kernel=kernel, precision="fp8", replica_slots=slots)
+  (y_p, d_p), g_p = run(UniEPConfig(backend="pallas", **cfg), transport="padded")
+  (y_u, d_u), g_u = run(UniEPConfig(backend="uniep", **cfg))
   assert float(jnp.max(jnp.abs(y_p.astype(jnp.float32)))) > 0
   chex.assert_trees_all_equal((y_u, d_u, g_u), (y_p, d_p, g_p))

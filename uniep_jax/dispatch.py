@@ -20,9 +20,8 @@ With `precision="fp8"` the experts compute on q(x), each token's row quantised o
 per 128 columns (`pallas_kernels/fp8.py`), and the gate/up weight gradient is taken
 at q(x) too (the gradient of the quantised forward; x's gradient passes straight
 through): `dispatch_fp8` sends q(x) itself (e4m3 and scales packed in one byte row:
-about half the bytes) on every transport; the replica path, which sends rows in x's
-dtype, sends `quantised_tokens(x)`, q(x) dequantised, the same values, so every path
-computes the same bits.
+about half the bytes) on every transport and path, replica slots included, and the
+experts take the received q and s as they are.
 """
 
 from __future__ import annotations
@@ -139,16 +138,6 @@ def _dequantise(q, s, like):
   return fp8.dequantise_rows(q, s)[:, :like.shape[1]].astype(like.dtype)
 
 
-@jax.custom_vjp
-def quantised_tokens(x):
-  """q(x) dequantised, [T, H] in x.dtype, with x's gradient passed straight through:
-  the rows `dispatch_fp8` delivers, for the paths that move rows in x's dtype."""
-  return _dequantise(*_quantise_tokens(x), x)
-
-
-quantised_tokens.defvjp(lambda x: (quantised_tokens(x), None), lambda _, ct: (ct,))
-
-
 def _pack(q, s):
   """(q [N, Hp] e4m3, s [N, Hb] float32) -> one uint8 row each: q's bytes, then s's,
   zero-padded to a multiple of `row_gather.ROW_ALIGN_BYTES` (the row size every
@@ -176,7 +165,7 @@ def dispatch_fp8(x, plan: DispatchPlan, axis_name, transport: str, transfer=None
   Hp/128] float32): each token quantised once, its e4m3 row and scales packed into one
   byte row (`_pack`: H + H/32 bytes, padded; 2H bytes in bf16) and sent like
   `dispatch`'s rows ("nvlink": like `dispatch_unique`'s, with dplan), and rows = their
-  dequantisation: the rows `dispatch(quantised_tokens(x), ...)` delivers, bit for bit.
+  dequantisation: the rows `dispatch` delivers of q(x)'s values, bit for bit.
   Backward: `dispatch`'s, of the rows' cotangent (q and s carry none)."""
   q, s = _quantise_tokens(x)
   packed = _pack(q, s)

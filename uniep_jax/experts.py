@@ -155,14 +155,16 @@ def _fp8_zero_window(kernel_config, zero_dead_rows: bool):
 
 
 def grouped_forward(x, w_gate_up, w_down, group_sizes, *, kernel_config=None,
-                    zero_dead_rows: bool = True, precision: str = "bf16"):
-  """(y, residuals) of the grouped SwiGLU FFN (see `grouped_backward`)."""
+                    zero_dead_rows: bool = True, precision: str = "bf16", x_quantised=None):
+  """(y, residuals) of the grouped SwiGLU FFN (see `grouped_backward`); x_quantised
+  (precision "fp8"): x's e4m3 rows and scales, x their dequantisation (`swiglu_pallas`)."""
   if kernel_config is None:
     return _ragged_forward(x, w_gate_up, w_down, group_sizes)
   if precision == "fp8":
     return fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes,
                               config=fp8_config(kernel_config),
-                              zero_window=_fp8_zero_window(kernel_config, zero_dead_rows))
+                              zero_window=_fp8_zero_window(kernel_config, zero_dead_rows),
+                              x_quantised=x_quantised)
   zw = None if zero_dead_rows else kernel_config.block_k
   return swiglu_forward(x, w_gate_up, w_down, group_sizes, config=kernel_config, zero_window=zw)
 

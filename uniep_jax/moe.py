@@ -37,8 +37,7 @@ from uniep_jax.capacity import capacity_moe_shard
 from uniep_jax.combine import combine, combine_sorted_rows, combine_unique, weighted_topk_sum
 from uniep_jax.config import PALLAS_BACKENDS, UniEPConfig
 from uniep_jax.determinism import warn_if_nondeterministic
-from uniep_jax.dispatch import (compiled_row_kernels, dispatch, dispatch_fp8, dispatch_unique,
-                               quantised_tokens)
+from uniep_jax.dispatch import compiled_row_kernels, dispatch, dispatch_fp8, dispatch_unique
 from uniep_jax.experts import swiglu_pallas, swiglu_ragged_dot
 from uniep_jax.layout import make_plan, plan_with_dedup, receive_rows, sort_assignments
 from uniep_jax.ordered_reduce import ordered_allsum, stack_replicas, stacked_spec
@@ -145,12 +144,9 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
     num_experts, sort, slot_expert = count_matrix.shape[1], None, rplan.slot_expert
     copies = jnp.sum(slot_expert[rank] >= 0, dtype=jnp.int32)
 
-  fp8 = config.precision == "fp8"
-  # the experts compute on each token's quantised row (dispatch.py): sent as e4m3 and
-  # scales, or with replica slots as its dequantisation (the slots quantise it again)
-  fp8_dispatch = fp8 and not slots
-  if fp8 and not fp8_dispatch:
-    x = quantised_tokens(x)
+  # precision "fp8": the experts compute on each token's quantised row, sent as e4m3
+  # and scales (dispatch.py)
+  fp8_dispatch = config.precision == "fp8"
 
   def experts(recv, group_sizes, kernel_config, x_quantised=None):
     """Step 4 (kernel_config None: `lax.ragged_dot`); with replicas, the slots' weights
@@ -158,7 +154,7 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
     if slots:
       return replicated_swiglu(recv, params.w_gate_up, params.w_down, slot_expert,
                                group_sizes, kernel_config, kernel_config is None, expert_axis,
-                               transport, config.transfer, config.precision)
+                               transport, config.transfer, config.precision, x_quantised)
     if kernel_config is None:
       return swiglu_ragged_dot(recv, params.w_gate_up, params.w_down, group_sizes)
     return swiglu_pallas(recv, params.w_gate_up, params.w_down, group_sizes,

@@ -125,15 +125,18 @@ def _add_in_order(own, got, slot_expert, axis_name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def replicated_swiglu(x, w_gate_up, w_down, slot_expert, group_sizes, kernel_config,
-                      zero_dead_rows, axis_name, transport, transfer, precision="bf16"):
+                      zero_dead_rows, axis_name, transport, transfer, precision="bf16",
+                      x_quantised=None):
   """The grouped SwiGLU FFN (`experts.grouped_forward`) of x [M, H] over this rank's El
   experts followed by its S replica slots (`slot_expert` [R, S] int32, -1 = unused;
   group_sizes [El + S]), whose weights come from their owners. kernel_config: None for
   "xla_dropless"'s `lax.ragged_dot`, else the Pallas grouped GEMM's tiling (precision:
-  `UniEPConfig.precision`)."""
+  `UniEPConfig.precision`; x_quantised: x's e4m3 rows and scales from the FP8 dispatch,
+  x their dequantisation)."""
   ext_gu, ext_d = _extend(w_gate_up, w_down, slot_expert, axis_name, transport, transfer)
   return grouped_forward(x, ext_gu, ext_d, group_sizes, kernel_config=kernel_config,
-                         zero_dead_rows=zero_dead_rows, precision=precision)[0]
+                         zero_dead_rows=zero_dead_rows, precision=precision,
+                         x_quantised=x_quantised)[0]
 
 
 def _extend(w_gate_up, w_down, slot_expert, axis_name, transport, transfer):
@@ -145,16 +148,17 @@ def _extend(w_gate_up, w_down, slot_expert, axis_name, transport, transfer):
 
 
 def _fwd(x, w_gate_up, w_down, slot_expert, group_sizes, kernel_config, zero_dead_rows,
-         axis_name, transport, transfer, precision):
+         axis_name, transport, transfer, precision, x_quantised):
   ext_gu, ext_d = _extend(w_gate_up, w_down, slot_expert, axis_name, transport, transfer)
   y, res = grouped_forward(x, ext_gu, ext_d, group_sizes, kernel_config=kernel_config,
-                           zero_dead_rows=zero_dead_rows, precision=precision)
+                           zero_dead_rows=zero_dead_rows, precision=precision,
+                           x_quantised=x_quantised)
   # w_gate_up, w_down: kept for their sharding types only
-  return y, (x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down)
+  return y, (x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down, x_quantised)
 
 
 def _bwd(kernel_config, zero_dead_rows, axis_name, transport, transfer, precision, saved, dy):
-  x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down = saved
+  x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down, x_quantised = saved
   # float32 weight gradients: each piece unrounded until the owner's fixed-order sum
   dx, dgu, dd = grouped_backward(x, ext_gu, ext_d, group_sizes, res, dy,
                                  kernel_config=kernel_config, zero_dead_rows=zero_dead_rows,
@@ -165,7 +169,9 @@ def _bwd(kernel_config, zero_dead_rows, axis_name, transport, transfer, precisio
     got = _return(g[el:], slot_expert, el, axis_name, transport, transfer)
     total = _add_in_order(g[:el], got, slot_expert, axis_name)
     grads.append(sum_to_type_of(total.astype(w.dtype), w))
-  return (dx, grads[0], grads[1], int_cotangent(slot_expert), int_cotangent(group_sizes))
+  # the gradient reaches x (x_quantised's dequantisation); x_quantised itself carries none
+  return (dx, grads[0], grads[1], int_cotangent(slot_expert), int_cotangent(group_sizes),
+          jax.tree.map(jnp.zeros_like, x_quantised))
 
 
 replicated_swiglu.defvjp(_fwd, _bwd)
