@@ -21,7 +21,6 @@ Writes fp8_quant_<device>.json into --out (default $OUT or bench/results). GPU o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import common
 from bench.grouped_gemm import CONFIGS, time_fn
 from pallas_kernels import device as device_lib
 from pallas_kernels import fp8
@@ -49,13 +49,13 @@ def _weight_xla(w):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+  p.add_argument("--out", default=None, help="default: $OUT, else bench/results")
   p.add_argument("--configs", default="mixtral-like,deepseek-like,qwen3-like")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--trials", type=int, default=3)
   args = p.parse_args(argv)
   dev = jax.devices()[0]
-  os.makedirs(args.out, exist_ok=True)
+  args.out = common.out_dir(args.out)
   path = os.path.join(args.out, f"fp8_quant_{device_lib.device_name(dev)}.json")
   report = {"device": dev.device_kind, "jax_version": jax.__version__,
             "git_commit": git_commit(), "reps": args.reps, "trials": args.trials,
@@ -134,9 +134,7 @@ def main(argv=None):
       print(f"{name:14s} {case:14s} {t * 1e3:8.3f} ms  {nbytes / 1e9:6.3f} GB  "
             f"{nbytes / t / 1e12:5.2f} TB/s", flush=True)
     report["results"].append(res)
-    with open(path, "w") as fh:
-      json.dump(report, fh, indent=1)
-  print(f"wrote {path}")
+    common.write_json(path, report)   # after every shape
   return 0
 
 

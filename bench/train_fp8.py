@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from bench import common
 from pallas_kernels import device as device_lib
 from uniep_jax.measure import git_commit
 
@@ -50,11 +51,11 @@ def main(argv=None):
                       "about 1.7)")
   p.add_argument("--runs", default="fp8,bf16,fp8")
   p.add_argument("--timeout-s", type=float, default=400.0, help="per run")
-  p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+  p.add_argument("--out", default=None, help="default: $OUT, else bench/results")
   args = p.parse_args(argv)
   import jax
   dev = jax.devices()[0]
-  os.makedirs(args.out, exist_ok=True)
+  args.out = common.out_dir(args.out)
   path = os.path.join(args.out,
                       f"train_fp8_{device_lib.device_name(dev)}_x1_{args.config}.json")
   base = [sys.executable, "-m", "train", "--config", args.config, "--n-layers",
@@ -91,8 +92,7 @@ def main(argv=None):
     print(f"{key:10s} rc={rc} tokens/s={r['tokens_per_s']} heldout={r['final_heldout_loss_nats']} "
           f"train={r['final_train_loss_nats']} skipped={r['skipped_steps']} sha256={r['sha256']}",
           flush=True)
-    with open(path, "w") as fh:
-      json.dump(report, fh, indent=1)
+    common.write_json(path, report)   # after every run: a later one may time out
   runs = report["runs"]
   if runs.get("fp8", {}).get("final_heldout_loss_nats") and runs.get("bf16", {}).get(
       "final_heldout_loss_nats"):
@@ -117,9 +117,7 @@ def main(argv=None):
     report["fp8_runs_bitwise_equal"] = (all(r["rc"] == 0 and r["sha256"] for r in both)
                                         and both[0]["sha256"] == both[1]["sha256"])
     print(f"two fp8 runs bit for bit equal: {report['fp8_runs_bitwise_equal']}", flush=True)
-  with open(path, "w") as fh:
-    json.dump(report, fh, indent=1)
-  print(f"wrote {path}")
+  common.write_json(path, report)
   return 0
 
 
