@@ -170,13 +170,13 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
                                  transfer=config.transfer, overlap=config.overlap,
                                  out_dtype=x.dtype)
       return y, plan.dropped, plan.num_received, copies
+    x_quantised = None
     if fp8_dispatch:   # e4m3 rows and scales, each (token, owner) pair once
-      recv, *x_quantised = dispatch_fp8(x, plan, expert_axis, "nvlink", config.transfer,
-                                        dplan)
-      y_recv = experts(recv, plan.recv_group_sizes, config.kernel, tuple(x_quantised))
+      recv, q, s = dispatch_fp8(x, plan, expert_axis, "nvlink", config.transfer, dplan)
+      x_quantised = (q, s)
     else:
       recv = dispatch_unique(x, plan, dplan, expert_axis, config.transfer)   # [recv_rows, H]
-      y_recv = experts(recv, plan.recv_group_sizes, config.kernel)
+    y_recv = experts(recv, plan.recv_group_sizes, config.kernel, x_quantised)
     y = combine_unique(y_recv, weights, plan, dplan, expert_axis, config.transfer, x.dtype)
     return y, plan.dropped, plan.num_received, copies
 
@@ -186,14 +186,15 @@ def _dropless_shard(x, params: MoEParams, out, *, top_k, config: UniEPConfig, ex
   row_kernel = pallas and compiled_row_kernels(x.shape[1], x.dtype)
   x_quantised = None
   if fp8_dispatch:   # e4m3 rows and their scales: [recv_rows, Hp], [recv_rows, Hp/128]
-    recv, *x_quantised = dispatch_fp8(x, plan, expert_axis, transport)
+    recv, q, s = dispatch_fp8(x, plan, expert_axis, transport)
+    x_quantised = (q, s)
   else:
     recv = dispatch(x, plan, axis_name=expert_axis, transport=transport,
                     row_kernel=row_kernel)                           # [recv_rows, H]
   # the receive layout holds the worst case (R*T*K rows); its dead rows are never read
   # back (the combine takes the live rows only): the Pallas kernels skip them
   y_recv = experts(recv, plan.recv_group_sizes, config.kernel if pallas else None,
-                   x_quantised and tuple(x_quantised))
+                   x_quantised)
   if transport == "local" and row_kernel and recv_rows is None:
     y = combine_sorted_rows(y_recv, weights, plan, x.dtype)   # its backward: one row copy
   else:
