@@ -87,7 +87,7 @@ from pallas_kernels import fp8_quantise
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
 from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _MEMORY_REGISTERS, _ZERO,
                                          _NUM_COMPUTE_WGS, KernelConfig, _pad_axis, _raster,
-                                         _round_up, _row_tile_plan, fit_stages,
+                                         _round_up, _row_tile_plan, _swizzle_transforms, fit_stages,
                                          gmm_wgrad, num_row_tiles, read_plan,
                                          reference_gmm_wgrad, resolve_interpret, swiglu_grad)
 from pallas_kernels.tma import ladder_store
@@ -156,7 +156,7 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
   tiles, k_blocks 128-K blocks per tile, one per pipeline step, the CTA's tiles one
   pipeline of pipelines; then the ZERO tiles."""
   cta_n = _NUM_COMPUTE_WGS * wg_n
-  transforms = (plgpu.TilingTransform((8, QUANT_BLOCK)), plgpu.SwizzleTransform(128))
+  transforms = _swizzle_transforms(FP8_DTYPE, QUANT_BLOCK)   # 128-byte swizzle
   acc_layout = plgpu.Layout.WGMMA
 
   def make_pipeline(compute_context, pipeline_state=None):
