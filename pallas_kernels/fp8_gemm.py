@@ -44,7 +44,8 @@ flight share weight tiles in L2), CTA c taking pairs c, c + num_sms, ...; then t
 dead rows' zero tiles the same way (zeros stored, no MMA, no pipeline). A CTA runs
 its live tiles as one pipeline of pipelines (`pipeline_state`): the memory warpgroup
 fetches the next tile's first K blocks while the compute warpgroups finish a tile and
-store it, so no tile starts on an empty pipeline; the stages divide k_blocks.
+store it, so no tile starts on an empty pipeline. That needs the stages to divide
+k_blocks; otherwise, and for a CTA's lone tile, each tile runs a pipeline of its own.
 
 Buffers (SMEM, per stage, 128-byte swizzle on the operands):
   A [block_m, 128] e4m3, B [2 block_n, 128] e4m3, row scales [1, block_m] f32,
@@ -58,9 +59,9 @@ after the step's accumulator has been read, i.e. its wgmma are done; each comput
 warpgroup waits for its previous TMA stores to have read its epilogue slot before
 writing it, then `commit_smem()`). The compute warpgroups meet only in the
 pipeline's consumed barriers (2 arrivals); neither waits for the other. Across a
-CTA's tiles the stage barriers keep counting (k_blocks in whole rounds of the stages
-keeps producer and consumers on the same slots); only its last tile's pipeline waits
-for the final releases. No atomics.
+CTA's chained tiles the stage barriers keep counting (k_blocks in whole rounds of the
+stages keeps producer and consumers on the same slots); only its last tile's pipeline
+waits for the final releases. No atomics.
 
 The FFN (`fp8_grouped_swiglu_ffn`) runs its four row GEMMs (gate/up, down, da, dx)
 in FP8 and its two weight gradients with grouped_gemm's bf16 wgrad: an FP8 wgrad needs
@@ -142,10 +143,7 @@ def _stages(config: Fp8Config, out_itemsize: int, k_blocks: int,
   # per 128-K block: the e4m3 A and B tiles and their float32 scale vectors
   stage = (config.block_m + cta_n) * (QUANT_BLOCK + 4)
   epi = _NUM_COMPUTE_WGS * config.block_m * config.block_n * out_itemsize
-  fit = fit_stages(config.max_concurrent_steps, k_blocks, stage, epi, smem)
-  # a pipeline of pipelines needs its steps (k_blocks per tile) in whole rounds of
-  # the stages
-  return max(d for d in range(1, fit + 1) if k_blocks % d == 0)
+  return fit_stages(config.max_concurrent_steps, k_blocks, stage, epi, smem)
 
 
 def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_tiles: int,
@@ -234,27 +232,36 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
       make_pipeline(compute_context, pipeline_state)(
           *views(group, load_row, nt), allocations=pipeline_allocs)
 
-    # this CTA's COMPUTE tiles: one pipeline each, run as a pipeline of pipelines (the
-    # memory warpgroup fetches the next tile's first blocks while the compute
-    # warpgroups finish a tile and store it); a lone tile is a plain pipeline
-    count = jnp.maximum(n_compute * n_tiles - sm + num_sms - 1, 0) // num_sms
+    # this CTA's COMPUTE tiles, one pipeline each. A pipeline of pipelines (the memory
+    # warpgroup fetches the next tile's first K blocks while the compute warpgroups
+    # finish a tile and store it) needs k_blocks in whole rounds of the stages; where
+    # they do not divide it, each tile runs a pipeline of its own (a lone tile always)
+    total = n_compute * n_tiles
+    count = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
+    chained = k_blocks % stages == 0
 
-    @pl.when(count == 1)
-    def _():
-      tile(0, None)
-
-    @pl.when(count > 1)
+    @pl.when((count == 1) | ((count > 1) & (not chained)))
     def _():
       @pl.loop(0, count)
       def _(j):
-        tile(j, jnp.where(j == 0, plgpu.PipelinePipeline.START,
-                          jnp.where(j == count - 1, plgpu.PipelinePipeline.STOP,
-                                    plgpu.PipelinePipeline.STEADY)).astype(jnp.int32))
+        tile(j, None)
+
+    if chained:
+      @pl.when(count > 1)
+      def _():
+        @pl.loop(0, count)
+        def _(j):
+          tile(j, jnp.where(j == 0, plgpu.PipelinePipeline.START,
+                            jnp.where(j == count - 1, plgpu.PipelinePipeline.STOP,
+                                      plgpu.PipelinePipeline.STEADY)).astype(jnp.int32))
 
     # the ZERO tiles (dead rows that are written): zeros from the compute warpgroups
     @pl.when(wg < _NUM_COMPUTE_WGS)
     def _():
-      @pl.loop(sm, n_zero * n_tiles, step=num_sms)
+      # zero tile z goes to CTA (total + z) % num_sms: the CTAs with one live tile
+      # fewer take the first ones
+      @pl.loop(lax.rem(sm - lax.rem(total, num_sms) + num_sms, num_sms), n_zero * n_tiles,
+               step=num_sms)
       def _(s):
         store(plgpu.layout_cast(jnp.zeros((block_m, wg_n), jnp.float32), acc_layout),
               n_compute + s // n_tiles, s % n_tiles)

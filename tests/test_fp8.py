@@ -268,11 +268,12 @@ def test_fp8_gmm_256_groups_and_row_split_invariance():
 
 def test_fp8_gmm_bits_do_not_depend_on_the_tile_walk():
   """A CTA runs its tiles as one pipeline of pipelines (the next tile's first K blocks
-  fetched while a tile is stored): the bits do not depend on how many tiles a CTA gets
-  (one CTA: all of them; 64 CTAs: at most one each, a plain pipeline), on the bands or
-  on the pipeline's depth (4 K blocks in rounds of 1, 2 or 4 stages). ZERO tiles (the
-  dead rows before the zero window's end) are written as zeros; the rows past it are
-  not written at all."""
+  fetched while a tile is stored) where the stages divide the K blocks, else one
+  pipeline per tile: the bits do not depend on how many tiles a CTA gets (one CTA: all
+  of them; 64 CTAs: at most one each, a plain pipeline), on the bands or on the
+  pipeline's depth (4 K blocks in rounds of 1, 2 or 4 stages, or 3 stages unchained).
+  ZERO tiles (the dead rows before the zero window's end) are written as zeros; the
+  rows past it are not written at all."""
   m, k, n = 256, 512, 512
   sizes = jnp.array([70, 0, 37, 61], jnp.int32)   # 168 live rows; window 64: 192 written
   x, w = _operands(4, m, k, n, 4, spread=8)
