@@ -45,7 +45,8 @@ dead rows' zero tiles the same way (zeros stored, no MMA, no pipeline). A CTA ru
 its live tiles as one pipeline of pipelines (`pipeline_state`): the memory warpgroup
 fetches the next tile's first K blocks while the compute warpgroups finish a tile and
 store it, so no tile starts on an empty pipeline. That needs the stages to divide
-k_blocks; otherwise, and for a CTA's lone tile, each tile runs a pipeline of its own.
+k_blocks (`_stages`: at most one stage fewer than fit, at least two); otherwise, and
+for a CTA's lone tile, each tile runs a pipeline of its own.
 
 Buffers (SMEM, per stage, 128-byte swizzle on the operands):
   A [block_m, 128] e4m3, B [2 block_n, 128] e4m3, row scales [1, block_m] f32,
@@ -138,17 +139,26 @@ class Fp8Config:
 
 
 def _stages(config: Fp8Config, out_itemsize: int, k_blocks: int,
-            smem: int = device_lib.HOPPER_SMEM_BYTES) -> int:
+            smem: int = device_lib.HOPPER_SMEM_BYTES) -> tuple[int, bool]:
+  """(stages, chained): the pipeline stages of a launch and whether a CTA's tiles run
+  as one pipeline of pipelines, which needs k_blocks in whole rounds of the stages.
+  Chained on the largest divisor of k_blocks that fits, if that gives up at most one
+  stage of what fits and keeps two (6 K blocks: 3 chained stages for 4); else the
+  stages that fit, one pipeline per tile (7 K blocks: 4 stages, not 1)."""
   cta_n = _NUM_COMPUTE_WGS * config.block_n
   # per 128-K block: the e4m3 A and B tiles and their float32 scale vectors
   stage = (config.block_m + cta_n) * (QUANT_BLOCK + 4)
   epi = _NUM_COMPUTE_WGS * config.block_m * config.block_n * out_itemsize
-  return fit_stages(config.max_concurrent_steps, k_blocks, stage, epi, smem)
+  fit = fit_stages(config.max_concurrent_steps, k_blocks, stage, epi, smem)
+  divisor = max(d for d in range(1, fit + 1) if k_blocks % d == 0)
+  if divisor == fit or divisor >= max(2, fit - 1):
+    return divisor, True
+  return fit, False
 
 
 def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_tiles: int,
                 n_tiles: int, k_blocks: int, block_m: int, wg_n: int, stages: int,
-                raster_rows: int):
+                chained: bool, raster_rows: int):
   """The kernel body: the COMPUTE tiles (t, nt) of the row-tile plan (5 x num_tiles
   int32, then the COMPUTE and ZERO tile counts) walked in bands of raster_rows row
   tiles, k_blocks 128-K blocks per tile, one per pipeline step, the CTA's tiles one
@@ -232,13 +242,13 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
       make_pipeline(compute_context, pipeline_state)(
           *views(group, load_row, nt), allocations=pipeline_allocs)
 
-    # this CTA's COMPUTE tiles, one pipeline each. A pipeline of pipelines (the memory
-    # warpgroup fetches the next tile's first K blocks while the compute warpgroups
-    # finish a tile and store it) needs k_blocks in whole rounds of the stages; where
-    # they do not divide it, each tile runs a pipeline of its own (a lone tile always)
+    # this CTA's COMPUTE tiles, one pipeline each, chained into a pipeline of pipelines
+    # (the memory warpgroup fetches the next tile's first K blocks while the compute
+    # warpgroups finish a tile and store it) where `_stages` says so; a lone tile runs
+    # a pipeline of its own
     total = n_compute * n_tiles
     count = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
-    chained = k_blocks % stages == 0
+    assert not chained or k_blocks % stages == 0
 
     @pl.when((count == 1) | ((count > 1) & (not chained)))
     def _():
@@ -356,10 +366,10 @@ def _fp8_gmm_t(a_p, as_t, b, b_scales, group_sizes, *, m: int, out_dtype, config
   kind = plan[4 * num_tiles:]
   plan = jnp.concatenate([plan, jnp.stack([jnp.sum(kind == _COMPUTE, dtype=jnp.int32),
                                            jnp.sum(kind == _ZERO, dtype=jnp.int32)])])
+  stages, chained = _stages(config, jnp.dtype(out_dtype).itemsize, kb)
   body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb,
-                 block_m=config.block_m, wg_n=config.block_n,
-                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb),
-                 raster_rows=config.raster_rows)
+                 block_m=config.block_m, wg_n=config.block_n, stages=stages,
+                 chained=chained, raster_rows=config.raster_rows)
   out = _launch(body_kw, plan, (a_p, as_t, b_p, bs_p),
                 jax.ShapeDtypeStruct((m_p, n_p), out_dtype), config, interpret)
   return out[:m, :n] if (m_p, n_p) != (m, n) else out
