@@ -38,9 +38,15 @@ divides 128). Each warpgroup holds two float32 accumulators of block_m x block_n
 warpgroup promotes its block, the other's wgmma keep the tensor cores busy. Row
 tiles come from grouped_gemm's work list (`_row_tile_plan`: a group's rows from its
 first row rounded down to 8, only its last tile partial, dead rows as zero tiles
-without MMA). A persistent grid of num_sms CTAs walks the (row tile, column tile)
-grid with `plgpu.nd_loop` in grouped_gemm's raster bands (`_raster`, `raster_rows`:
-the tiles in flight share weight tiles in L2).
+without MMA). A persistent grid of num_sms CTAs walks the live (row tile, column
+tile) pairs in grouped_gemm's raster bands (`_raster`, `raster_rows`: the tiles in
+flight share weight tiles in L2), CTA c taking pairs c, c + num_sms, ...; then the
+dead rows' zero tiles the same way (zeros stored, no MMA, no pipeline). A CTA runs
+its live tiles as one pipeline of pipelines (`pipeline_state`): the memory warpgroup
+fetches the next tile's first K blocks while the compute warpgroups finish a tile and
+store it, so no tile starts on an empty pipeline. That needs the stages to divide
+k_blocks (`_stages`: at most one stage fewer than fit, at least two); otherwise, and
+for a CTA's lone tile, each tile runs a pipeline of its own.
 
 Buffers (SMEM, per stage, 128-byte swizzle on the operands):
   A [block_m, 128] e4m3, B [2 block_n, 128] e4m3, row scales [1, block_m] f32,
@@ -53,7 +59,10 @@ produced/consumed barriers per stage, 4 operands per stage; a stage is released
 after the step's accumulator has been read, i.e. its wgmma are done; each compute
 warpgroup waits for its previous TMA stores to have read its epilogue slot before
 writing it, then `commit_smem()`). The compute warpgroups meet only in the
-pipeline's consumed barriers (2 arrivals); neither waits for the other. No atomics.
+pipeline's consumed barriers (2 arrivals); neither waits for the other. Across a
+CTA's chained tiles the stage barriers keep counting (k_blocks in whole rounds of the
+stages keeps producer and consumers on the same slots); only its last tile's pipeline
+waits for the final releases. No atomics.
 
 The FFN (`fp8_grouped_swiglu_ffn`) runs its four row GEMMs (gate/up, down, da, dx)
 in FP8 and its two weight gradients with grouped_gemm's bf16 wgrad: an FP8 wgrad needs
@@ -78,9 +87,9 @@ from pallas_kernels import device as device_lib
 from pallas_kernels import fp8
 from pallas_kernels import fp8_quantise
 from pallas_kernels.fp8 import FP8_DTYPE, QUANT_BLOCK
-from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _MEMORY_REGISTERS, _NONE,
+from pallas_kernels.grouped_gemm import (GROUP_TILE_ALIGN, _COMPUTE, _MEMORY_REGISTERS, _ZERO,
                                          _NUM_COMPUTE_WGS, KernelConfig, _pad_axis, _raster,
-                                         _round_up, _row_tile_plan, fit_stages,
+                                         _round_up, _row_tile_plan, _swizzle_transforms, fit_stages,
                                          gmm_wgrad, num_row_tiles, read_plan,
                                          reference_gmm_wgrad, resolve_interpret, swiglu_grad)
 from pallas_kernels.tma import ladder_store
@@ -130,25 +139,35 @@ class Fp8Config:
 
 
 def _stages(config: Fp8Config, out_itemsize: int, k_blocks: int,
-            smem: int = device_lib.HOPPER_SMEM_BYTES) -> int:
+            smem: int = device_lib.HOPPER_SMEM_BYTES) -> tuple[int, bool]:
+  """(stages, chained): the pipeline stages of a launch and whether a CTA's tiles run
+  as one pipeline of pipelines, which needs k_blocks in whole rounds of the stages.
+  Chained on the largest divisor of k_blocks that fits, if that gives up at most one
+  stage of what fits and keeps two (6 K blocks: 3 chained stages for 4); else the
+  stages that fit, one pipeline per tile (7 K blocks: 4 stages, not 1)."""
   cta_n = _NUM_COMPUTE_WGS * config.block_n
   # per 128-K block: the e4m3 A and B tiles and their float32 scale vectors
   stage = (config.block_m + cta_n) * (QUANT_BLOCK + 4)
   epi = _NUM_COMPUTE_WGS * config.block_m * config.block_n * out_itemsize
-  return fit_stages(config.max_concurrent_steps, k_blocks, stage, epi, smem)
+  fit = fit_stages(config.max_concurrent_steps, k_blocks, stage, epi, smem)
+  divisor = max(d for d in range(1, fit + 1) if k_blocks % d == 0)
+  if divisor == fit or divisor >= max(2, fit - 1):
+    return divisor, True
+  return fit, False
 
 
 def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_tiles: int,
                 n_tiles: int, k_blocks: int, block_m: int, wg_n: int, stages: int,
-                raster_rows: int):
-  """The kernel body: tiles (t, nt) of the row-tile plan (5 x num_tiles int32) and the
-  column tiles, walked in bands of raster_rows row tiles; k_blocks 128-K blocks per
-  tile, one per pipeline step."""
+                chained: bool, raster_rows: int):
+  """The kernel body: the COMPUTE tiles (t, nt) of the row-tile plan (5 x num_tiles
+  int32, then the COMPUTE and ZERO tile counts) walked in bands of raster_rows row
+  tiles, k_blocks 128-K blocks per tile, one per pipeline step, the CTA's tiles one
+  pipeline of pipelines; then the ZERO tiles."""
   cta_n = _NUM_COMPUTE_WGS * wg_n
-  transforms = (plgpu.TilingTransform((8, QUANT_BLOCK)), plgpu.SwizzleTransform(128))
+  transforms = _swizzle_transforms(FP8_DTYPE, QUANT_BLOCK)   # 128-byte swizzle
   acc_layout = plgpu.Layout.WGMMA
 
-  def make_pipeline(compute_context, k_steps):
+  def make_pipeline(compute_context, pipeline_state=None):
     def step(_, a_smem, b_smem, as_smem, bs_smem, carry):
       wg = lax.axis_index("wg")
       b = b_smem.at[pl.ds(wg * wg_n, wg_n), :].transpose((1, 0))   # K-major B
@@ -165,7 +184,7 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
 
     return plgpu.emit_pipeline_warp_specialized(
         step,
-        grid=(k_steps,),
+        grid=(k_blocks,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
             plgpu.BlockSpec((block_m, QUANT_BLOCK), lambda ki: (0, ki), transforms=transforms),
@@ -177,6 +196,7 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
         num_compute_wgs=_NUM_COMPUTE_WGS,
         max_concurrent_steps=stages,
         compute_context=compute_context,
+        pipeline_state=pipeline_state,
     )
 
   def views(group, load_row, nt):
@@ -186,7 +206,7 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
             bs_gmem.at[group, :, cols])
 
   ignore = lambda *_, **__: None
-  alloc_pipeline = make_pipeline(ignore, jnp.int32(k_blocks))
+  alloc_pipeline = make_pipeline(ignore)
 
   @functools.partial(
       pl.run_scoped,
@@ -196,32 +216,65 @@ def _fp8_kernel(plan_gmem, a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, *, num_ti
   )
   def _scope(pipeline_allocs, epi_smem):
     wg = lax.axis_index("wg")
+    sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
+    n_compute, n_zero = plan_gmem[5 * num_tiles], plan_gmem[5 * num_tiles + 1]
 
-    def tile(lin):
-      t = lin // n_tiles
-      nt = lin % n_tiles
-      group, load_row, lo, hi, kind = read_plan(plan_gmem, t, num_tiles, GROUP_TILE_ALIGN)
+    def store(vals, t, nt):
+      """This warpgroup's block_m x wg_n of tile (t, nt): its rows [lo, hi) only."""
+      _, load_row, lo, hi, _ = read_plan(plan_gmem, t, num_tiles, GROUP_TILE_ALIGN)
+      slot = epi_smem.at[wg]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # slot free again
+      slot[...] = vals.astype(slot.dtype)
+      plgpu.commit_smem()
+      ladder_store(slot, out_gmem.at[:, pl.ds(nt * cta_n + wg * wg_n, wg_n)],
+                   lo - load_row, lo, hi - lo, block_m, commit_group=True)
+
+    def tile(j, pipeline_state):
+      """The CTA's j-th COMPUTE tile."""
+      lin = _raster(sm + j * num_sms, n_compute, n_tiles, raster_rows)
+      t, nt = lin // n_tiles, lin % n_tiles
+      group, load_row, _, _, _ = read_plan(plan_gmem, t, num_tiles, GROUP_TILE_ALIGN)
 
       def compute_context(eval_pipeline):
-        acc = eval_pipeline(
-            plgpu.layout_cast(jnp.zeros((block_m, wg_n), jnp.float32), acc_layout))
-        slot = epi_smem.at[wg]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # slot free again
-        slot[...] = acc.astype(slot.dtype)
-        plgpu.commit_smem()
-        ladder_store(slot, out_gmem.at[:, pl.ds(nt * cta_n + wg * wg_n, wg_n)],
-                     lo - load_row, lo, hi - lo, block_m, commit_group=True)
+        store(eval_pipeline(
+            plgpu.layout_cast(jnp.zeros((block_m, wg_n), jnp.float32), acc_layout)), t, nt)
 
-      @pl.when(kind != _NONE)
+      make_pipeline(compute_context, pipeline_state)(
+          *views(group, load_row, nt), allocations=pipeline_allocs)
+
+    # this CTA's COMPUTE tiles, one pipeline each, chained into a pipeline of pipelines
+    # (the memory warpgroup fetches the next tile's first K blocks while the compute
+    # warpgroups finish a tile and store it) where `_stages` says so; a lone tile runs
+    # a pipeline of its own
+    total = n_compute * n_tiles
+    count = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
+    assert not chained or k_blocks % stages == 0
+
+    @pl.when((count == 1) | ((count > 1) & (not chained)))
+    def _():
+      @pl.loop(0, count)
+      def _(j):
+        tile(j, None)
+
+    if chained:
+      @pl.when(count > 1)
       def _():
-        k_steps = jnp.where(kind == _COMPUTE, k_blocks, 0)   # zero tiles: no MMA
-        make_pipeline(compute_context, k_steps)(
-            *views(group, load_row, nt), allocations=pipeline_allocs)
+        @pl.loop(0, count)
+        def _(j):
+          tile(j, jnp.where(j == 0, plgpu.PipelinePipeline.START,
+                            jnp.where(j == count - 1, plgpu.PipelinePipeline.STOP,
+                                      plgpu.PipelinePipeline.STEADY)).astype(jnp.int32))
 
-    @plgpu.nd_loop((num_tiles * n_tiles,), collective_axes="sm")
-    def _tile_loop(loop_info):
-      (s,) = loop_info.index
-      tile(_raster(s, num_tiles, n_tiles, raster_rows))
+    # the ZERO tiles (dead rows that are written): zeros from the compute warpgroups
+    @pl.when(wg < _NUM_COMPUTE_WGS)
+    def _():
+      # zero tile z goes to CTA (total + z) % num_sms: the CTAs with one live tile
+      # fewer take the first ones
+      @pl.loop(lax.rem(sm - lax.rem(total, num_sms) + num_sms, num_sms), n_zero * n_tiles,
+               step=num_sms)
+      def _(s):
+        store(plgpu.layout_cast(jnp.zeros((block_m, wg_n), jnp.float32), acc_layout),
+              n_compute + s // n_tiles, s % n_tiles)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -309,10 +362,14 @@ def _fp8_gmm_t(a_p, as_t, b, b_scales, group_sizes, *, m: int, out_dtype, config
   bs_p = _pad_axis(b_scales, 2, n_p)
   plan = _row_tile_plan(group_sizes, m_p, config.block_m, zero_window)
   num_tiles = num_row_tiles(m_p, g, config.block_m)
+  # the plan's COMPUTE tiles come first, then its ZERO tiles (`_row_tile_plan`)
+  kind = plan[4 * num_tiles:]
+  plan = jnp.concatenate([plan, jnp.stack([jnp.sum(kind == _COMPUTE, dtype=jnp.int32),
+                                           jnp.sum(kind == _ZERO, dtype=jnp.int32)])])
+  stages, chained = _stages(config, jnp.dtype(out_dtype).itemsize, kb)
   body_kw = dict(num_tiles=num_tiles, n_tiles=n_p // cta_n, k_blocks=kb,
-                 block_m=config.block_m, wg_n=config.block_n,
-                 stages=_stages(config, jnp.dtype(out_dtype).itemsize, kb),
-                 raster_rows=config.raster_rows)
+                 block_m=config.block_m, wg_n=config.block_n, stages=stages,
+                 chained=chained, raster_rows=config.raster_rows)
   out = _launch(body_kw, plan, (a_p, as_t, b_p, bs_p),
                 jax.ShapeDtypeStruct((m_p, n_p), out_dtype), config, interpret)
   return out[:m, :n] if (m_p, n_p) != (m, n) else out

@@ -266,6 +266,38 @@ def test_fp8_gmm_256_groups_and_row_split_invariance():
   chex.assert_trees_all_equal(one[:150], split[:150])
 
 
+@pytest.mark.parametrize("k, walks", [
+    (512, ((1, 1, 4), (2, 4, 2), (7, 2, 3), (64, 1, 1))),   # 4 K blocks: chained
+    (640, ((2, 1, 4), (3, 2, 3), (64, 1, 4)))],              # 5 K blocks: one pipeline per tile
+    ids=["chained", "unchained"])
+def test_fp8_gmm_bits_do_not_depend_on_the_tile_walk(k, walks):
+  """A CTA runs its tiles as one pipeline of pipelines (the next tile's first K blocks
+  fetched while a tile is stored) where the stages divide the K blocks (`_stages`),
+  else one pipeline per tile: the bits do not depend on how many tiles a CTA gets (one
+  CTA: all of them; 64 CTAs: at most one each, a plain pipeline), on the bands or on
+  the pipeline's depth. ZERO tiles (the dead rows before the zero window's end) are
+  written as zeros; the rows past it are not written at all."""
+  m, n = 256, 512
+  sizes = jnp.array([70, 0, 37, 61], jnp.int32)   # 168 live rows; window 64: 192 written
+  x, w = _operands(4, m, k, n, 4, spread=8)
+  qw = fg.quantise_weight(w)
+  outs, chained = [], set()
+  for num_sms, raster, stages in walks:
+    cfg = fg.Fp8Config(num_sms=num_sms, raster_rows=raster, max_concurrent_steps=stages)
+    chained.add(fg._stages(cfg, 4, k // 128)[1])
+    f = jax.jit(lambda x, s: fg.gmm_fp8(x, qw, s, out_dtype=jnp.float32, config=cfg,
+                                        zero_window=64))
+    outs.append(f(x, sizes)[:192])
+  assert chained == {k == 512}   # the walks the case is named for
+  ref = _oracle(x, w, sizes, False)
+  row_scale = np.abs(ref).max(axis=1, keepdims=True)[:168]
+  assert np.all(np.abs(np.asarray(outs[0], np.float64)[:168] - ref[:168])
+                <= _INTERPRET_ATOL * row_scale)
+  assert np.all(np.asarray(outs[0])[168:] == 0.0)
+  for out in outs[1:]:
+    chex.assert_trees_all_equal(out, outs[0])
+
+
 # --- the FP8 FFN ---------------------------------------------------------------------
 
 
