@@ -325,9 +325,10 @@ def bench_shape_fp8(shape: MoeShape, load: str, configs, bf16_config: KernelConf
     hi = jax.lax.Precision.HIGHEST
 
     def chk(name, out, lhs, rhs_of):
-      got = jnp.concatenate([out[a:b] for a, b in spans])
       ref = jnp.concatenate([jnp.dot(lhs[a:b], rhs_of(i), precision=hi)
                              for i, (a, b) in zip(sel, spans)])
+      # the kernel's output keeps the quantised weight's width (padded to 128 columns)
+      got = jnp.concatenate([out[a:b, :ref.shape[1]] for a, b in spans])
       res["rel_err"][name] = rel_err(got, ref)
       log(f"  {shape.name:14s} {load:8s} check {name:16s} rel_err {res['rel_err'][name]:.2e}")
     try:
@@ -335,7 +336,8 @@ def bench_shape_fp8(shape: MoeShape, load: str, configs, bf16_config: KernelConf
       k32 = jax.jit(lambda a, sa, b, sb, s: fg.fp8_gmm(a, sa, b, sb, s, out_dtype=jnp.float32,
                                                        config=configs[names[0]], interpret=False))
       chk("fp8_fwd", k32(xq, xs, *qw.fwd, gs), xd, lambda i: wd_[i, :h, :f])
-      chk("fp8_dgrad", k32(dq, ds, *qw.dgrad, gs), dd, lambda i: wd_[i, :h, :f].T)
+      # dd keeps dout's 128-padded width; wd_'s padded columns are zero like dd's
+      chk("fp8_dgrad", k32(dq, ds, *qw.dgrad, gs), dd, lambda i: wd_[i, :h].T)
       chk("fp8_fwd_vs_unquantised", fwd8(x, w, gs).astype(jnp.float32), x.astype(jnp.float32),
           lambda i: w[i].astype(jnp.float32))
     except Exception as e:
