@@ -192,23 +192,42 @@ def compile_ahead(fns: dict, pairs, x, p, workers: int) -> dict:
 
 
 def all_to_all_gbps(mesh, shape: common.MoEShape) -> dict:
-  """Per-rank send bandwidth of lax.all_to_all moving one dispatch's rows."""
+  """Per-rank send bandwidth of lax.all_to_all moving one dispatch's rows; on GPUs also
+  that of lax.ragged_all_to_all moving the same rows into a worst-case receive buffer
+  (R x the rows, source-major), the collective of the "ragged" transport (`ragged_ms`,
+  `ragged_gbps`), so that a slow ragged collective shows apart from the layer."""
   r = mesh.size
   if r == 1:   # one GPU: nothing to send, no communication floor
     return {}
+  axes = ("data", "expert")
   rows = shape.tokens * shape.top_k
   rows -= rows % r
-  spec = P(("data", "expert"))
+  spec = P(axes)
 
   def body(buf):
-    return jax.lax.all_to_all(buf, ("data", "expert"), 0, 0, tiled=True)
+    return jax.lax.all_to_all(buf, axes, 0, 0, tiled=True)
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  def ragged_body(buf):
+    chunk = buf.shape[0] // r
+    sizes = jnp.full((r,), chunk, jnp.int32)
+    me = jax.lax.axis_index(axes).astype(jnp.int32)
+    out = jnp.zeros((r * buf.shape[0], buf.shape[1]), buf.dtype)
+    return jax.lax.ragged_all_to_all(buf, out, jnp.arange(r, dtype=jnp.int32) * chunk, sizes,
+                                     jnp.full((r,), me * chunk, jnp.int32), sizes,
+                                     axis_name=axes)
+
   buf = jax.jit(lambda k: jax.random.normal(k, (r * rows, shape.hidden), jnp.bfloat16),
                 out_shardings=NamedSharding(mesh, spec))(jax.random.key(1))
-  t = common.time_ms(f, buf, trials=9, min_batch_s=0.05)
   sent = rows * shape.hidden * 2 * (r - 1) / r
-  return dict(ms=t["median_ms"], bytes_per_rank=sent, gbps=sent / (t["median_ms"] * 1e-3) / 1e9)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  t = common.time_ms(f, buf, trials=9, min_batch_s=0.05)
+  res = dict(ms=t["median_ms"], bytes_per_rank=sent, gbps=sent / (t["median_ms"] * 1e-3) / 1e9)
+  if mesh.devices.flat[0].platform == "gpu":   # ragged_all_to_all compiles on GPUs only
+    g = jax.jit(jax.shard_map(ragged_body, mesh=mesh, in_specs=spec, out_specs=spec,
+                              check_vma=False))
+    t = common.time_ms(g, buf, trials=9, min_batch_s=0.05)
+    res.update(ragged_ms=t["median_ms"], ragged_gbps=sent / (t["median_ms"] * 1e-3) / 1e9)
+  return res
 
 
 def main(argv=None):
@@ -293,7 +312,8 @@ def main(argv=None):
                         hot_rank_compute_floor_ms=hot_compute, hot_rank_comm_floor_ms=hot_comm,
                         rank_rows=loads["rows"], max_expert_load=loads["max_expert_load"],
                         receive_buffer_bytes=uniep_jax.receive_buffer_bytes(
-                            shape.tokens, shape.top_k, shape.hidden, ep))
+                            shape.tokens, shape.top_k, shape.hidden, ep),
+                        collectives=a2a)   # all_to_all_gbps: the transports' collectives alone
         timed = {}   # backend -> (fn, row): the interleaved pass below
         for backend in backends:
           if time.time() - t_start > args.budget_s:
