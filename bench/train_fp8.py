@@ -48,7 +48,7 @@ def main(argv=None):
   p.add_argument("--data-bytes", type=int, default=None,
                  help="python -m train's cap on the default corpus (its default: 4 MiB, "
                       "about 5 epochs in 300 steps of 8 x 2048; 40 MiB: the whole stdlib, "
-                      "about 1.7)")
+                      "about 2: 2.5 M training tokens)")
   p.add_argument("--runs", default="fp8,bf16,fp8")
   p.add_argument("--timeout-s", type=float, default=400.0, help="per run")
   p.add_argument("--out", default=None, help="default: $OUT, else bench/results")
