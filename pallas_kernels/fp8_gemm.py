@@ -515,14 +515,14 @@ def _fp8_swiglu_fn(config: Fp8Config, wgrad_config: KernelConfig, interpret, zer
   def fwd(x, w_gate_up, w_down, group_sizes, x_quantised):
     y, res = fp8_swiglu_forward(x, w_gate_up, w_down, group_sizes, x_quantised=x_quantised,
                                 **kw)
-    return y, (x, group_sizes, res, x_quantised)
+    return y, (x, group_sizes, res)
 
   def bwd(saved, dy):
-    x, group_sizes, res, x_quantised = saved
+    x, group_sizes, res = saved
     dx, dw1, dw2 = fp8_swiglu_backward(x, group_sizes, res, dy, wgrad_config=wgrad_config, **kw)
-    # the gradient reaches x (q(x)'s dequantisation); q(x) itself carries none
-    return (dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0),
-            jax.tree.map(jnp.zeros_like, x_quantised))
+    # the gradient reaches x (q(x)'s dequantisation); q(x) itself carries none (None:
+    # a zero cotangent, so q(x) need not be kept for the backward pass)
+    return dx, dw1, dw2, np.zeros(group_sizes.shape, jax.dtypes.float0), None
 
   f.defvjp(fwd, bwd)
   return f

@@ -154,11 +154,11 @@ def _fwd(x, w_gate_up, w_down, slot_expert, group_sizes, kernel_config, zero_dea
                            zero_dead_rows=zero_dead_rows, precision=precision,
                            x_quantised=x_quantised)
   # w_gate_up, w_down: kept for their sharding types only
-  return y, (x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down, x_quantised)
+  return y, (x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down)
 
 
 def _bwd(kernel_config, zero_dead_rows, axis_name, transport, transfer, precision, saved, dy):
-  x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down, x_quantised = saved
+  x, ext_gu, ext_d, slot_expert, group_sizes, res, w_gate_up, w_down = saved
   # float32 weight gradients: each piece unrounded until the owner's fixed-order sum
   dx, dgu, dd = grouped_backward(x, ext_gu, ext_d, group_sizes, res, dy,
                                  kernel_config=kernel_config, zero_dead_rows=zero_dead_rows,
@@ -169,9 +169,10 @@ def _bwd(kernel_config, zero_dead_rows, axis_name, transport, transfer, precisio
     got = _return(g[el:], slot_expert, el, axis_name, transport, transfer)
     total = _add_in_order(g[:el], got, slot_expert, axis_name)
     grads.append(sum_to_type_of(total.astype(w.dtype), w))
-  # the gradient reaches x (x_quantised's dequantisation); x_quantised itself carries none
+  # the gradient reaches x (x_quantised's dequantisation); x_quantised itself carries
+  # none (None: a zero cotangent, so it need not be kept for the backward pass)
   return (dx, grads[0], grads[1], int_cotangent(slot_expert), int_cotangent(group_sizes),
-          jax.tree.map(jnp.zeros_like, x_quantised))
+          None)
 
 
 replicated_swiglu.defvjp(_fwd, _bwd)
