@@ -94,22 +94,21 @@ def main(argv=None):
           flush=True)
     common.write_json(path, report)   # after every run: a later one may time out
   runs = report["runs"]
-  if runs.get("fp8", {}).get("final_heldout_loss_nats") and runs.get("bf16", {}).get(
-      "final_heldout_loss_nats"):
-    f, b = runs["fp8"]["final_heldout_loss_nats"], runs["bf16"]["final_heldout_loss_nats"]
+  final = lambda key: runs.get(key, {}).get("final_heldout_loss_nats")  # noqa: E731
+  f, b = final("fp8"), final("bf16")
+  if f and b:
     report["heldout_gap_rel"] = (f - b) / b
     report["speedup"] = runs["fp8"]["tokens_per_s"] / runs["bf16"]["tokens_per_s"]
     print(f"fp8 vs bf16: held-out {f:.4f} vs {b:.4f} ({100 * (f - b) / b:+.2f}%), "
           f"tokens/s x{report['speedup']:.3f}", flush=True)
-  final = lambda key: runs.get(key, {}).get("final_heldout_loss_nats")
   seeds = sorted({k.partition("@")[2] for k in runs if "@" in k})
-  if final("bf16") and seeds:
-    by_seed = {"0": (final("fp8"), final("bf16"))}
+  if b and seeds:
+    by_seed = {"0": (f, b)}
     by_seed.update({n: (final(f"fp8@{n}"), final(f"bf16@{n}")) for n in seeds})
     report["heldout_gap_rel_by_seed"] = {n: (f - b) / b for n, (f, b) in by_seed.items()
                                          if f and b}
-    report["seed_gap_rel"] = {n: (b - final("bf16")) / final("bf16")
-                              for n, (_, b) in by_seed.items() if b and n != "0"}
+    report["seed_gap_rel"] = {n: (bn - b) / b for n, (_, bn) in by_seed.items()
+                              if bn and n != "0"}
     print(f"fp8 gap by seed {report['heldout_gap_rel_by_seed']}; bf16 seed-to-seed "
           f"{report['seed_gap_rel']}", flush=True)
   if "fp8_again" in runs:
